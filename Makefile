@@ -1,0 +1,45 @@
+# The course's two commands (see README.md):
+#   make course   set up .venv and open JupyterLab on the course
+#   make test     set up .venv and run every test: engine tests, notebooks (nbval), grader checks
+# Variables: PYTHON (the interpreter to build the venv from), TORCH_SPEC (the torch to install
+# when PYTHON has no torch >= 2.4 of its own), PYTEST_ARGS, JUPYTER_ARGS (e.g. --no-browser).
+
+PYTHON      ?= python3
+VENV        ?= .venv
+TORCH_SPEC  ?= torch==2.13.0
+BIN         := $(VENV)/bin
+STAMP       := $(VENV)/.installed
+HAS_TORCH   := import sys, torch; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(v < (2, 4))
+
+.PHONY: course test grade bench setup clean
+
+setup: $(STAMP)
+
+# An existing torch >= 2.4 is reused, never replaced: the venv then sees the interpreter's own
+# packages. Without one the venv is isolated and gets TORCH_SPEC (a CPU build where pip has one).
+$(STAMP): pyproject.toml
+	@if $(PYTHON) -c '$(HAS_TORCH)' 2>/dev/null; then \
+	    echo "setup: reusing the torch that $(PYTHON) already has"; \
+	    $(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+	    echo "setup: creating $(VENV) and installing $(TORCH_SPEC)"; \
+	    $(PYTHON) -m venv $(VENV) && \
+	    ( $(BIN)/python -c '$(HAS_TORCH)' 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)" ); \
+	fi
+	$(BIN)/pip install -q -e ".[test]"
+	@touch $(STAMP)
+
+course: setup
+	$(BIN)/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.root_dir=. $(JUPYTER_ARGS) course/00_setup.ipynb
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+grade: setup
+	$(BIN)/python -m tests.grading --junit grade-report.xml
+
+bench: setup
+	$(BIN)/python benchmarks/launch.py
+
+clean:
+	rm -rf $(VENV) grade-report.xml

@@ -1,0 +1,158 @@
+"""Thin wrappers over ``torch.distributed`` that report every op to the open meters.
+
+Same arguments and semantics as the ``torch.distributed`` functions of the same name (ranks are
+global ranks, as there). Point-to-point traffic is counted exactly; built-in collectives are
+recorded with modeled wire bytes (see :mod:`engine.comm.meter`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from engine import theory
+from engine.comm.meter import CommEvent, record
+
+P2POp = dist.P2POp
+ReduceOp = dist.ReduceOp
+# torch 2.13 renamed these (the old names still work, with a FutureWarning).
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def group_ranks(group=None) -> tuple[int, ...]:
+    """Global ranks in ``group`` (the whole world when ``None``)."""
+    return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class MeteredWork:
+    """A ``dist.Work`` whose ``wait()`` stamps the completion time on its events."""
+
+    def __init__(self, work, events: Sequence[CommEvent]):
+        self._work, self._events = work, list(events)
+
+    def wait(self, *args, **kwargs):
+        result = self._work.wait(*args, **kwargs)
+        now = time.perf_counter()
+        for event in self._events:
+            if event.end is None:
+                event.end = now
+        return result
+
+    def __getattr__(self, name):  # is_completed(), exception(), ...
+        return getattr(self._work, name)
+
+
+# -- point to point: counted exactly ---------------------------------------------------------
+
+
+def _p2p_event(kind: str, tensor: torch.Tensor, peer: int, group, start: float) -> CommEvent:
+    size = nbytes(tensor)
+    return record(CommEvent(
+        op=kind, group=group_ranks(group), payload_bytes=size,
+        bytes_sent=size if kind in ("send", "isend") else 0,
+        bytes_received=size if kind in ("recv", "irecv") else 0,
+        measured=True, algorithm="p2p", start=start, peer=peer, dtype=str(tensor.dtype)))
+
+
+def send(tensor: torch.Tensor, dst: int, group=None) -> None:
+    event = _p2p_event("send", tensor, dst, group, time.perf_counter())
+    dist.send(tensor, dst, group=group)
+    event.end = time.perf_counter()
+
+
+def recv(tensor: torch.Tensor, src: int, group=None) -> None:
+    event = _p2p_event("recv", tensor, src, group, time.perf_counter())
+    dist.recv(tensor, src, group=group)
+    event.end = time.perf_counter()
+
+
+def isend(tensor: torch.Tensor, dst: int, group=None) -> MeteredWork:
+    event = _p2p_event("isend", tensor, dst, group, time.perf_counter())
+    return MeteredWork(dist.isend(tensor, dst, group=group), [event])
+
+
+def irecv(tensor: torch.Tensor, src: int, group=None) -> MeteredWork:
+    event = _p2p_event("irecv", tensor, src, group, time.perf_counter())
+    return MeteredWork(dist.irecv(tensor, src, group=group), [event])
+
+
+def send_op(tensor: torch.Tensor, peer: int, group=None) -> P2POp:
+    """A send for :func:`batch_isend_irecv`."""
+    return P2POp(dist.isend, tensor, peer, group)
+
+
+def recv_op(tensor: torch.Tensor, peer: int, group=None) -> P2POp:
+    """A receive for :func:`batch_isend_irecv`."""
+    return P2POp(dist.irecv, tensor, peer, group)
+
+
+def batch_isend_irecv(p2p_ops: Sequence[P2POp]) -> list[MeteredWork]:
+    """Issue sends and receives together (the way to post both sides of a ring step at once)."""
+    start = time.perf_counter()
+    events = [_p2p_event("isend" if op.op is dist.isend else "irecv", op.tensor, op.peer,
+                         op.group, start) for op in p2p_ops]
+    works = dist.batch_isend_irecv(list(p2p_ops))
+    return [MeteredWork(w, [e]) for w, e in zip(works, events)]
+
+
+# -- built-in collectives: wire bytes modeled ------------------------------------------------
+
+
+def _collective(op: str, payload: torch.Tensor, full_bytes: int, group, root: int | None,
+                run, async_op: bool):
+    ranks = group_ranks(group)
+    me = ranks.index(dist.get_rank())
+    root_index = ranks.index(root) if root is not None else 0
+    sent, received = theory.collective_wire_bytes(op, full_bytes, len(ranks), me, root_index)
+    event = record(CommEvent(
+        op=op, group=ranks, payload_bytes=nbytes(payload), bytes_sent=sent,
+        bytes_received=received, measured=False,
+        algorithm="chain" if op in ("broadcast", "reduce") else "ring",
+        start=time.perf_counter(), peer=root, dtype=str(payload.dtype)))
+    work = run(async_op)
+    if async_op:
+        return MeteredWork(work, [event])
+    event.end = time.perf_counter()
+    return None
+
+
+def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
+    return _collective("all_reduce", tensor, nbytes(tensor), group, None,
+                       lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a),
+                       async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
+    return _collective("broadcast", tensor, nbytes(tensor), group, src,
+                       lambda a: dist.broadcast(tensor, src, group=group, async_op=a), async_op)
+
+
+def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op: bool = False):
+    return _collective("reduce", tensor, nbytes(tensor), group, dst,
+                       lambda a: dist.reduce(tensor, dst, op=op, group=group, async_op=a),
+                       async_op)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
+                          group=None, async_op: bool = False):
+    return _collective("reduce_scatter", input, nbytes(input), group, None,
+                       lambda a: _reduce_scatter(output, input, op=op, group=group, async_op=a), async_op)
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
+                           async_op: bool = False):
+    return _collective("all_gather", input, nbytes(output), group, None,
+                       lambda a: _all_gather(output, input, group=group, async_op=a), async_op)
+
+
+def barrier(group=None) -> None:
+    _collective("barrier", torch.empty(0), 0, group, None,
+                lambda a: dist.barrier(group=group, async_op=a), False)

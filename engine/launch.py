@@ -1,0 +1,509 @@
+"""Start ``world_size`` ranks in a real process group and collect what each returns.
+
+``launch(fn, world_size, *args)`` calls ``fn(rank, world_size, *args)`` on every rank inside an
+initialised ``torch.distributed`` process group and returns the return values in rank order.
+
+How it starts ranks (DESIGN.md section 6 has the measurements behind each choice):
+
+* **CPU, Gloo: fork.** A function defined in a notebook cell works, and 4 ranks start in about
+  0.1 s. Every rank calls ``torch.set_num_threads(1)`` before its first op (a child forked from
+  a parent that already ran an OpenMP op can otherwise hang), and the parent imports
+  ``torch._dynamo`` once before forking so each rank does not pay for it again.
+* **GPUs, NCCL: spawn**, one GPU per rank. CUDA cannot be used in a forked child, so ``fn`` must
+  then be importable (defined at module level in a file).
+* **Under torchrun** (``RANK`` and ``WORLD_SIZE`` set) ``fn`` runs in the current process, so a
+  lab script is the same code on one node or many.
+
+Rank 0 hosts the rendezvous store on a port the operating system picks (port 0), and passes the
+number to its siblings, so two notebooks launching at once never collide.
+
+When something goes wrong the caller gets a :class:`LaunchError` naming the rank, never a hang:
+a rank that raises (its original traceback is carried along), a rank that dies without a word
+(``os._exit``, a signal), a rank that is stuck past the deadline, or a Ctrl-C / kernel
+interrupt. Every rank is killed and reaped before the error is raised, so nothing is left
+behind and the kernel stays usable.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.connection import wait as wait_for_any
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("auto", "gloo", "nccl")
+DEFAULT_TIMEOUT_S = 300.0
+_DEADLINE_GRACE_S = 3.0  # the parent's deadline falls this long after the group's timeout
+_TIMEOUT_GATHER_S = 1.0  # after one rank times out, how long to wait for its peers to follow
+_HOST = "127.0.0.1"
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+
+
+class LaunchError(RuntimeError):
+    """A launch failed. ``ranks`` names the rank(s) at fault; ``outputs`` holds what each printed."""
+
+    def __init__(self, message: str, ranks: list[int], outputs: dict[int, str] | None = None):
+        super().__init__(message)
+        self.ranks = ranks
+        self.rank = ranks[0] if ranks else None
+        self.outputs = outputs or {}
+
+
+class RankError(LaunchError):
+    """A rank raised. ``exc_type`` and ``traceback`` are the original exception's, as text."""
+
+    def __init__(self, rank, exc_type, exc_message, tb, outputs=None):
+        super().__init__(
+            f"rank {rank} raised {exc_type}: {exc_message}\n\n"
+            f"--- original traceback from rank {rank} ---\n{tb.rstrip()}",
+            [rank],
+            outputs,
+        )
+        self.exc_type = exc_type
+        self.traceback = tb
+
+
+class RankDiedError(LaunchError):
+    """A rank exited (``os._exit``, a signal, the OOM killer) without returning or raising."""
+
+
+class RankTimeoutError(LaunchError):
+    """A rank was still running when the deadline or the process-group timeout passed."""
+
+
+# --------------------------------------------------------------------------------------------
+# Public entry point
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "auto",
+    timeout: float = DEFAULT_TIMEOUT_S,
+    start_method: str | None = None,
+    quiet: bool = False,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return results in rank order.
+
+    Args:
+        fn: the per-rank function. With fork (the CPU default) it may be defined anywhere,
+            including a notebook cell; with spawn (NCCL) it must be importable.
+        world_size: number of ranks, at least 1.
+        backend: ``"gloo"``, ``"nccl"`` or ``"auto"`` (NCCL when there is one GPU per rank,
+            Gloo otherwise).
+        timeout: seconds. The process group's timeout: a rank blocked longer than this in one
+            collective raises. A few seconds later comes the parent's deadline, after which any
+            rank still running is reported as stuck and every rank is killed.
+        start_method: ``"fork"`` or ``"spawn"``; by default fork for Gloo (unless CUDA is
+            already initialised in this process) and spawn for NCCL.
+        quiet: do not print the ranks' captured output (it is still on a raised error).
+
+    Returns:
+        ``[result_of_rank_0, result_of_rank_1, ...]``. CUDA tensors come back on the CPU.
+
+    Raises:
+        ValueError: bad arguments, before any process starts.
+        RankError / RankDiedError / RankTimeoutError (all :class:`LaunchError`): a rank failed.
+    """
+    if not callable(fn):
+        raise ValueError(f"fn must be callable, got {fn!r} of type {type(fn).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if start_method not in (None, "fork", "spawn"):
+        raise ValueError(f"start_method must be None, 'fork' or 'spawn', got {start_method!r}")
+
+    if _under_torchrun():
+        return _run_in_this_process(fn, world_size, args, backend, timeout)
+
+    backend = resolve_backend(backend, world_size)
+    if start_method is None:
+        cuda_live = torch.cuda.is_available() and torch.cuda.is_initialized()
+        start_method = "spawn" if backend == "nccl" or cuda_live else "fork"
+    if start_method == "spawn":
+        _check_picklable(fn, args)
+    _preimport()
+    return _Launch(fn, world_size, args, backend, timeout, start_method, quiet).run()
+
+
+def resolve_backend(backend: str, world_size: int) -> str:
+    """``"auto"`` -> NCCL when there is one GPU per rank, else Gloo; validate an explicit NCCL."""
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "auto":
+        return "nccl" if n_gpus >= world_size and dist.is_nccl_available() else "gloo"
+    if backend == "nccl":
+        if n_gpus == 0:
+            raise ValueError(
+                "backend='nccl' needs CUDA GPUs, and this machine has none; "
+                "use backend='gloo' (or 'auto') to run on the CPU"
+            )
+        if world_size > n_gpus:
+            raise ValueError(
+                f"backend='nccl' needs one GPU per rank: world_size={world_size} but only "
+                f"{n_gpus} GPU(s) are visible. Use backend='gloo' for more ranks than GPUs."
+            )
+    return backend
+
+
+# --------------------------------------------------------------------------------------------
+# torchrun: the current process is already one rank
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _run_in_this_process(fn, world_size, args, backend, timeout):
+    env_world = int(os.environ["WORLD_SIZE"])
+    if world_size != env_world:
+        raise ValueError(
+            f"world_size={world_size} but this process was started with WORLD_SIZE={env_world} "
+            "(torchrun --nproc-per-node x --nnodes); pass the same number"
+        )
+    rank = int(os.environ["RANK"])
+    created = not dist.is_initialized()
+    if created:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if backend == "auto":
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            backend = "nccl" if local_rank < gpus else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    try:
+        result = _to_cpu(fn(rank, world_size, *args))
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, result)
+        return gathered
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------
+# One local launch: start ranks, supervise them, collect results, clean up
+
+
+@dataclass
+class _Failure:
+    rank: int
+    kind: str  # "raised" | "died"
+    exc_type: str = ""
+    message: str = ""
+    traceback: str = ""
+    exc_blob: bytes | None = None
+    exitcode: int | None = None
+    seen_at: float = field(default_factory=time.monotonic)
+
+
+class _Launch:
+    def __init__(self, fn, world_size, args, backend, timeout, start_method, quiet):
+        self.fn, self.n, self.args = fn, world_size, args
+        self.backend, self.timeout, self.quiet = backend, float(timeout), quiet
+        self.ctx = mp.get_context(start_method)
+        self.tmpdir = tempfile.mkdtemp(prefix="engine-launch-")
+        self.procs: list[mp.process.BaseProcess] = []
+        self.conns: list[Any] = []
+
+    def run(self) -> list[Any]:
+        try:
+            self._start()
+            return self._supervise()
+        finally:  # success, a rank's failure, or Ctrl-C: nothing outlives the launch
+            self._kill_all()
+            self._print_outputs()
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    # -- start ---------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        port = self.ctx.Value("i", 0)
+        port_ready = self.ctx.Event()
+        for rank in range(self.n):
+            reader, writer = self.ctx.Pipe(duplex=False)
+            proc = self.ctx.Process(
+                target=_rank_main,
+                name=f"engine-rank-{rank}",
+                args=(self.fn, rank, self.n, self.args, self.backend, self.timeout,
+                      port, port_ready, self._out_path(rank), writer),
+            )
+            proc.start()
+            writer.close()
+            self.procs.append(proc)
+            self.conns.append(reader)
+
+    def _out_path(self, rank: int) -> str:
+        return os.path.join(self.tmpdir, f"rank{rank}.log")
+
+    # -- supervise -----------------------------------------------------------------------------
+
+    def _supervise(self) -> list[Any]:
+        # The process group times out first, so ranks blocked in a collective report a timeout
+        # and the parent can tell them apart from the rank that never came (see _failure_error).
+        deadline = time.monotonic() + self.timeout + _DEADLINE_GRACE_S
+        results: dict[int, Any] = {}
+        failures: list[_Failure] = []
+        waiting = set(range(self.n))  # ranks whose message (result or error) has not come yet
+        while waiting and not _settled(failures):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if failures:
+                    break
+                raise self._stuck_error(sorted(waiting), cause=None)
+            watch = {self.conns[r]: r for r in waiting}
+            watch.update({self.procs[r].sentinel: r for r in waiting})
+            for ready in wait_for_any(list(watch), timeout=min(left, 0.25)):
+                rank = watch[ready]
+                if rank not in waiting:
+                    continue
+                message = self._read_message(rank)
+                if message is None:  # the process ended without sending anything
+                    if ready is self.procs[rank].sentinel:
+                        self.procs[rank].join()
+                        failures.append(_Failure(rank, "died", exitcode=self.procs[rank].exitcode))
+                        waiting.discard(rank)
+                    continue
+                waiting.discard(rank)
+                status, payload = message
+                if status == "ok":
+                    results[rank] = payload
+                else:
+                    failures.append(_Failure(rank, "raised", **payload))
+        if failures:
+            raise self._failure_error(failures, still_running=sorted(waiting))
+        for proc in self.procs:  # every rank has answered; let each exit on its own
+            proc.join(timeout=max(1.0, deadline - time.monotonic()))
+        return [results[r] for r in range(self.n)]
+
+    def _read_message(self, rank: int):
+        conn = self.conns[rank]
+        try:
+            if not conn.poll():
+                return None
+            return pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return None
+
+    # -- errors --------------------------------------------------------------------------------
+
+    def _failure_error(self, failures: list[_Failure], still_running: list[int]) -> LaunchError:
+        failure = failures[0]
+        alive = [r for r in still_running if self.procs[r].is_alive()]
+        if alive and all(_looks_like_timeout(f) for f in failures):
+            # The failing ranks only timed out waiting for peers; the peers that never answered
+            # are the ones at fault.
+            return self._stuck_error(alive, cause=failure)
+        self._kill_all()
+        outputs = self._outputs()
+        if failure.kind == "died":
+            code = failure.exitcode
+            how = (f"was killed by signal {signal.Signals(-code).name}" if code and code < 0
+                   else f"exited with code {code} without returning a result")
+            return RankDiedError(f"rank {failure.rank} {how}", [failure.rank], outputs)
+        error = RankError(failure.rank, failure.exc_type, failure.message, failure.traceback,
+                          outputs)
+        if failure.exc_blob is not None:
+            try:
+                error.__cause__ = pickle.loads(failure.exc_blob)
+            except Exception:  # the exception type may not exist in this process
+                pass
+        return error
+
+    def _stuck_error(self, ranks: list[int], cause: _Failure | None) -> RankTimeoutError:
+        self._kill_all()
+        outputs = self._outputs()
+        names = ", ".join(str(r) for r in ranks)
+        message = (f"rank{'s' if len(ranks) > 1 else ''} {names} did not finish within "
+                   f"{self.timeout:g} s (stuck: alive but never joined its peers); "
+                   "all ranks were stopped")
+        if cause is not None:
+            message += (f".\nrank {cause.rank} timed out waiting for them:\n"
+                        f"{_indent(cause.traceback.rstrip())}")
+        return RankTimeoutError(message, ranks, outputs)
+
+    # -- clean up and output -------------------------------------------------------------------
+
+    def _kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive() and proc.pid is not None:
+                try:  # each rank leads its own process group: take its children with it
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    proc.kill()
+        for proc in self.procs:
+            proc.join(timeout=5)
+        for conn in self.conns:
+            conn.close()
+        self.conns = []
+
+    def _outputs(self) -> dict[int, str]:
+        outputs = {}
+        for rank in range(self.n):
+            try:
+                with open(self._out_path(rank), errors="replace") as f:
+                    outputs[rank] = f.read()
+            except FileNotFoundError:
+                outputs[rank] = ""
+        return outputs
+
+    def _print_outputs(self) -> None:
+        if self.quiet:
+            return
+        for rank, text in self._outputs().items():
+            for line in text.splitlines():
+                print(f"[rank {rank}] {line}")
+
+
+def _looks_like_timeout(failure: _Failure) -> bool:
+    text = f"{failure.exc_type} {failure.message}".lower()
+    return failure.kind == "raised" and ("timeout" in text or "timed out" in text)
+
+
+def _settled(failures: list[_Failure]) -> bool:
+    """Stop supervising at the first real failure. A timeout is different: its peers time out
+    at about the same moment, so keep listening ``_TIMEOUT_GATHER_S`` to learn who was waiting
+    and who was stuck."""
+    if not failures:
+        return False
+    if not _looks_like_timeout(failures[0]):
+        return True
+    return time.monotonic() - failures[0].seen_at > _TIMEOUT_GATHER_S
+
+
+def _indent(text: str, prefix: str = "    ") -> str:
+    return "\n".join(prefix + line for line in text.splitlines()) or prefix + "(no output)"
+
+
+# --------------------------------------------------------------------------------------------
+# Inside one rank
+
+
+def _rank_main(fn, rank, world_size, args, backend, timeout, port, port_ready, out_path, conn):
+    """Body of every rank process: isolate, capture output, join the group, run ``fn``, report."""
+    os.setpgid(0, 0)  # our own process group: the parent can kill us and anything we started
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    _capture_output(out_path)
+    torch.set_num_threads(1)
+    code = 0
+    try:
+        store = _rendezvous(rank, world_size, timeout, port, port_ready)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                          MASTER_ADDR=_HOST, MASTER_PORT=str(port.value))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout))
+        result = _to_cpu(fn(rank, world_size, *args))
+        try:
+            message = pickle.dumps(("ok", result))
+        except Exception as e:
+            raise TypeError(
+                f"rank {rank} returned a value that cannot be sent back to the caller "
+                f"({type(e).__name__}: {e}); return plain Python values or tensors "
+                "(call .detach() on tensors that require grad)"
+            ) from e
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - everything a rank raises goes to the caller
+        code = 1
+        try:
+            blob = pickle.dumps(e)
+        except Exception:
+            blob = None
+        message = pickle.dumps(("error", dict(
+            exc_type=type(e).__name__, message=str(e), traceback=traceback.format_exc(),
+            exc_blob=blob)))
+    try:
+        conn.send_bytes(message)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # skip atexit handlers inherited from the parent (Jupyter, torch)
+
+
+def _rendezvous(rank, world_size, timeout, port, port_ready) -> dist.Store:
+    """Rank 0 serves the store on a port the OS picks and tells the others its number."""
+    wait = timedelta(seconds=timeout)
+    if rank == 0:
+        store = dist.TCPStore(_HOST, 0, world_size, is_master=True, wait_for_workers=False,
+                              timeout=wait)
+        port.value = store.port
+        port_ready.set()
+        return store
+    if not port_ready.wait(timeout):
+        raise TimeoutError(f"rank {rank}: rank 0 did not start its store within {timeout:g} s")
+    return dist.TCPStore(_HOST, port.value, world_size, is_master=False, timeout=wait)
+
+
+def _capture_output(path: str) -> None:
+    """Send this process's stdout and stderr (Python and C level) to ``path``, in order."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    # A notebook's sys.stdout talks to the kernel over ZeroMQ, which does not survive a fork.
+    sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False), line_buffering=True)
+    sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", closefd=False), line_buffering=True)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this rank if the parent dies first (no orphans, even on kill -9)."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def _to_cpu(value):
+    """Move tensors in (nested lists/tuples/dicts of) ``value`` to the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu() if value.device.type != "cpu" else value
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_to_cpu(v) for v in value)
+    if isinstance(value, dict) and type(value) is dict:
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# Parent-side helpers
+
+
+def _preimport() -> None:
+    """Import what every rank needs once, in the parent, so forked ranks inherit it."""
+    import torch._dynamo  # noqa: F401  (the first optimizer pulls it in: ~1.8 s per rank)
+    import torch.optim  # noqa: F401
+
+
+def _check_picklable(fn, args) -> None:
+    try:
+        pickle.dumps((fn, args))
+    except Exception as e:
+        raise ValueError(
+            f"with start_method='spawn' (used for NCCL) fn and its arguments must be picklable: "
+            f"{fn!r} is not ({type(e).__name__}: {e}). Define fn at module level in a .py file, "
+            "or use backend='gloo' to fork, which accepts functions defined in a notebook."
+        ) from e
