@@ -48,7 +48,7 @@ import torch.distributed as dist
 BACKENDS = ("auto", "gloo", "nccl")
 DEFAULT_TIMEOUT_S = 300.0
 _DEADLINE_GRACE_S = 3.0  # the parent's deadline falls this long after the group's timeout
-_TIMEOUT_GATHER_S = 1.0  # after one rank times out, how long to wait for its peers to follow
+_GATHER_S = 1.0  # after a symptom (timeout, lost peer), how long to listen for its cause
 _HOST = "127.0.0.1"
 
 
@@ -57,7 +57,7 @@ _HOST = "127.0.0.1"
 
 
 class LaunchError(RuntimeError):
-    """A launch failed. ``ranks`` names the rank(s) at fault; ``outputs`` holds what each printed."""
+    """A launch failed: ``ranks`` names the rank(s) at fault, ``outputs`` what each printed."""
 
     def __init__(self, message: str, ranks: list[int], outputs: dict[int, str] | None = None):
         super().__init__(message)
@@ -143,7 +143,6 @@ def launch(
         start_method = "spawn" if backend == "nccl" or cuda_live else "fork"
     if start_method == "spawn":
         _check_picklable(fn, args)
-    _preimport()
     return _Launch(fn, world_size, args, backend, timeout, start_method, quiet).run()
 
 
@@ -238,15 +237,26 @@ class _Launch:
     # -- start ---------------------------------------------------------------------------------
 
     def _start(self) -> None:
-        port = self.ctx.Value("i", 0)
-        port_ready = self.ctx.Event()
+        # Kept on self: spawned ranks unpickle these after _start returns.
+        self.port = port = self.ctx.Value("i", 0)
+        self.port_ready = port_ready = self.ctx.Event()
         for rank in range(self.n):
             reader, writer = self.ctx.Pipe(duplex=False)
             proc = self.ctx.Process(
                 target=_rank_main,
                 name=f"engine-rank-{rank}",
-                args=(self.fn, rank, self.n, self.args, self.backend, self.timeout,
-                      port, port_ready, self._out_path(rank), writer),
+                args=(
+                    self.fn,
+                    rank,
+                    self.n,
+                    self.args,
+                    self.backend,
+                    self.timeout,
+                    port,
+                    port_ready,
+                    self._out_path(rank),
+                    writer,
+                ),
             )
             proc.start()
             writer.close()
@@ -308,21 +318,26 @@ class _Launch:
     # -- errors --------------------------------------------------------------------------------
 
     def _failure_error(self, failures: list[_Failure], still_running: list[int]) -> LaunchError:
-        failure = failures[0]
+        # A rank that lost a peer, or timed out waiting for one, is a symptom; the root cause is
+        # the rank that raised or died first, or else the peer that never answered.
+        failure = next((f for f in failures if not _is_symptom(f)), None)
         alive = [r for r in still_running if self.procs[r].is_alive()]
-        if alive and all(_looks_like_timeout(f) for f in failures):
-            # The failing ranks only timed out waiting for peers; the peers that never answered
-            # are the ones at fault.
-            return self._stuck_error(alive, cause=failure)
+        if failure is None and alive and any(_looks_like_timeout(f) for f in failures):
+            return self._stuck_error(alive, cause=failures[0])
+        failure = failure or failures[0]
         self._kill_all()
         outputs = self._outputs()
         if failure.kind == "died":
             code = failure.exitcode
-            how = (f"was killed by signal {signal.Signals(-code).name}" if code and code < 0
-                   else f"exited with code {code} without returning a result")
+            how = (
+                f"was killed by signal {signal.Signals(-code).name}"
+                if code and code < 0
+                else f"exited with code {code} without returning a result"
+            )
             return RankDiedError(f"rank {failure.rank} {how}", [failure.rank], outputs)
-        error = RankError(failure.rank, failure.exc_type, failure.message, failure.traceback,
-                          outputs)
+        error = RankError(
+            failure.rank, failure.exc_type, failure.message, failure.traceback, outputs
+        )
         if failure.exc_blob is not None:
             try:
                 error.__cause__ = pickle.loads(failure.exc_blob)
@@ -334,12 +349,16 @@ class _Launch:
         self._kill_all()
         outputs = self._outputs()
         names = ", ".join(str(r) for r in ranks)
-        message = (f"rank{'s' if len(ranks) > 1 else ''} {names} did not finish within "
-                   f"{self.timeout:g} s (stuck: alive but never joined its peers); "
-                   "all ranks were stopped")
+        message = (
+            f"rank{'s' if len(ranks) > 1 else ''} {names} did not finish within "
+            f"{self.timeout:g} s (stuck: alive but never joined its peers); "
+            "all ranks were stopped"
+        )
         if cause is not None:
-            message += (f".\nrank {cause.rank} timed out waiting for them:\n"
-                        f"{_indent(cause.traceback.rstrip())}")
+            message += (
+                f".\nrank {cause.rank} timed out waiting for them:\n"
+                f"{_indent(cause.traceback.rstrip())}"
+            )
         return RankTimeoutError(message, ranks, outputs)
 
     # -- clean up and output -------------------------------------------------------------------
@@ -380,15 +399,26 @@ def _looks_like_timeout(failure: _Failure) -> bool:
     return failure.kind == "raised" and ("timeout" in text or "timed out" in text)
 
 
+def _looks_like_peer_loss(failure: _Failure) -> bool:
+    text = failure.message.lower()
+    return failure.kind == "raised" and any(
+        m in text for m in ("connection closed by peer", "connection reset by peer",
+                            "broken pipe"))
+
+
+def _is_symptom(failure: _Failure) -> bool:
+    """Raised only because another rank failed: a lost connection or a timeout."""
+    return _looks_like_timeout(failure) or _looks_like_peer_loss(failure)
+
+
 def _settled(failures: list[_Failure]) -> bool:
-    """Stop supervising at the first real failure. A timeout is different: its peers time out
-    at about the same moment, so keep listening ``_TIMEOUT_GATHER_S`` to learn who was waiting
-    and who was stuck."""
+    """Stop supervising at the first real failure. A symptom (a lost peer, a timeout) often
+    arrives a moment before its cause, so then keep listening ``_GATHER_S`` for the cause."""
     if not failures:
         return False
-    if not _looks_like_timeout(failures[0]):
+    if not all(_is_symptom(f) for f in failures):
         return True
-    return time.monotonic() - failures[0].seen_at > _TIMEOUT_GATHER_S
+    return time.monotonic() - failures[0].seen_at > _GATHER_S
 
 
 def _indent(text: str, prefix: str = "    ") -> str:
@@ -411,18 +441,28 @@ def _rank_main(fn, rank, world_size, args, backend, timeout, port, port_ready, o
         store = _rendezvous(rank, world_size, timeout, port, port_ready)
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                          MASTER_ADDR=_HOST, MASTER_PORT=str(port.value))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout))
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR=_HOST,
+            MASTER_PORT=str(port.value),
+        )
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
         result = _to_cpu(fn(rank, world_size, *args))
         try:
             message = pickle.dumps(("ok", result))
         except Exception as e:
             raise TypeError(
                 f"rank {rank} returned a value that cannot be sent back to the caller "
-                f"({type(e).__name__}: {e}); return plain Python values or tensors "
-                "(call .detach() on tensors that require grad)"
+                f"({type(e).__name__}: {e}); return plain Python values, "
+                "tensors, or lists and dicts of them"
             ) from e
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - everything a rank raises goes to the caller
@@ -431,9 +471,18 @@ def _rank_main(fn, rank, world_size, args, backend, timeout, port, port_ready, o
             blob = pickle.dumps(e)
         except Exception:
             blob = None
-        message = pickle.dumps(("error", dict(
-            exc_type=type(e).__name__, message=str(e), traceback=traceback.format_exc(),
-            exc_blob=blob)))
+        tb = e.__traceback__.tb_next or e.__traceback__  # from fn down, without this frame
+        message = pickle.dumps(
+            (
+                "error",
+                dict(
+                    exc_type=type(e).__name__,
+                    message=str(e),
+                    traceback="".join(traceback.format_exception(type(e), e, tb)),
+                    exc_blob=blob,
+                ),
+            )
+        )
     try:
         conn.send_bytes(message)
     finally:
@@ -446,8 +495,9 @@ def _rendezvous(rank, world_size, timeout, port, port_ready) -> dist.Store:
     """Rank 0 serves the store on a port the OS picks and tells the others its number."""
     wait = timedelta(seconds=timeout)
     if rank == 0:
-        store = dist.TCPStore(_HOST, 0, world_size, is_master=True, wait_for_workers=False,
-                              timeout=wait)
+        store = dist.TCPStore(
+            _HOST, 0, world_size, is_master=True, wait_for_workers=False, timeout=wait
+        )
         port.value = store.port
         port_ready.set()
         return store
@@ -493,8 +543,13 @@ def _to_cpu(value):
 
 
 def _preimport() -> None:
-    """Import what every rank needs once, in the parent, so forked ranks inherit it."""
-    import torch._dynamo  # noqa: F401  (the first optimizer pulls it in: ~1.8 s per rank)
+    """Import what every rank needs once, in the parent, so forked ranks inherit it.
+
+    The first optimizer step pulls in ``torch._dynamo`` (about 1.2-1.8 s here); imported in the
+    parent, each forked rank gets it for free. ``import engine`` already does this, so the
+    first launch in a notebook is as fast as the next.
+    """
+    import torch._dynamo  # noqa: F401
     import torch.optim  # noqa: F401
 
 
@@ -507,3 +562,6 @@ def _check_picklable(fn, args) -> None:
             f"{fn!r} is not ({type(e).__name__}: {e}). Define fn at module level in a .py file, "
             "or use backend='gloo' to fork, which accepts functions defined in a notebook."
         ) from e
+
+
+_preimport()

@@ -60,7 +60,8 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
         if self.hidden % self.heads:
             raise ValueError(
-                f"GPTConfig.hidden={self.hidden} must be divisible by heads={self.heads}")
+                f"GPTConfig.hidden={self.hidden} must be divisible by heads={self.heads}"
+            )
 
 
 class CausalSelfAttention(nn.Module):
@@ -95,6 +96,14 @@ class Block(nn.Module):
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
+def _gpt2_init(module: nn.Module) -> None:
+    """GPT-2's initialisation: weights N(0, 0.02), biases zero (so the first loss is ~ln vocab)."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
 class TinyGPT(nn.Module):
     """A GPT-2-shaped decoder; ``forward(idx)`` returns logits ``[batch, seq, vocab]``."""
 
@@ -107,6 +116,7 @@ class TinyGPT(nn.Module):
             self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
             self.ln_f = nn.LayerNorm(cfg.hidden)
             self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+            self.apply(_gpt2_init)
         self.head.weight = self.tok.weight  # tied, as in GPT-2
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -123,7 +133,9 @@ class TinyGPT(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def regression_data(n: int, d_in: int, d_out: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def regression_data(
+    n: int, d_in: int, d_out: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` samples of a fixed random linear map plus noise: ``(x [n, d_in], y [n, d_out])``."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, d_in, generator=g)
@@ -132,7 +144,9 @@ def regression_data(n: int, d_in: int, d_out: int, seed: int = 0) -> tuple[torch
     return x, y
 
 
-def token_data(batch: int, seq_len: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def token_data(
+    batch: int, seq_len: int, vocab: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random token ids and their next-token targets: ``(idx, targets)``, each ``[batch, seq]``."""
     g = torch.Generator().manual_seed(seed)
     stream = torch.randint(vocab, (batch, seq_len + 1), generator=g)
@@ -143,6 +157,7 @@ def shard(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """This rank's contiguous slice of a global batch (data parallelism splits it this way)."""
     if batch.size(0) % world_size:
         raise ValueError(
-            f"global batch of {batch.size(0)} does not split evenly over {world_size} ranks")
+            f"global batch of {batch.size(0)} does not split evenly over {world_size} ranks"
+        )
     per = batch.size(0) // world_size
-    return batch[rank * per:(rank + 1) * per]
+    return batch[rank * per : (rank + 1) * per]

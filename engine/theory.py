@@ -39,7 +39,9 @@ def ring_all_gather_bytes(size_bytes: float, n: int) -> float:
     return (n - 1) / n * size_bytes
 
 
-def chain_broadcast_bytes(size_bytes: float, n: int, rank: int, root: int = 0) -> tuple[float, float]:
+def chain_broadcast_bytes(
+    size_bytes: float, n: int, rank: int, root: int = 0
+) -> tuple[float, float]:
     """``(sent, received)`` by ``rank`` in a pipelined chain broadcast from ``root``."""
     _check_n(n)
     position = (rank - root) % n  # 0 is the root, n-1 the end of the chain
@@ -48,7 +50,9 @@ def chain_broadcast_bytes(size_bytes: float, n: int, rank: int, root: int = 0) -
     return sent, received
 
 
-def flat_broadcast_bytes(size_bytes: float, n: int, rank: int, root: int = 0) -> tuple[float, float]:
+def flat_broadcast_bytes(
+    size_bytes: float, n: int, rank: int, root: int = 0
+) -> tuple[float, float]:
     """``(sent, received)`` when the root sends the whole tensor to each peer in turn."""
     _check_n(n)
     if rank == root:
@@ -56,7 +60,9 @@ def flat_broadcast_bytes(size_bytes: float, n: int, rank: int, root: int = 0) ->
     return 0, size_bytes
 
 
-def collective_wire_bytes(op: str, size_bytes: int, n: int, rank: int, root: int = 0) -> tuple[int, int]:
+def collective_wire_bytes(
+    op: str, size_bytes: int, n: int, rank: int, root: int = 0
+) -> tuple[int, int]:
     """The wire model :class:`engine.comm.CommMeter` uses for built-in collectives.
 
     Returns ``(sent, received)`` for ``rank`` under the bandwidth-optimal ring/chain algorithm.
@@ -79,5 +85,6 @@ def collective_wire_bytes(op: str, size_bytes: int, n: int, rank: int, root: int
     else:
         raise ValueError(
             f"no wire model for op {op!r}; expected one of all_reduce, reduce_scatter, "
-            "all_gather, broadcast, reduce, barrier")
+            "all_gather, broadcast, reduce, barrier"
+        )
     return round(sent), round(received)

@@ -26,7 +26,9 @@ class TraceEvent:
 
     def __post_init__(self):
         if self.end < self.start:
-            raise ValueError(f"event {self.name!r} ends ({self.end}) before it starts ({self.start})")
+            raise ValueError(
+                f"event {self.name!r} ends ({self.end}) before it starts ({self.start})"
+            )
 
     @property
     def seconds(self) -> float:
@@ -36,11 +38,23 @@ class TraceEvent:
 def events_from_meter(meter: CommMeter, rank: int, lane: str = "comm") -> list[TraceEvent]:
     """One event per completed op the meter recorded on ``rank``."""
     return [
-        TraceEvent(name=e.op, rank=rank, start=e.start, end=e.end, lane=lane,
-                   args=dict(payload_bytes=e.payload_bytes, bytes_sent=e.bytes_sent,
-                             bytes_received=e.bytes_received, peer=e.peer,
-                             measured=e.measured, algorithm=e.algorithm))
-        for e in meter.events if e.end is not None
+        TraceEvent(
+            name=e.op,
+            rank=rank,
+            start=e.start,
+            end=e.end,
+            lane=lane,
+            args=dict(
+                payload_bytes=e.payload_bytes,
+                bytes_sent=e.bytes_sent,
+                bytes_received=e.bytes_received,
+                peer=e.peer,
+                measured=e.measured,
+                algorithm=e.algorithm,
+            ),
+        )
+        for e in meter.events
+        if e.end is not None
     ]
 
 
@@ -52,13 +66,26 @@ def to_chrome_trace(events: Iterable[TraceEvent], path: str | Path | None = None
     trace = []
     for e in sorted(events, key=lambda e: (e.rank, e.start)):
         tid = lanes.setdefault((e.rank, e.lane), len(lanes))
-        trace.append({"name": e.name, "cat": e.lane, "ph": "X", "pid": e.rank, "tid": tid,
-                      "ts": (e.start - t0) * 1e6, "dur": e.seconds * 1e6, "args": e.args})
+        trace.append(
+            {
+                "name": e.name,
+                "cat": e.lane,
+                "ph": "X",
+                "pid": e.rank,
+                "tid": tid,
+                "ts": (e.start - t0) * 1e6,
+                "dur": e.seconds * 1e6,
+                "args": e.args,
+            }
+        )
     for (rank, lane), tid in lanes.items():
-        trace.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
-                      "args": {"name": lane}})
+        trace.append(
+            {"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": lane}}
+        )
     for rank in sorted({e.rank for e in events}):
-        trace.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+        trace.append(
+            {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}}
+        )
     doc = {"traceEvents": trace, "displayTimeUnit": "ms"}
     if path is not None:
         Path(path).write_text(json.dumps(doc, indent=1))
@@ -68,14 +95,22 @@ def to_chrome_trace(events: Iterable[TraceEvent], path: str | Path | None = None
 def from_chrome_trace(source: str | Path | dict) -> list[TraceEvent]:
     """Read the complete events of a Chrome trace back (times in seconds from the trace start)."""
     doc = source if isinstance(source, dict) else json.loads(Path(source).read_text())
-    lane_names = {(m["pid"], m["tid"]): m["args"]["name"] for m in doc["traceEvents"]
-                  if m.get("ph") == "M" and m.get("name") == "thread_name"}
+    lane_names = {
+        (m["pid"], m["tid"]): m["args"]["name"]
+        for m in doc["traceEvents"]
+        if m.get("ph") == "M" and m.get("name") == "thread_name"
+    }
     return [
-        TraceEvent(name=e["name"], rank=e["pid"], start=e["ts"] / 1e6,
-                   end=(e["ts"] + e["dur"]) / 1e6,
-                   lane=lane_names.get((e["pid"], e["tid"]), e.get("cat", "main")),
-                   args=e.get("args", {}))
-        for e in doc["traceEvents"] if e.get("ph") == "X"
+        TraceEvent(
+            name=e["name"],
+            rank=e["pid"],
+            start=e["ts"] / 1e6,
+            end=(e["ts"] + e["dur"]) / 1e6,
+            lane=lane_names.get((e["pid"], e["tid"]), e.get("cat", "main")),
+            args=e.get("args", {}),
+        )
+        for e in doc["traceEvents"]
+        if e.get("ph") == "X"
     ]
 
 

@@ -55,11 +55,20 @@ class MeteredWork:
 
 def _p2p_event(kind: str, tensor: torch.Tensor, peer: int, group, start: float) -> CommEvent:
     size = nbytes(tensor)
-    return record(CommEvent(
-        op=kind, group=group_ranks(group), payload_bytes=size,
-        bytes_sent=size if kind in ("send", "isend") else 0,
-        bytes_received=size if kind in ("recv", "irecv") else 0,
-        measured=True, algorithm="p2p", start=start, peer=peer, dtype=str(tensor.dtype)))
+    return record(
+        CommEvent(
+            op=kind,
+            group=group_ranks(group),
+            payload_bytes=size,
+            bytes_sent=size if kind in ("send", "isend") else 0,
+            bytes_received=size if kind in ("recv", "irecv") else 0,
+            measured=True,
+            algorithm="p2p",
+            start=start,
+            peer=peer,
+            dtype=str(tensor.dtype),
+        )
+    )
 
 
 def send(tensor: torch.Tensor, dst: int, group=None) -> None:
@@ -97,8 +106,10 @@ def recv_op(tensor: torch.Tensor, peer: int, group=None) -> P2POp:
 def batch_isend_irecv(p2p_ops: Sequence[P2POp]) -> list[MeteredWork]:
     """Issue sends and receives together (the way to post both sides of a ring step at once)."""
     start = time.perf_counter()
-    events = [_p2p_event("isend" if op.op is dist.isend else "irecv", op.tensor, op.peer,
-                         op.group, start) for op in p2p_ops]
+    events = [
+        _p2p_event("isend" if op.op is dist.isend else "irecv", op.tensor, op.peer, op.group, start)
+        for op in p2p_ops
+    ]
     works = dist.batch_isend_irecv(list(p2p_ops))
     return [MeteredWork(w, [e]) for w, e in zip(works, events)]
 
@@ -106,17 +117,27 @@ def batch_isend_irecv(p2p_ops: Sequence[P2POp]) -> list[MeteredWork]:
 # -- built-in collectives: wire bytes modeled ------------------------------------------------
 
 
-def _collective(op: str, payload: torch.Tensor, full_bytes: int, group, root: int | None,
-                run, async_op: bool):
+def _collective(
+    op: str, payload: torch.Tensor, full_bytes: int, group, root: int | None, run, async_op: bool
+):
     ranks = group_ranks(group)
     me = ranks.index(dist.get_rank())
     root_index = ranks.index(root) if root is not None else 0
     sent, received = theory.collective_wire_bytes(op, full_bytes, len(ranks), me, root_index)
-    event = record(CommEvent(
-        op=op, group=ranks, payload_bytes=nbytes(payload), bytes_sent=sent,
-        bytes_received=received, measured=False,
-        algorithm="chain" if op in ("broadcast", "reduce") else "ring",
-        start=time.perf_counter(), peer=root, dtype=str(payload.dtype)))
+    event = record(
+        CommEvent(
+            op=op,
+            group=ranks,
+            payload_bytes=nbytes(payload),
+            bytes_sent=sent,
+            bytes_received=received,
+            measured=False,
+            algorithm="chain" if op in ("broadcast", "reduce") else "ring",
+            start=time.perf_counter(),
+            peer=root,
+            dtype=str(payload.dtype),
+        )
+    )
     work = run(async_op)
     if async_op:
         return MeteredWork(work, [event])
@@ -125,34 +146,76 @@ def _collective(op: str, payload: torch.Tensor, full_bytes: int, group, root: in
 
 
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
-    return _collective("all_reduce", tensor, nbytes(tensor), group, None,
-                       lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a),
-                       async_op)
+    return _collective(
+        "all_reduce",
+        tensor,
+        nbytes(tensor),
+        group,
+        None,
+        lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a),
+        async_op,
+    )
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
-    return _collective("broadcast", tensor, nbytes(tensor), group, src,
-                       lambda a: dist.broadcast(tensor, src, group=group, async_op=a), async_op)
+    return _collective(
+        "broadcast",
+        tensor,
+        nbytes(tensor),
+        group,
+        src,
+        lambda a: dist.broadcast(tensor, src, group=group, async_op=a),
+        async_op,
+    )
 
 
 def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op: bool = False):
-    return _collective("reduce", tensor, nbytes(tensor), group, dst,
-                       lambda a: dist.reduce(tensor, dst, op=op, group=group, async_op=a),
-                       async_op)
+    return _collective(
+        "reduce",
+        tensor,
+        nbytes(tensor),
+        group,
+        dst,
+        lambda a: dist.reduce(tensor, dst, op=op, group=group, async_op=a),
+        async_op,
+    )
 
 
-def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
-                          group=None, async_op: bool = False):
-    return _collective("reduce_scatter", input, nbytes(input), group, None,
-                       lambda a: _reduce_scatter(output, input, op=op, group=group, async_op=a), async_op)
+def reduce_scatter_tensor(
+    output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False
+):
+    return _collective(
+        "reduce_scatter",
+        input,
+        nbytes(input),
+        group,
+        None,
+        lambda a: _reduce_scatter(output, input, op=op, group=group, async_op=a),
+        async_op,
+    )
 
 
-def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
-                           async_op: bool = False):
-    return _collective("all_gather", input, nbytes(output), group, None,
-                       lambda a: _all_gather(output, input, group=group, async_op=a), async_op)
+def all_gather_into_tensor(
+    output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False
+):
+    return _collective(
+        "all_gather",
+        input,
+        nbytes(output),
+        group,
+        None,
+        lambda a: _all_gather(output, input, group=group, async_op=a),
+        async_op,
+    )
 
 
 def barrier(group=None) -> None:
-    _collective("barrier", torch.empty(0), 0, group, None,
-                lambda a: dist.barrier(group=group, async_op=a), False)
+    _collective(
+        "barrier",
+        torch.empty(0),
+        0,
+        group,
+        None,
+        lambda a: dist.barrier(group=group, async_op=a),
+        False,
+    )

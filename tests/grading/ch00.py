@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from engine import launch
 from engine.comm import CommMeter
 from tests.grading import CheckFailed, Exercise
+from tests.grading.drill import Drill
 
 CASES = [(2, 0), (3, 2), (4, 1)]  # (world_size, src): odd sizes and a source that is not 0
 TIMEOUT_S = 20
@@ -85,4 +85,18 @@ EXERCISES = [
         hint="on the source rank, ops.send(tensor, peer) to every other rank; everywhere else, "
              "ops.recv(tensor, src). dist.get_rank() and dist.get_world_size() say who is who.",
     ),
+]
+
+
+DRILLS = [
+    Drill("ch00.ring_bytes",
+          "A ring all-reduce of a 100 MB gradient on 8 ranks: how many MB does each rank send?",
+          175.0, "Each rank sends 2(N-1)/N·S = 2·7/8·100 MB = 175 MB, and receives as much."),
+    Drill("ch00.flat_broadcast_root",
+          "A flat broadcast of 10 MB from rank 0 to 4 ranks in all: how many MB does rank 0 "
+          "send?", 30.0, "The root sends one copy to each of the N-1 = 3 other ranks: 30 MB. "
+          "A chain or tree spreads those copies over the ranks; the total stays N-1 copies."),
+    Drill("ch00.nccl_gpus",
+          "How many GPUs does NCCL need to run 4 ranks?", 4.0,
+          "One GPU per rank: NCCL refuses two ranks on one device. On fewer GPUs, use Gloo."),
 ]

@@ -1,0 +1,124 @@
+"""CommMeter: every op recorded with payload and wire bytes that match their definitions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import theory
+from engine.comm import CommMeter, ops
+from tests.helpers import run_ranks
+
+NUMEL = 1200  # divisible by 2, 3 and 4: the ring formulas are exact in bytes
+
+
+def _builtin_collectives(rank, world_size, src):
+    t = torch.full((NUMEL,), float(rank))
+    with CommMeter() as meter:
+        ops.all_reduce(t)
+        ops.broadcast(t, src)
+    return [(e.op, e.payload_bytes, e.bytes_sent, e.bytes_received, e.measured, e.group)
+            for e in meter.events], t
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_all_reduce_and_broadcast_counts_match_their_definitions(world_size):
+    size = NUMEL * 4
+    src = world_size - 1
+    for rank, (events, t) in enumerate(run_ranks(_builtin_collectives, world_size, src)):
+        assert torch.equal(t, torch.full((NUMEL,), float(sum(range(world_size)))))
+        all_reduce, broadcast = events
+        wire = 2 * (world_size - 1) * size // world_size  # ring all-reduce: 2(N-1)/N·S each way
+        assert all_reduce == ("all_reduce", size, wire, wire, False, tuple(range(world_size)))
+        # chain broadcast from src: all but src receive S; all but the chain's end forward S
+        is_last = (rank - src) % world_size == world_size - 1
+        assert broadcast[:4] == ("broadcast", size, 0 if is_last else size,
+                                 0 if rank == src else size)
+        assert wire == theory.ring_all_reduce_bytes(size, world_size)
+
+
+def _flat_p2p_broadcast(rank, world_size, dtype):
+    t = torch.arange(NUMEL).to(dtype) if rank == 0 else torch.zeros(NUMEL, dtype=dtype)
+    with CommMeter() as meter:
+        if rank == 0:
+            for peer in range(1, world_size):
+                ops.send(t, peer)
+        else:
+            ops.recv(t, 0)
+    return meter.bytes_sent, meter.bytes_received, [e.measured for e in meter.events], t
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64])
+def test_point_to_point_traffic_is_counted_exactly(world_size, dtype):
+    size = NUMEL * torch.empty(0, dtype=dtype).element_size()
+    results = run_ranks(_flat_p2p_broadcast, world_size, dtype)
+    for rank, (sent, received, measured, t) in enumerate(results):
+        assert (sent, received) == theory.flat_broadcast_bytes(size, world_size, rank, root=0)
+        assert all(measured)
+        assert torch.equal(t, torch.arange(NUMEL).to(dtype))
+
+
+def _ring_exchange(rank, world_size):
+    send, recv = torch.full((256,), float(rank)), torch.empty(256)
+    with CommMeter() as outer:
+        with CommMeter() as inner:
+            works = ops.batch_isend_irecv([ops.send_op(send, (rank + 1) % world_size),
+                                           ops.recv_op(recv, (rank - 1) % world_size)])
+            pending = [e.end for e in inner.events]
+            for w in works:
+                w.wait()
+        ops.barrier()
+    return (pending, [(e.op, e.peer, e.bytes_sent, e.bytes_received, e.seconds is not None)
+                      for e in inner.events], len(outer.events), float(recv[0]))
+
+
+def test_async_ops_are_stamped_when_waited_and_meters_nest():
+    for rank, (pending, events, outer_count, got) in enumerate(run_ranks(_ring_exchange, 3)):
+        assert pending == [None, None]  # issued, not yet complete
+        assert events == [("isend", (rank + 1) % 3, 1024, 0, True),
+                          ("irecv", (rank - 1) % 3, 0, 1024, True)]
+        assert outer_count == 3  # the outer meter saw the inner ops and the barrier
+        assert got == float((rank - 1) % 3)
+
+
+def _sharded_collectives(rank, world_size):
+    shard = torch.full((100,), float(rank))
+    full = torch.empty(100 * world_size)
+    out = torch.empty(100)
+    with CommMeter() as meter:
+        ops.all_gather_into_tensor(full, shard)
+        ops.reduce_scatter_tensor(out, full)
+    return meter.by_op(), meter.summary(), out
+
+
+def test_reduce_scatter_and_all_gather_count_the_full_tensor():
+    world_size = 4
+    full_bytes = 100 * world_size * 4
+    for rank, (table, summary, out) in enumerate(run_ranks(_sharded_collectives, world_size)):
+        wire = 3 * full_bytes // 4  # (N-1)/N of the full tensor each way
+        assert table["all_gather"] == dict(count=1, payload_bytes=400, bytes_sent=wire,
+                                           bytes_received=wire)
+        assert table["reduce_scatter"] == dict(count=1, payload_bytes=full_bytes,
+                                               bytes_sent=wire, bytes_received=wire)
+        assert "all_gather" in summary and str(2 * wire) in summary
+        # every rank gathered [0]*100 + [1]*100 + ...; summing those, chunk r holds N·r
+        assert torch.equal(out, torch.full((100,), float(world_size * rank)))
+
+
+def test_no_meter_open_records_nothing_and_costs_nothing():
+    def rank_fn(rank, world_size):
+        t = torch.ones(4)
+        ops.all_reduce(t)
+        with CommMeter() as m:
+            pass
+        return len(m.events), float(t[0])
+
+    assert run_ranks(rank_fn, 2) == [(0, 2.0), (0, 2.0)]
+
+
+def test_unknown_wire_model_is_a_clear_error():
+    with pytest.raises(ValueError, match="no wire model for op 'all_to_all'"):
+        theory.collective_wire_bytes("all_to_all", 100, 4, 0)
+    with pytest.raises(ValueError, match="n \\(number of ranks\\) must be an int >= 1, got 0"):
+        theory.ring_all_reduce_bytes(100, 0)

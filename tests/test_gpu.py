@@ -1,0 +1,43 @@
+"""GPU paths: NCCL at world size 1 (NCCL needs one GPU per rank) and Gloo on CUDA tensors.
+
+Skipped, with the reason shown, on a machine without CUDA. `tests/gpu_check.sh` runs these.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from engine import launch
+from engine.comm import CommMeter, ops
+
+pytestmark = pytest.mark.gpu
+
+
+def _cuda_all_reduce(rank, world_size):
+    device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.full((1024,), float(rank + 1), device=device)
+    with CommMeter() as meter:
+        ops.all_reduce(t)
+    return t, dist.get_backend(), meter.bytes_sent
+
+
+def test_nccl_world_size_1_runs_and_returns_cpu_tensors():
+    [(t, backend, sent)] = launch(_cuda_all_reduce, 1, backend="nccl", timeout=120, quiet=True)
+    assert backend == "nccl" and t.device.type == "cpu"
+    assert torch.equal(t, torch.ones(1024)) and sent == 0  # a group of one moves nothing
+
+
+def test_gloo_on_cuda_tensors_across_ranks_sharing_one_gpu():
+    results = launch(_cuda_all_reduce, 2, backend="gloo", start_method="spawn", timeout=120,
+                     quiet=True)
+    for t, backend, sent in results:
+        assert backend == "gloo" and torch.equal(t, torch.full((1024,), 3.0))
+        assert sent == 4096  # 2(N-1)/N · 4096 B with N = 2
+
+
+def test_nccl_with_more_ranks_than_gpus_suggests_gloo():
+    too_many = torch.cuda.device_count() + 1
+    with pytest.raises(ValueError, match="one GPU per rank.*Use backend='gloo'"):
+        launch(_cuda_all_reduce, too_many, backend="nccl")

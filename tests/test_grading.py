@@ -1,0 +1,140 @@
+"""The grader grades: every check passes on the reference and fails on the untouched stub.
+
+This runs for every registered exercise automatically. A learner who has filled in
+``exercises/`` sees the stub half skipped with the reason; in CI (``CI`` set) it always runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import xml.etree.ElementTree as ET
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from engine.comm import ops
+from tests.grading import check, load_impl, registry, run_checks
+from tests.grading.__main__ import main as grade_main
+
+EXERCISES = sorted(registry())
+
+
+def test_there_are_exercises():
+    assert "ch00.p2p_broadcast" in EXERCISES
+
+
+@pytest.mark.parametrize("name", EXERCISES)
+def test_every_check_passes_on_the_solution(name):
+    report = run_checks(name, source="solutions")
+    assert [(r.name, r.passed, r.message) for r in report.results] == [
+        (r.name, True, "") for r in report.results]
+
+
+@pytest.mark.parametrize("name", EXERCISES)
+def test_every_check_fails_on_the_stub(name):
+    exercise = registry()[name]
+    stub_source = inspect.getsource(load_impl(exercise, "exercises"))
+    if "raise NotImplementedError" not in stub_source and not os.environ.get("CI"):
+        pytest.skip(f"exercises/{exercise.module}.py has been filled in; run in CI to prove "
+                    "the checks against the pristine stub")
+    report = run_checks(name, source="exercises")
+    assert report.results and not any(r.passed for r in report.results)
+    assert all(r.not_implemented for r in report.results)
+
+
+# Wrong answers a learner might write: each must fail the check aimed at its mistake.
+
+def _uses_builtin_broadcast(tensor, src):
+    dist.broadcast(tensor, src)  # correct values, but hidden from the meter
+    return tensor
+
+
+def _returns_a_copy(tensor, src):
+    out = tensor.clone()
+    dist.broadcast(out, src)
+    tensor.copy_(out)
+    return out
+
+
+def _always_from_rank_0(tensor, src):
+    if dist.get_rank() == 0:
+        for peer in range(1, dist.get_world_size()):
+            ops.send(tensor, peer)
+    else:
+        ops.recv(tensor, 0)
+    return tensor
+
+
+def _sends_twice(tensor, src):
+    if dist.get_rank() == src:
+        for peer in range(dist.get_world_size()):
+            if peer != src:
+                ops.send(tensor, peer)
+                ops.send(torch.zeros(1), peer)
+    else:
+        ops.recv(tensor, src)
+        ops.recv(torch.zeros(1), src)
+    return tensor
+
+
+@pytest.mark.parametrize("impl, failing", [
+    (_uses_builtin_broadcast, {"traffic_is_n_minus_1_copies"}),
+    (_returns_a_copy, {"in_place_and_returned", "traffic_is_n_minus_1_copies"}),
+    (_always_from_rank_0, {"every_rank_gets_the_source_tensor", "traffic_is_n_minus_1_copies"}),
+    (_sends_twice, {"traffic_is_n_minus_1_copies"}),
+])
+def test_p2p_broadcast_checks_catch_wrong_answers(impl, failing):
+    report = run_checks("ch00.p2p_broadcast", impl=impl)
+    assert {r.name for r in report.results if not r.passed} == failing
+
+
+def test_check_prints_pass_or_fail_with_a_hint_and_the_inputs(capsys):
+    check("ch00.p2p_broadcast", impl=load_impl(registry()["ch00.p2p_broadcast"], "solutions"))
+    out = capsys.readouterr().out
+    assert "PASS" in out and "3/3 checks passed" in out and "hint" not in out
+
+    check("ch00.p2p_broadcast", impl=_always_from_rank_0)
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "1/3 checks passed" in out and "hint:" in out
+    assert "world_size = 3" in out and "src = 2" in out  # the failing inputs
+
+
+def test_unknown_exercise_and_bad_impl_are_clear_errors():
+    with pytest.raises(ValueError, match="no exercise named 'ch99.nope'; known exercises: ch00"):
+        check("ch99.nope")
+    with pytest.raises(ValueError, match="impl must be a function, got 3"):
+        run_checks("ch00.p2p_broadcast", impl=3)
+
+
+def test_grade_command_prints_a_table_and_writes_junit(tmp_path, capsys):
+    xml = tmp_path / "grade.xml"
+    assert grade_main(["--source", "solutions", "--junit", str(xml)]) == 0
+    out = capsys.readouterr().out
+    assert "chapter total" in out and "ch00.p2p_broadcast" in out
+    suites = ET.parse(xml).getroot()
+    cases = suites.findall("./testsuite/testcase")
+    assert len(cases) == sum(len(e.checks) for e in registry().values())
+    assert not suites.findall(".//failure")
+
+    assert grade_main(["--only", "ch00", "--junit", str(xml)]) in (0, 1)
+    with pytest.raises(SystemExit):
+        grade_main(["--only", "ch42"])
+
+
+def test_drills_give_instant_feedback(capsys):
+    from tests.grading.drill import drill, drills, grade_drill
+
+    assert grade_drill("ch00.ring_bytes", 175) is True
+    assert grade_drill("ch00.ring_bytes", 200) is False  # 2·S: the N→∞ limit, not N = 8
+    assert grade_drill("ch00.ring_bytes", None) is None
+    drill("ch00.ring_bytes", 175)
+    assert "✓" in capsys.readouterr().out
+    drill("ch00.flat_broadcast_root", 10)
+    assert "✗" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="answer drill 'ch00.nccl_gpus' with a number"):
+        grade_drill("ch00.nccl_gpus", "four")
+    with pytest.raises(ValueError, match="no drill named 'x'"):
+        grade_drill("x", 1)
+    assert all(d.name.startswith("ch") and d.explanation for d in drills().values())

@@ -1,0 +1,172 @@
+"""Failure injection: a rank that raises, dies, hangs, or is interrupted never hangs the caller.
+
+Each case must end within its deadline, name the rank at fault, and leave no process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from engine import RankDiedError, RankError, RankTimeoutError, launch
+from tests.helpers import descendants, is_running
+
+
+def _raises_on_rank_1(rank, world_size):
+    print(f"rank {rank} is about to sync")
+    dist.barrier()  # every rank has printed
+    if rank == 1:
+        raise ValueError("bad shard size 7 on rank 1")
+    dist.barrier()  # the others wait here for rank 1, who never comes
+    return rank
+
+
+def test_a_rank_that_raises_is_named_with_its_traceback(capfd):
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        launch(_raises_on_rank_1, 4, timeout=60)
+    elapsed = time.monotonic() - start
+    err = info.value
+    assert elapsed < 2.0, f"siblings were not stopped promptly ({elapsed:.1f} s)"
+    assert err.rank == 1 and err.ranks == [1] and err.exc_type == "ValueError"
+    assert "rank 1 raised ValueError: bad shard size 7 on rank 1" in str(err)
+    assert "_raises_on_rank_1" in err.traceback and "test_launch_failures.py" in err.traceback
+    assert isinstance(err.__cause__, ValueError)  # the original exception, re-created
+    assert "[rank 3] rank 3 is about to sync" in capfd.readouterr().out  # output still shown
+    assert descendants() == []
+
+
+def test_the_caller_can_launch_again_after_a_failure():
+    with pytest.raises(RankError):
+        launch(_raises_on_rank_1, 2, timeout=60, quiet=True)
+    assert launch(lambda r, ws: r * 10, 2, timeout=30, quiet=True) == [0, 10]
+
+
+def _exits_on_rank_2(rank, world_size):
+    if rank == 2:
+        os._exit(3)
+    dist.barrier()
+
+
+def test_a_rank_that_exits_is_named_with_its_exit_code():
+    start = time.monotonic()
+    with pytest.raises(RankDiedError) as info:
+        launch(_exits_on_rank_2, 4, timeout=60, quiet=True)
+    assert time.monotonic() - start < 2.0
+    assert info.value.ranks == [2]
+    assert "rank 2 exited with code 3 without returning a result" in str(info.value)
+    assert descendants() == []
+
+
+def _killed_on_rank_0(rank, world_size):
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+def test_a_rank_killed_by_a_signal_is_named():
+    start = time.monotonic()
+    with pytest.raises(RankDiedError, match="rank 0 was killed by signal SIGKILL") as info:
+        launch(_killed_on_rank_0, 3, timeout=60, quiet=True)
+    assert time.monotonic() - start < 2.0
+    assert info.value.ranks == [0]
+    assert descendants() == []
+
+
+def _stuck_on_rank_3(rank, world_size):
+    if rank == 3:
+        time.sleep(3600)  # alive, but never joins the barrier
+    dist.barrier()
+
+
+def test_a_stuck_rank_is_named_once_the_timeout_passes():
+    timeout = 2.0
+    start = time.monotonic()
+    with pytest.raises(RankTimeoutError) as info:
+        launch(_stuck_on_rank_3, 4, timeout=timeout, quiet=True)
+    elapsed = time.monotonic() - start
+    assert timeout <= elapsed < timeout + 4.0
+    assert info.value.ranks == [3], str(info.value)
+    assert "rank 3 did not finish within 2 s" in str(info.value)
+    assert descendants() == []
+
+
+def test_a_rank_stuck_outside_any_collective_is_named_at_the_deadline():
+    def sleepy(rank, world_size):
+        if rank == 1:
+            time.sleep(3600)
+        return rank
+
+    with pytest.raises(RankTimeoutError) as info:
+        launch(sleepy, 3, timeout=1.0, quiet=True)
+    assert info.value.ranks == [1]
+    assert descendants() == []
+
+
+def test_an_unpicklable_result_is_a_clear_error():
+    with pytest.raises(RankError, match="returned a value that cannot be sent back"):
+        launch(lambda r, ws: (lambda: None), 2, timeout=30, quiet=True)
+    assert descendants() == []
+
+
+_INTERRUPTIBLE = textwrap.dedent("""
+    import json, os, sys, time
+    from pathlib import Path
+    from engine import launch
+    pid_dir = Path(sys.argv[1])
+    def sleeper(rank, ws):
+        (pid_dir / f"{rank}.pid").write_text(str(os.getpid()))
+        time.sleep(3600)
+    start = time.monotonic()
+    try:
+        launch(sleeper, 4, timeout=600, quiet=True)
+    except KeyboardInterrupt:
+        stopped = time.monotonic()
+        again = launch(lambda r, ws: r, 2, timeout=30, quiet=True)  # still usable
+        print(json.dumps({"interrupted": True, "again": again}))
+""")
+
+
+def _wait_for_pids(pid_dir: Path, n: int, timeout: float = 30) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        files = sorted(pid_dir.glob("*.pid"))
+        if len(files) == n and all(f.read_text() for f in files):
+            return [int(f.read_text()) for f in files]
+        time.sleep(0.05)
+    raise AssertionError(f"ranks did not start: {list(pid_dir.iterdir())}")
+
+
+def test_an_interrupt_stops_every_rank_and_the_caller_stays_usable(tmp_path):
+    """Ctrl-C in a terminal, or Jupyter's interrupt button: SIGINT to the launching process."""
+    proc = subprocess.Popen([sys.executable, "-c", _INTERRUPTIBLE, str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids = _wait_for_pids(tmp_path, 4)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert time.monotonic() - start < 3.0
+    assert proc.returncode == 0, err
+    assert '"interrupted": true, "again": [0, 1]' in out
+    assert not [p for p in pids if is_running(p)], "ranks outlived the interrupt"
+
+
+def test_ranks_die_with_a_parent_that_is_killed(tmp_path):
+    """Even kill -9 of the launching process (no chance to clean up) leaves no rank behind."""
+    proc = subprocess.Popen([sys.executable, "-c", _INTERRUPTIBLE, str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pids = _wait_for_pids(tmp_path, 4)
+    proc.kill()
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 5
+    while any(is_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if is_running(p)], "ranks were orphaned"

@@ -1,0 +1,68 @@
+"""engine.models: deterministic weights and data, the shapes a chapter relies on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.models import MLP, GPTConfig, TinyGPT, regression_data, shard, token_data
+
+
+def _weights(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_same_seed_same_weights_and_the_callers_rng_is_untouched():
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
+    a, b, c = MLP(seed=7), MLP(seed=7), MLP(seed=8)
+    assert torch.equal(torch.rand(1), before)  # building models did not consume our RNG
+    assert all(torch.equal(x, y) for x, y in zip(_weights(a), _weights(b)))
+    assert not all(torch.equal(x, y) for x, y in zip(_weights(a), _weights(c)))
+
+
+def test_tiny_gpt_shapes_loss_and_tied_head():
+    cfg = GPTConfig(vocab=40, seq_len=12, layers=2, heads=4, hidden=32)
+    model = TinyGPT(cfg, seed=1)
+    idx, targets = token_data(batch=3, seq_len=12, vocab=40, seed=0)
+    assert model(idx).shape == (3, 12, 40)
+    loss = model.loss(idx, targets)
+    assert abs(loss.item() - torch.log(torch.tensor(40.0)).item()) < 0.5  # near uniform at init
+    loss.backward()
+    assert model.head.weight is model.tok.weight and model.tok.weight.grad is not None
+
+
+def test_tiny_gpt_is_causal():
+    model = TinyGPT(GPTConfig(), seed=0)
+    idx, _ = token_data(1, 16, 64, seed=3)
+    changed = idx.clone()
+    changed[0, 10] = (changed[0, 10] + 1) % 64
+    a, b = model(idx), model(changed)
+    assert torch.equal(a[:, :10], b[:, :10])  # positions before 10 cannot see position 10
+    assert not torch.equal(a[:, 10:], b[:, 10:])
+
+
+def test_data_is_deterministic_and_shards_split_the_batch():
+    x1, y1 = regression_data(8, 4, 2, seed=5)
+    x2, y2 = regression_data(8, 4, 2, seed=5)
+    assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    assert torch.equal(torch.cat([shard(x1, r, 4) for r in range(4)]), x1)
+    with pytest.raises(ValueError, match="global batch of 8 does not split evenly over 3 ranks"):
+        shard(x1, 0, 3)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(hidden=30, heads=4), "hidden=30 must be divisible by heads=4"),
+    (dict(layers=0), "GPTConfig.layers must be a positive int, got 0"),
+])
+def test_bad_config_is_a_clear_error(bad, message):
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**bad)
+
+
+def test_too_long_a_sequence_and_bad_sizes_are_clear_errors():
+    with pytest.raises(ValueError, match="sequence length 20 exceeds GPTConfig.seq_len=16"):
+        TinyGPT()(torch.zeros(1, 20, dtype=torch.long))
+    with pytest.raises(ValueError, match="sizes must list >= 2 positive layer widths"):
+        MLP((16,))

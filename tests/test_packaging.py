@@ -1,0 +1,81 @@
+"""The project's own files: dependencies in step, notebooks stripped, the README's commands real."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    from pip._vendor import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[<>=!~\[; ]", requirement.strip(), maxsplit=1)[0].lower()
+
+
+def _pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_environment_yml_names_the_same_dependencies_as_pyproject():
+    project = _pyproject()["project"]
+    wanted = {_name(r) for r in project["dependencies"]}
+    for extra in project["optional-dependencies"].values():
+        wanted |= {_name(r) for r in extra}
+    env = (ROOT / "environment.yml").read_text()
+    pip_section = env.split("- pip:", 1)[1]
+    listed = {_name(line.strip()[2:]) for line in pip_section.splitlines()
+              if line.strip().startswith("- ") and not line.strip().startswith("- -e")}
+    assert listed == wanted
+    assert "- -e ." in env  # the engine itself
+
+
+def test_pyproject_and_environment_agree_on_versions():
+    project = _pyproject()["project"]
+    reqs = project["dependencies"] + [r for e in project["optional-dependencies"].values()
+                                      for r in e]
+    env = (ROOT / "environment.yml").read_text()
+    for req in reqs:
+        assert f"- {req.split(';')[0].strip()}" in env, f"{req} differs in environment.yml"
+
+
+def test_the_setup_reuses_a_torch_that_meets_the_minimum():
+    torch_req = next(r for r in _pyproject()["project"]["dependencies"] if _name(r) == "torch")
+    minimum = tuple(int(x) for x in torch_req.split(">=")[1].split("."))
+    makefile = (ROOT / "Makefile").read_text()
+    assert f"sys.exit(v < {minimum})" in makefile
+    assert "--system-site-packages" in makefile
+
+
+def test_notebooks_are_committed_without_outputs():
+    notebooks = sorted((ROOT / "course").glob("*.ipynb"))
+    assert notebooks, "no notebooks found in course/"
+    for path in notebooks:
+        nb = json.loads(path.read_text())
+        for i, cell in enumerate(nb["cells"]):
+            if cell["cell_type"] == "code":
+                assert cell.get("outputs") == [], f"{path.name} cell {i} has outputs"
+                assert cell.get("execution_count") is None, f"{path.name} cell {i} has a count"
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    assert "make course" in readme and "make test" in readme
+    assert "exec make test" in (ROOT / ".ci" / "run").read_text()
+    assert re.search(r"^test: setup$", (ROOT / "Makefile").read_text(), re.M)
+
+
+def test_every_exercise_has_a_stub_a_solution_and_a_check():
+    from tests.grading import registry
+
+    for exercise in registry().values():
+        stub = ROOT / "exercises" / f"{exercise.module}.py"
+        solution = ROOT / "solutions" / f"{exercise.module}.py"
+        assert stub.exists() and solution.exists(), exercise.name
+        assert f"def {exercise.attr}(" in stub.read_text()
+        assert f"def {exercise.attr}(" in solution.read_text()
