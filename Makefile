@@ -9,6 +9,7 @@ VENV        ?= .venv
 TORCH_SPEC  ?= torch==2.13.0
 BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.installed
+ROOT_FLAG   := $(if $(filter 0,$(shell id -u)),--allow-root)  # Jupyter refuses root without it
 HAS_TORCH   := import sys, torch; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(v < (2, 4))
 
 .PHONY: course test grade bench setup clean
@@ -30,7 +31,8 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 course: setup
-	$(BIN)/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.root_dir=. $(JUPYTER_ARGS) course/00_setup.ipynb
+	$(BIN)/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.root_dir=. $(ROOT_FLAG) $(JUPYTER_ARGS) \
+	    course/00_setup.ipynb
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
