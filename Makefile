@@ -16,12 +16,16 @@ HAS_TORCH   := import sys, torch; v = tuple(int(x) for x in torch.__version__.sp
 
 setup: $(STAMP)
 
-# An existing torch >= 2.4 is reused, never replaced: the venv then sees the interpreter's own
-# packages. Without one the venv is isolated and gets TORCH_SPEC (a CPU build where pip has one).
+# An existing torch >= 2.4 is reused, never replaced: a .pth file puts the site-packages that
+# holds it on the venv's path (after the venv's own), which works whether PYTHON is a system,
+# conda or venv interpreter. Without one the venv is isolated and gets TORCH_SPEC.
 $(STAMP): pyproject.toml
 	@if $(PYTHON) -c '$(HAS_TORCH)' 2>/dev/null; then \
 	    echo "setup: reusing the torch that $(PYTHON) already has"; \
-	    $(PYTHON) -m venv --system-site-packages $(VENV); \
+	    $(PYTHON) -m venv $(VENV) && \
+	    $(PYTHON) -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))' \
+	        > "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/reuse-existing-torch.pth" && \
+	    $(BIN)/python -c '$(HAS_TORCH)' || { echo "setup: the venv cannot see that torch"; exit 1; }; \
 	else \
 	    echo "setup: creating $(VENV) and installing $(TORCH_SPEC)"; \
 	    $(PYTHON) -m venv $(VENV) && \

@@ -26,6 +26,7 @@ behind and the kernel stays usable.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import io
 import multiprocessing as mp
@@ -35,6 +36,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -223,16 +225,19 @@ class _Launch:
         self.ctx = mp.get_context(start_method)
         self.tmpdir = tempfile.mkdtemp(prefix="engine-launch-")
         self.procs: list[mp.process.BaseProcess] = []
+        self.finished: set[int] = set()  # ranks that returned a result
         self.conns: list[Any] = []
 
     def run(self) -> list[Any]:
         try:
-            self._start()
+            with _sigint_deferred():  # a Ctrl-C mid-fork must not leave an untracked rank
+                self._start()
             return self._supervise()
         finally:  # success, a rank's failure, or Ctrl-C: nothing outlives the launch
-            self._kill_all()
-            self._print_outputs()
-            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            with _sigint_deferred():
+                self._kill_all()
+                self._print_outputs()
+                shutil.rmtree(self.tmpdir, ignore_errors=True)
 
     # -- start ---------------------------------------------------------------------------------
 
@@ -259,6 +264,10 @@ class _Launch:
                 ),
             )
             proc.start()
+            try:  # the rank does this too; whoever is first closes the race with _kill_all
+                os.setpgid(proc.pid, proc.pid)
+            except OSError:  # already done, or a spawned rank that has exec'd
+                pass
             writer.close()
             self.procs.append(proc)
             self.conns.append(reader)
@@ -298,12 +307,15 @@ class _Launch:
                 status, payload = message
                 if status == "ok":
                     results[rank] = payload
+                    self.finished.add(rank)
                 else:
                     failures.append(_Failure(rank, "raised", **payload))
         if failures:
             raise self._failure_error(failures, still_running=sorted(waiting))
-        for proc in self.procs:  # every rank has answered; let each exit on its own
-            proc.join(timeout=max(1.0, deadline - time.monotonic()))
+        # Every rank has answered; give each a moment to exit on its own (_kill_all reaps).
+        exit_by = time.monotonic() + 5.0
+        for proc in self.procs:
+            wait_for_any([proc.sentinel], timeout=max(0.0, exit_by - time.monotonic()))
         return [results[r] for r in range(self.n)]
 
     def _read_message(self, rank: int):
@@ -311,9 +323,18 @@ class _Launch:
         try:
             if not conn.poll():
                 return None
-            return pickle.loads(conn.recv_bytes())
+            data = conn.recv_bytes()
         except (EOFError, OSError):
             return None
+        try:
+            return pickle.loads(data)
+        except Exception as e:
+            return "error", dict(
+                exc_type=type(e).__name__,
+                message=f"its return value could not be unpickled by the caller: {e}",
+                traceback=traceback.format_exc(),
+                exc_blob=None,
+            )
 
     # -- errors --------------------------------------------------------------------------------
 
@@ -322,8 +343,17 @@ class _Launch:
         # the rank that raised or died first, or else the peer that never answered.
         failure = next((f for f in failures if not _is_symptom(f)), None)
         alive = [r for r in still_running if self.procs[r].is_alive()]
-        if failure is None and alive and any(_looks_like_timeout(f) for f in failures):
+        timed_out = [f.rank for f in failures if _looks_like_timeout(f)]
+        if failure is None and alive and timed_out:
             return self._stuck_error(alive, cause=failures[0])
+        if failure is None and timed_out and len(failures) == self.n:
+            return self._stuck_error(sorted(timed_out), cause=failures[0], deadlock=True)
+        if failure is None and self.finished:  # a peer returned while others still needed it
+            failures[0].message += (
+                f" (rank{'s' if len(self.finished) > 1 else ''} "
+                f"{', '.join(map(str, sorted(self.finished)))} had already returned: "
+                "is every send matched by a receive on the peer?)"
+            )
         failure = failure or failures[0]
         self._kill_all()
         outputs = self._outputs()
@@ -345,14 +375,21 @@ class _Launch:
                 pass
         return error
 
-    def _stuck_error(self, ranks: list[int], cause: _Failure | None) -> RankTimeoutError:
+    def _stuck_error(
+        self, ranks: list[int], cause: _Failure | None, deadlock: bool = False
+    ) -> RankTimeoutError:
         self._kill_all()
         outputs = self._outputs()
         names = ", ".join(str(r) for r in ranks)
+        why = (
+            "deadlock: every rank was waiting for another; is every send matched by a "
+            "receive on the peer, in the same order?"
+            if deadlock
+            else "stuck: alive but never joined its peers"
+        )
         message = (
             f"rank{'s' if len(ranks) > 1 else ''} {names} did not finish within "
-            f"{self.timeout:g} s (stuck: alive but never joined its peers); "
-            "all ranks were stopped"
+            f"{self.timeout:g} s ({why}); all ranks were stopped"
         )
         if cause is not None:
             message += (
@@ -365,11 +402,13 @@ class _Launch:
 
     def _kill_all(self) -> None:
         for proc in self.procs:
-            if proc.is_alive() and proc.pid is not None:
-                try:  # each rank leads its own process group: take its children with it
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    proc.kill()
+            if proc.pid is None:
+                continue
+            try:  # each rank leads its own process group: anything it started goes with it,
+                os.killpg(proc.pid, signal.SIGKILL)  # even after the rank itself has exited
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.kill()  # the rank itself, in case it had not yet made its group
         for proc in self.procs:
             proc.join(timeout=5)
         for conn in self.conns:
@@ -394,14 +433,25 @@ class _Launch:
                 print(f"[rank {rank}] {line}")
 
 
+# What torch.distributed raises when a peer is missing (Gloo, NCCL and the store). A user's own
+# TimeoutError is not among them, so it is reported as the real failure it is.
+_DIST_ERRORS = (
+    "RuntimeError", "DistError", "DistBackendError", "DistStoreError", "DistNetworkError",
+)
+
+
 def _looks_like_timeout(failure: _Failure) -> bool:
-    text = f"{failure.exc_type} {failure.message}".lower()
-    return failure.kind == "raised" and ("timeout" in text or "timed out" in text)
+    text = failure.message.lower()
+    return (
+        failure.kind == "raised"
+        and failure.exc_type in _DIST_ERRORS
+        and ("timed out" in text or "timeout" in text)
+    )
 
 
 def _looks_like_peer_loss(failure: _Failure) -> bool:
     text = failure.message.lower()
-    return failure.kind == "raised" and any(
+    return failure.kind == "raised" and failure.exc_type in _DIST_ERRORS and any(
         m in text for m in ("connection closed by peer", "connection reset by peer",
                             "broken pipe"))
 
@@ -464,7 +514,8 @@ def _rank_main(fn, rank, world_size, args, backend, timeout, port, port_ready, o
                 f"({type(e).__name__}: {e}); return plain Python values, "
                 "tensors, or lists and dicts of them"
             ) from e
-        dist.destroy_process_group()
+        if dist.is_initialized():  # fn may have torn the group down itself
+            dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - everything a rank raises goes to the caller
         code = 1
         try:
@@ -477,18 +528,25 @@ def _rank_main(fn, rank, world_size, args, backend, timeout, port, port_ready, o
                 "error",
                 dict(
                     exc_type=type(e).__name__,
-                    message=str(e),
+                    message=_safe_str(e),
                     traceback="".join(traceback.format_exception(type(e), e, tb)),
                     exc_blob=blob,
                 ),
             )
         )
     try:
+        sys.stdout.flush()  # all output is in the file before the parent hears back
+        sys.stderr.flush()
         conn.send_bytes(message)
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
         os._exit(code)  # skip atexit handlers inherited from the parent (Jupyter, torch)
+
+
+def _safe_str(e: BaseException) -> str:
+    try:
+        return str(e)
+    except Exception as inner:
+        return f"<str() of the exception failed: {type(inner).__name__}: {inner}>"
 
 
 def _rendezvous(rank, world_size, timeout, port, port_ready) -> dist.Store:
@@ -540,6 +598,29 @@ def _to_cpu(value):
 
 # --------------------------------------------------------------------------------------------
 # Parent-side helpers
+
+
+@contextlib.contextmanager
+def _sigint_deferred():
+    """Hold off Ctrl-C while ranks are forked or torn down, then deliver it.
+
+    A KeyboardInterrupt landing between ``fork()`` and the bookkeeping that records the child
+    would leave an untracked rank running. Python raises KeyboardInterrupt only in the main
+    thread, so only there is there anything to defer.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught and callable(previous):
+            previous(signal.SIGINT, None)  # e.g. default_int_handler: raise KeyboardInterrupt
+        elif caught and previous == signal.SIG_DFL:
+            raise KeyboardInterrupt
 
 
 def _preimport() -> None:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from engine import RankDiedError, RankError, RankTimeoutError, launch
@@ -165,7 +166,8 @@ def test_an_interrupt_stops_every_rank_and_the_caller_stays_usable(tmp_path):
 def test_ranks_die_with_a_parent_that_is_killed(tmp_path):
     """Even kill -9 of the launching process (no chance to clean up) leaves no rank behind."""
     proc = subprocess.Popen([sys.executable, "-c", _INTERRUPTIBLE, str(tmp_path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=dict(os.environ, TMPDIR=str(tmp_path)))  # its leftover logs
     pids = _wait_for_pids(tmp_path, 4)
     proc.kill()
     proc.wait(timeout=10)
@@ -173,3 +175,116 @@ def test_ranks_die_with_a_parent_that_is_killed(tmp_path):
     while any(is_running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [p for p in pids if is_running(p)], "ranks were orphaned"
+
+
+# Root cause, not symptom: found by review, each once blamed the wrong rank.
+
+
+def _deadlock(rank, world_size):
+    dist.recv(torch.empty(1), (rank + 1) % world_size)  # everyone receives, nobody sends
+
+
+def test_a_deadlock_names_every_rank_and_says_deadlock():
+    with pytest.raises(RankTimeoutError) as info:
+        launch(_deadlock, 3, timeout=1.5, quiet=True)
+    assert info.value.ranks == [0, 1, 2]
+    assert "deadlock: every rank was waiting for another" in str(info.value)
+    assert descendants() == []
+
+
+def _returns_early(rank, world_size):
+    if rank == 0:
+        return "done"  # forgets to send
+    dist.recv(torch.empty(1), 0)
+
+
+def test_a_rank_that_returned_early_is_pointed_out():
+    with pytest.raises(RankError) as info:
+        launch(_returns_early, 2, timeout=10, quiet=True)
+    assert "rank 0 had already returned: is every send matched by a receive" in str(info.value)
+
+
+def _own_timeout_error(rank, world_size):
+    if rank == 0:
+        raise TimeoutError("data loader timed out reading shard 7")
+    time.sleep(2)
+
+
+def test_a_users_own_timeout_error_is_the_failure_not_a_symptom():
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        launch(_own_timeout_error, 2, timeout=30, quiet=True)
+    assert info.value.ranks == [0] and info.value.exc_type == "TimeoutError"
+    assert time.monotonic() - start < 2.0
+
+
+def test_processes_a_rank_started_are_stopped_too(tmp_path):
+    def starts_a_child(rank, world_size, mode):
+        child = subprocess.Popen(["sleep", "600"])
+        (tmp_path / f"{mode}{rank}.pid").write_text(str(child.pid))
+        if mode == "exit" and rank == 1:
+            os._exit(4)
+        return rank
+
+    assert launch(starts_a_child, 2, "ok", timeout=30, quiet=True) == [0, 1]
+    with pytest.raises(RankDiedError):
+        launch(starts_a_child, 2, "exit", timeout=30, quiet=True)
+    time.sleep(0.2)
+    pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+    assert len(pids) == 4 and not [p for p in pids if is_running(p)]
+
+
+def test_fn_may_destroy_the_process_group_itself():
+    def tidy(rank, world_size):
+        dist.barrier()
+        dist.destroy_process_group()
+        return rank
+
+    assert launch(tidy, 2, timeout=30, quiet=True) == [0, 1]
+
+
+class _BadStr(Exception):
+    def __str__(self):
+        raise RuntimeError("no str")
+
+
+class _UnpicklableInParent:
+    def __reduce__(self):
+        return (int, ("not a number",))
+
+
+def test_odd_exceptions_and_results_still_name_the_rank():
+    def bad_str(rank, world_size):
+        raise _BadStr()
+
+    failed_str = "rank 0 raised _BadStr: <str\\(\\) of the exception failed"
+    with pytest.raises(RankError, match=failed_str):
+        launch(bad_str, 1, timeout=30, quiet=True)
+    unpickled = "rank 0 raised ValueError: its return value could not be unpickled by the caller"
+    with pytest.raises(RankError, match=unpickled):
+        launch(lambda r, ws: _UnpicklableInParent(), 1, timeout=30, quiet=True)
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.005, 0.01, 0.02, 0.04])
+def test_an_interrupt_while_ranks_are_starting_leaves_none_behind(delay):
+    import threading
+
+    timer = threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGINT))
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    interrupted = False
+    try:
+        timer.start()
+        launch(lambda r, ws: time.sleep(30), 8, timeout=60, quiet=True)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        while timer.is_alive() or not interrupted:  # the interrupt may land anywhere up to here
+            try:
+                timer.join()
+                time.sleep(0.05)
+                break
+            except KeyboardInterrupt:
+                interrupted = True
+        signal.signal(signal.SIGINT, previous)
+    assert interrupted
+    assert descendants() == []

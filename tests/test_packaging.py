@@ -49,7 +49,7 @@ def test_the_setup_reuses_a_torch_that_meets_the_minimum():
     minimum = tuple(int(x) for x in torch_req.split(">=")[1].split("."))
     makefile = (ROOT / "Makefile").read_text()
     assert f"sys.exit(v < {minimum})" in makefile
-    assert "--system-site-packages" in makefile
+    assert "reuse-existing-torch.pth" in makefile
 
 
 def test_notebooks_are_committed_without_outputs():

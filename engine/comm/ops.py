@@ -33,20 +33,39 @@ def nbytes(tensor: torch.Tensor) -> int:
 
 
 class MeteredWork:
-    """A ``dist.Work`` whose ``wait()`` stamps the completion time on its events."""
+    """A ``dist.Work`` that stamps the completion time on its events.
+
+    Where the backend gives the work a future (Gloo and NCCL collectives) the stamp is the
+    moment the op completed, even if ``wait()`` comes much later, so overlapped communication
+    shows its true duration. Gloo's point-to-point works have no future: they are stamped
+    when ``wait()`` returns or ``is_completed()`` first says True.
+    """
 
     def __init__(self, work, events: Sequence[CommEvent]):
         self._work, self._events = work, list(events)
+        try:
+            work.get_future().then(self._stamp)
+        except RuntimeError:  # "Work::getFuture not implemented" (Gloo send/recv)
+            pass
 
-    def wait(self, *args, **kwargs):
-        result = self._work.wait(*args, **kwargs)
+    def _stamp(self, _future=None) -> None:
         now = time.perf_counter()
         for event in self._events:
             if event.end is None:
                 event.end = now
+
+    def wait(self, *args, **kwargs):
+        result = self._work.wait(*args, **kwargs)
+        self._stamp()
         return result
 
-    def __getattr__(self, name):  # is_completed(), exception(), ...
+    def is_completed(self) -> bool:
+        done = self._work.is_completed()
+        if done:
+            self._stamp()
+        return done
+
+    def __getattr__(self, name):  # exception(), get_future(), ...
         return getattr(self._work, name)
 
 
@@ -111,7 +130,9 @@ def batch_isend_irecv(p2p_ops: Sequence[P2POp]) -> list[MeteredWork]:
         for op in p2p_ops
     ]
     works = dist.batch_isend_irecv(list(p2p_ops))
-    return [MeteredWork(w, [e]) for w, e in zip(works, events)]
+    if len(works) != len(events):  # NCCL coalesces a batch into one work for all its ops
+        return [MeteredWork(w, events) for w in works]
+    return [MeteredWork(w, [e]) for w, e in zip(works, events, strict=True)]
 
 
 # -- built-in collectives: wire bytes modeled ------------------------------------------------
@@ -120,6 +141,8 @@ def batch_isend_irecv(p2p_ops: Sequence[P2POp]) -> list[MeteredWork]:
 def _collective(
     op: str, payload: torch.Tensor, full_bytes: int, group, root: int | None, run, async_op: bool
 ):
+    if dist.get_rank(group) < 0:  # not a member: torch makes this a no-op, and so do we
+        return run(async_op)
     ranks = group_ranks(group)
     me = ranks.index(dist.get_rank())
     root_index = ranks.index(root) if root is not None else 0
