@@ -15,6 +15,8 @@ bandwidth, see its doc/PERFORMANCE.md):
 
 from __future__ import annotations
 
+import math
+
 
 def _check_n(n: int) -> None:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -88,3 +90,105 @@ def collective_wire_bytes(
             "all_gather, broadcast, reduce, barrier"
         )
     return round(sent), round(received)
+
+
+def ps_all_reduce_bytes(size_bytes: float, n: int) -> dict[str, float]:
+    """Traffic of an all-reduce through a parameter server that is one of the ``n`` ranks.
+
+    Returns ``{"worker_sent", "worker_received", "server_sent", "server_received"}``: a worker
+    moves S each way, the server (n-1)·S each way (Li et al., OSDI 2014). Summed over all
+    ranks both the PS and the ring send 2(n-1)·S; the difference is where: the ring spreads it
+    evenly, 2(n-1)/n·S per rank, while the server's link carries n-1 times a worker's share.
+    """
+    _check_n(n)
+    worker = size_bytes if n > 1 else 0
+    return dict(worker_sent=worker, worker_received=worker,
+                server_sent=(n - 1) * size_bytes, server_received=(n - 1) * size_bytes)
+
+
+def tree_all_reduce_bytes(size_bytes: float, n: int, rank: int) -> tuple[float, float]:
+    """``(sent, received)`` by ``rank`` (index in the group) in a binomial-tree all-reduce.
+
+    Each tree edge carries S up (reduce) and S down (broadcast); a rank sends S·(children + 1)
+    and receives as much, except the root, which has no parent (engine.comm.tree).
+    """
+    _check_n(n)
+    children, mask = 0, 1
+    while mask < n and not rank % (2 * mask):
+        children += rank + mask < n
+        mask *= 2
+    edges = children + (1 if rank else 0)
+    return edges * size_bytes, edges * size_bytes
+
+
+def all_reduce_steps(algorithm: str, n: int) -> int:
+    """Sequential message rounds on the critical path: the alpha (latency) term's count."""
+    _check_n(n)
+    rounds = {"ring": 2 * (n - 1), "ps": 2 * (n - 1),
+              "tree": 2 * math.ceil(math.log2(n)) if n > 1 else 0}
+    if algorithm not in rounds:
+        raise ValueError(f"algorithm must be one of {tuple(rounds)}, got {algorithm!r}")
+    return rounds[algorithm]
+
+
+def all_reduce_critical_bytes(algorithm: str, size_bytes: float, n: int) -> float:
+    """Bytes crossing the busiest link in sequence: the beta (bandwidth) term's count.
+
+    ring: 2(n-1)/n·S; tree: S per round, 2·ceil(log2 n) rounds; parameter server: the
+    server's link carries (n-1)·S in and (n-1)·S out, one message after another.
+    """
+    if algorithm == "ring":
+        return ring_all_reduce_bytes(size_bytes, n)
+    if algorithm == "tree":
+        return all_reduce_steps("tree", n) * size_bytes
+    if algorithm == "ps":
+        return 2 * (n - 1) * size_bytes
+    raise ValueError(f"algorithm must be one of ('ring', 'tree', 'ps'), got {algorithm!r}")
+
+
+def alpha_beta_time(algorithm: str, size_bytes: float, n: int, alpha: float, beta: float) -> float:
+    """Predicted seconds: alpha·steps + beta·critical bytes (Hockney's model; Thakur,
+    Rabenseifner & Gropp, "Optimization of collective communication operations in MPICH",
+    IJHPCA 2005). ``alpha`` in seconds per message, ``beta`` in seconds per byte."""
+    return (alpha * all_reduce_steps(algorithm, n)
+            + beta * all_reduce_critical_bytes(algorithm, size_bytes, n))
+
+
+def fit_alpha_beta(samples) -> tuple[float, float]:
+    """Least-squares ``(alpha, beta)`` from ``[(algorithm, size_bytes, n, seconds), ...]``."""
+    rows, times = [], []
+    for algorithm, size, n, seconds in samples:
+        rows.append((all_reduce_steps(algorithm, n),
+                     all_reduce_critical_bytes(algorithm, size, n)))
+        times.append(seconds)
+    if len(rows) < 2:
+        raise ValueError(f"need at least 2 samples to fit alpha and beta, got {len(rows)}")
+    import numpy as np
+
+    (alpha, beta), *_ = np.linalg.lstsq(np.array(rows, float), np.array(times, float),
+                                        rcond=None)
+    return max(float(alpha), 0.0), max(float(beta), 0.0)
+
+
+_BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+}
+
+
+def bus_bandwidth(op: str, size_bytes: float, seconds: float, n: int) -> float:
+    """Bus bandwidth in bytes/s, as nccl-tests reports it (nccl-tests doc/PERFORMANCE.md).
+
+    algbw = S / t; busbw = algbw · factor, with factor 2(n-1)/n for all-reduce, (n-1)/n for
+    reduce-scatter and all-gather, 1 for broadcast and reduce. busbw is comparable across n:
+    it is the rate at which the busiest link works.
+    """
+    _check_n(n)
+    if op not in _BUS_FACTOR:
+        raise ValueError(f"op must be one of {tuple(_BUS_FACTOR)}, got {op!r}")
+    if not seconds > 0:
+        raise ValueError(f"seconds must be positive, got {seconds!r}")
+    return size_bytes / seconds * _BUS_FACTOR[op](n)

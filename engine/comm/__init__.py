@@ -1,11 +1,15 @@
-"""Communication: metered wrappers over ``torch.distributed`` and the ``CommMeter``.
+"""Communication: metered wrappers, the ``CommMeter``, and collectives built from p2p sends.
 
 Strategies call collectives through :mod:`engine.comm.ops` so that a :class:`CommMeter` open on
-the rank sees every byte. Collectives built from point-to-point sends (ring, parameter server,
-tree) live beside them in this package.
+the rank sees every byte. The ring, the parameter server and the tree are built from the
+point-to-point ops, so their traffic is counted, not modeled.
 """
 
 from engine.comm import ops
 from engine.comm.meter import CommEvent, CommMeter
+from engine.comm.ps import ps_all_reduce
+from engine.comm.ring import chunk_sizes, ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from engine.comm.tree import tree_all_reduce
 
-__all__ = ["CommMeter", "CommEvent", "ops"]
+__all__ = ["CommMeter", "CommEvent", "ops", "ring_all_reduce", "ring_reduce_scatter",
+           "ring_all_gather", "chunk_sizes", "ps_all_reduce", "tree_all_reduce"]

@@ -1,0 +1,183 @@
+"""Ring, parameter-server and tree collectives built from p2p sends: exact, and metered.
+
+Inputs are integer-valued floats, so every summation order gives the same bits and results
+must match ``torch.distributed``'s built-ins exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from engine import RankError, theory
+from engine.comm import (CommMeter, chunk_sizes, ps_all_reduce, ring_all_gather,
+                         ring_all_reduce, ring_reduce_scatter, tree_all_reduce)
+from tests.helpers import run_ranks
+
+SIZES = [1, 2, 3, 7, 1000, 1001]  # fewer elements than ranks, and counts N does not divide
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64]
+ALL_REDUCES = {"ring": ring_all_reduce, "ps": ps_all_reduce, "tree": tree_all_reduce}
+
+
+def _data(rank: int, numel: int, dtype) -> torch.Tensor:
+    return ((torch.arange(numel) * 7 + rank * 3) % 11 - 5).to(dtype)  # small integers
+
+
+def _compare_all_reduces(rank, world_size):
+    mismatches = []
+    for numel in SIZES:
+        for dtype in DTYPES:
+            ops_to_try = ["sum", "avg"] if dtype.is_floating_point else ["sum"]
+            for op in ops_to_try:
+                expected = _data(rank, numel, dtype)
+                dist.all_reduce(expected)
+                if op == "avg":
+                    expected = expected / world_size
+                for name, fn in ALL_REDUCES.items():
+                    got = _data(rank, numel, dtype)
+                    out = fn(got, op=op)
+                    if out is not got or not torch.equal(got, expected.to(dtype)):
+                        mismatches.append((name, numel, str(dtype), op))
+    return mismatches
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+def test_all_reduces_match_the_built_in_exactly(world_size):
+    for mismatches in run_ranks(_compare_all_reduces, world_size, timeout=60):
+        assert mismatches == []
+
+
+def _scatter_then_gather(rank, world_size, numel):
+    full = _data(rank, numel, torch.float32)
+    expected = full.clone()
+    dist.all_reduce(expected)
+    mine = ring_reduce_scatter(full)
+    start = sum(chunk_sizes(numel, world_size)[:rank])
+    scatter_ok = torch.equal(mine, expected[start:start + mine.numel()])
+    buffer = torch.full((numel,), -1.0)
+    buffer[start:start + mine.numel()] = _data(rank, numel, torch.float32)[start:start +
+                                                                           mine.numel()]
+    ring_all_gather(buffer)
+    pieces = [_data(r, numel, torch.float32)[sum(chunk_sizes(numel, world_size)[:r]):][
+        :chunk_sizes(numel, world_size)[r]] for r in range(world_size)]
+    return scatter_ok, torch.equal(buffer, torch.cat(pieces))
+
+
+@pytest.mark.parametrize("world_size, numel", [(2, 9), (3, 10), (4, 3), (5, 1001)])
+def test_reduce_scatter_and_all_gather_own_chunk_rank(world_size, numel):
+    assert run_ranks(_scatter_then_gather, world_size, numel) == [(True, True)] * world_size
+
+
+def _metered(rank, world_size, name, numel):
+    t = _data(rank, numel, torch.float32)
+    with CommMeter() as meter:
+        ALL_REDUCES[name](t)
+    return meter.bytes_sent, meter.bytes_received, all(e.measured for e in meter.events)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5])
+def test_ring_sends_2_n_minus_1_over_n_of_the_tensor(world_size):
+    size = 60 * 4  # 60 divides by 2..5: the formula is exact
+    for sent, received, measured in run_ranks(_metered, world_size, "ring", 60):
+        assert sent == received == theory.ring_all_reduce_bytes(size, world_size)
+        assert measured
+    # an awkward size: within chunk rounding, 2(N-1) steps of at most one element each
+    for sent, _, _ in run_ranks(_metered, world_size, "ring", 1001):
+        assert abs(sent - theory.ring_all_reduce_bytes(1001 * 4, world_size)) <= \
+            2 * (world_size - 1) * 4
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 5])
+def test_parameter_server_and_tree_traffic_match_their_formulas(world_size):
+    size = 100 * 4
+    ps = theory.ps_all_reduce_bytes(size, world_size)
+    for rank, (sent, received, _) in enumerate(run_ranks(_metered, world_size, "ps", 100)):
+        role = "server" if rank == 0 else "worker"
+        assert (sent, received) == (ps[f"{role}_sent"], ps[f"{role}_received"])
+    for rank, (sent, received, _) in enumerate(run_ranks(_metered, world_size, "tree", 100)):
+        assert (sent, received) == theory.tree_all_reduce_bytes(size, world_size, rank)
+
+
+def _in_a_subgroup(rank, world_size):
+    odds = dist.new_group([1, 3])
+    evens = dist.new_group([0, 2])
+    mine = odds if rank % 2 else evens
+    t = torch.full((5,), float(rank))
+    ring_all_reduce(t, group=mine)
+    u = torch.full((5,), float(rank))
+    tree_all_reduce(u, group=mine)
+    v = torch.full((5,), float(rank))
+    ps_all_reduce(v, group=mine, server=1 if rank % 2 else 0)
+    return t[0].item(), u[0].item(), v[0].item()
+
+
+def test_collectives_run_inside_a_subgroup():
+    assert run_ranks(_in_a_subgroup, 4) == [(2.0,) * 3, (4.0,) * 3, (2.0,) * 3, (4.0,) * 3]
+
+
+def _mismatched(rank, world_size):
+    ring_all_reduce(torch.ones(10 + 2 * rank))
+
+
+def test_different_sizes_on_different_ranks_are_a_clear_error_not_garbage():
+    with pytest.raises(RankError) as info:
+        run_ranks(_mismatched, 2)
+    assert "rank 0: 10 x torch.float32, rank 1: 12 x torch.float32" in str(info.value)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: torch.ones(4, 4).t(), "must be contiguous"),
+    (lambda: torch.ones(4, dtype=torch.bool), "has dtype torch.bool; supported"),
+    (lambda: torch.ones(4, dtype=torch.complex64), "has dtype torch.complex64"),
+])
+def test_bad_tensors_are_rejected_before_any_send(make, message):
+    def rank_fn(rank, world_size):
+        ring_all_reduce(make())
+
+    with pytest.raises(RankError, match=message):
+        run_ranks(rank_fn, 2)
+
+
+def test_bad_ops_and_servers_are_clear_errors():
+    def rank_fn(rank, world_size, what):
+        if what == "max":
+            ring_all_reduce(torch.ones(3), op="max")
+        if what == "int avg":
+            tree_all_reduce(torch.ones(3, dtype=torch.int64), op="avg")
+        if what == "server":
+            ps_all_reduce(torch.ones(3), server=7)
+
+    for what, message in [("max", "op must be one of \\('sum', 'avg'\\)"),
+                          ("int avg", "op='avg' needs a floating-point tensor"),
+                          ("server", "server=7 is not a rank of the group \\[0, 1\\]")]:
+        with pytest.raises(RankError, match=message):
+            run_ranks(rank_fn, 2, what)
+
+
+def test_theory_formulas_and_bus_bandwidth():
+    assert theory.ps_all_reduce_bytes(100, 8) == dict(worker_sent=100, worker_received=100,
+                                                      server_sent=700, server_received=700)
+    assert [theory.tree_all_reduce_bytes(1, 5, r)[0] for r in range(5)] == [3, 1, 2, 1, 1]
+    # every tree edge carries S up and S down: the sum over ranks is 2(N-1)·S, like the ring
+    assert sum(theory.tree_all_reduce_bytes(1, 5, r)[0] for r in range(5)) == 2 * 4
+    assert theory.bus_bandwidth("all_reduce", 1e9, 1.0, 4) == pytest.approx(1.5e9)
+    assert theory.bus_bandwidth("all_gather", 1e9, 2.0, 4) == pytest.approx(0.375e9)
+    assert theory.bus_bandwidth("broadcast", 1e9, 1.0, 8) == pytest.approx(1e9)
+    with pytest.raises(ValueError, match="op must be one of"):
+        theory.bus_bandwidth("all_to_all", 1, 1, 2)
+    assert theory.all_reduce_steps("tree", 5) == 6 and theory.all_reduce_steps("ring", 5) == 8
+
+
+def test_alpha_beta_fit_recovers_known_parameters():
+    alpha, beta = 50e-6, 1 / 0.4e9
+    samples = [(alg, size, n, theory.alpha_beta_time(alg, size, n, alpha, beta))
+               for alg in ("ring", "tree") for n in (2, 4) for size in (4e3, 1e6, 64e6)]
+    fit_alpha, fit_beta = theory.fit_alpha_beta(samples)
+    assert fit_alpha == pytest.approx(alpha, rel=1e-6) and fit_beta == pytest.approx(beta,
+                                                                                     rel=1e-6)
+    # small messages: the tree's fewer rounds win; large: the ring's fewer bytes win
+    assert theory.alpha_beta_time("tree", 4e3, 8, alpha, beta) < \
+        theory.alpha_beta_time("ring", 4e3, 8, alpha, beta)
+    assert theory.alpha_beta_time("ring", 64e6, 8, alpha, beta) < \
+        theory.alpha_beta_time("tree", 64e6, 8, alpha, beta)
