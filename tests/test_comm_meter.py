@@ -156,3 +156,14 @@ def _outside_the_group(rank, world_size):
 
 def test_a_rank_outside_the_group_records_nothing_like_torch_does_nothing():
     assert run_ranks(_outside_the_group, 3) == [(1, 2.0), (0, 1.0), (1, 2.0)]
+
+
+def test_waiting_twice_on_a_receive_returns_at_once():
+    def rank_fn(rank, world_size):
+        buf = torch.full((4,), float(rank))
+        work = ops.isend(buf, 1) if rank == 0 else ops.irecv(buf, 0)
+        work.wait()
+        work.wait()  # a raw Gloo receive would block here until the timeout
+        return float(buf[0])
+
+    assert run_ranks(rank_fn, 2, timeout=10) == [0.0, 0.0]

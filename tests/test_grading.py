@@ -138,3 +138,55 @@ def test_drills_give_instant_feedback(capsys):
     with pytest.raises(ValueError, match="no drill named 'x'"):
         grade_drill("x", 1)
     assert all(d.name.startswith("ch") and d.explanation for d in drills().values())
+
+
+def _all_to_all(t, group=None):
+    """Correct sums, but every rank ships its whole tensor to every other: (N-1)·S each."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    total = t.clone()
+    incoming = torch.empty_like(t)
+    for peer in range(n):
+        if peer == r:
+            continue
+        first, second = (r, peer) if r < peer else (peer, r)
+        if r == first:
+            ops.send(t, second)
+            ops.recv(incoming, second)
+        else:
+            ops.recv(incoming, first)
+            ops.send(t, first)
+        total += incoming
+    return t.copy_(total)
+
+
+def _reduce_scatter_only(t, group=None):
+    from engine.comm import ring_reduce_scatter
+
+    ring_reduce_scatter(t, check=False)
+    return t
+
+
+@pytest.mark.parametrize("impl, failing", [
+    (_all_to_all, {"sends_2_n_minus_1_over_n"}),
+    (_reduce_scatter_only, {"sums_exactly", "sends_2_n_minus_1_over_n"}),
+])
+def test_ring_all_reduce_checks_catch_wrong_answers(impl, failing):
+    report = run_checks("ch01.ring_all_reduce", impl=impl)
+    assert {r.name for r in report.results if not r.passed} == failing
+
+
+def test_volume_formula_checks_catch_the_seed_documents_claims():
+    import types
+
+    from solutions import ch01_volume_formulas as good
+
+    wrong_ring = types.SimpleNamespace(  # "2(N-1)M" per rank: NOTES.md item 1
+        ring_bytes_per_rank=lambda s, n: 2 * (n - 1) * s, ps_worker_bytes=good.ps_worker_bytes,
+        ps_server_bytes=good.ps_server_bytes)
+    report = run_checks("ch01.volume_formulas", impl=wrong_ring)
+    assert {r.name for r in report.results if not r.passed} == {"ring_bytes_per_rank"}
+    wrong_server = types.SimpleNamespace(
+        ring_bytes_per_rank=good.ring_bytes_per_rank, ps_worker_bytes=good.ps_worker_bytes,
+        ps_server_bytes=lambda s, n: s)  # forgets the server answers every worker
+    report = run_checks("ch01.volume_formulas", impl=wrong_server)
+    assert {r.name for r in report.results if not r.passed} == {"ps_server_bytes"}

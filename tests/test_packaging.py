@@ -77,5 +77,6 @@ def test_every_exercise_has_a_stub_a_solution_and_a_check():
         stub = ROOT / "exercises" / f"{exercise.module}.py"
         solution = ROOT / "solutions" / f"{exercise.module}.py"
         assert stub.exists() and solution.exists(), exercise.name
-        assert f"def {exercise.attr}(" in stub.read_text()
-        assert f"def {exercise.attr}(" in solution.read_text()
+        if exercise.attr:  # "" grades several functions of the module
+            assert f"def {exercise.attr}(" in stub.read_text()
+            assert f"def {exercise.attr}(" in solution.read_text()

@@ -38,7 +38,7 @@ class CheckFailed(AssertionError):
 class Exercise:
     name: str  # "ch00.p2p_broadcast": chapter prefix, then the exercise
     module: str  # the module in exercises/ and solutions/, e.g. "ch00_p2p_broadcast"
-    attr: str  # the function the learner writes, e.g. "p2p_broadcast"
+    attr: str  # the function the learner writes, e.g. "p2p_broadcast"; "" grades the module
     checks: tuple[Callable[[Callable], None], ...]
     hint: str
     title: str = ""
@@ -91,7 +91,8 @@ def get_exercise(name: str) -> Exercise:
 
 
 def load_impl(exercise: Exercise, source: str = "exercises") -> Callable:
-    """Import (afresh, so edits count) ``<source>/<module>.py`` and return the function."""
+    """Import (afresh, so edits count) ``<source>/<module>.py``; return the function graded
+    (or the module itself, for exercises with several functions)."""
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
     module_name = f"{source}.{exercise.module}"
@@ -99,13 +100,13 @@ def load_impl(exercise: Exercise, source: str = "exercises") -> Callable:
         module = importlib.reload(sys.modules[module_name])
     else:
         module = importlib.import_module(module_name)
-    return getattr(module, exercise.attr)
+    return getattr(module, exercise.attr) if exercise.attr else module
 
 
 def run_checks(name: str, impl: Callable | None = None, source: str = "exercises") -> Report:
     """Run every check of exercise ``name`` against ``impl`` (default: the one in ``source``)."""
     exercise = get_exercise(name)
-    if impl is not None and not callable(impl):
+    if impl is not None and exercise.attr and not callable(impl):
         raise ValueError(f"impl must be a function, got {impl!r}")
     label = "impl" if impl is not None else source
     impl = impl if impl is not None else load_impl(exercise, source)

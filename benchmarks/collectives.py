@@ -1,0 +1,133 @@
+"""All-reduce algorithms from p2p sends against the built-in, in one run.
+
+For N in --ranks and sizes 4 KB .. 64 MB: time (median of --repeats, each the slowest rank),
+algorithm and bus bandwidth (nccl-tests' definitions, engine.theory.bus_bandwidth), and the
+ratio to dist.all_reduce. Then fits the alpha-beta model to our three algorithms and saves a
+plot. Targets (issue 3): ring <= 1.15x the built-in at >= 16 MB on 4 ranks; the tree beats the
+ring on small messages.
+
+    python benchmarks/collectives.py [--ranks 2 4] [--repeats 5] [--max-mb 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from engine import launch, theory
+from engine.comm import ps_all_reduce, ring_all_reduce, tree_all_reduce
+
+ALGORITHMS = {
+    "built-in": lambda t: dist.all_reduce(t),
+    "ring": lambda t: ring_all_reduce(t, check=False),
+    "tree": lambda t: tree_all_reduce(t, check=False),
+    "ps": lambda t: ps_all_reduce(t, check=False),
+}
+
+
+def _measure(rank, world_size, sizes, repeats):
+    """Median time per (algorithm, size); repeats interleave the algorithms, so drift in a
+    shared machine's load hits all of them alike."""
+    rows = []
+    for size in sizes:
+        t = torch.ones(size // 4)
+        times = {name: [] for name in ALGORITHMS}
+        for fn in ALGORITHMS.values():
+            fn(t)  # warm-up: connections, buffers
+        for _ in range(repeats):
+            for name, fn in ALGORITHMS.items():
+                dist.barrier()
+                start = time.perf_counter()
+                fn(t)
+                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's time
+                times[name].append(elapsed.item())
+        rows += [(name, size, statistics.median(ts)) for name, ts in times.items()]
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--max-mb", type=int, default=64)
+    parser.add_argument("--plot", default="benchmarks/results/collectives.png")
+    args = parser.parse_args()
+    sizes = [4096 * 4**k for k in range(10) if 4096 * 4**k <= args.max_mb * 2**20]
+
+    samples = []
+    results = {}
+    for n in args.ranks:
+        rows = launch(_measure, n, sizes, args.repeats, backend="gloo", timeout=1800,
+                      quiet=True)[0]
+        results[n] = rows
+        builtin = {size: s for name, size, s in rows if name == "built-in"}
+        print(f"\nN = {n} ranks (Gloo, CPU), median of {args.repeats}, slowest rank")
+        print(f"{'size':>9} {'algorithm':>9} {'time ms':>9} {'algbw GB/s':>11} "
+              f"{'busbw GB/s':>11} {'/built-in':>10}")
+        for name, size, seconds in rows:
+            busbw = theory.bus_bandwidth("all_reduce", size, seconds, n) / 1e9
+            print(f"{_fmt(size):>9} {name:>9} {seconds * 1e3:>9.3f} {size / seconds / 1e9:>11.3f}"
+                  f" {busbw:>11.3f} {seconds / builtin[size]:>9.2f}x")
+            if name != "built-in":
+                samples.append((name, size, n, seconds))
+
+    alpha, beta = theory.fit_alpha_beta(samples)
+    print(f"\nalpha-beta fit over ring, tree and ps: alpha = {alpha * 1e6:.1f} us per message, "
+          f"beta = {beta * 1e9:.3f} ns per byte ({1 / beta / 1e9:.2f} GB/s)")
+    worst = max(abs(theory.alpha_beta_time(a, s, n, alpha, beta) / t - 1)
+                for a, s, n, t in samples if s >= 2**20)
+    print(f"model vs measured for sizes >= 1 MB: worst error {worst * 100:.0f}%")
+    if 4 in results:
+        big = [(s, t) for name, s, t in results[4] if name == "ring" and s >= 16 * 2**20]
+        builtin4 = {s: t for name, s, t in results[4] if name == "built-in"}
+        for size, seconds in big:
+            ratio = seconds / builtin4[size]
+            print(f"target ring <= 1.15x built-in at {_fmt(size)}, N=4: {ratio:.2f}x, "
+                  f"{'met' if ratio <= 1.15 else 'MISSED'}")
+        crossover = next((s for name, s, t in results[4] if name == "ring" and
+                          t < dict(((nm, sz), tt) for nm, sz, tt in results[4])[("tree", s)]),
+                         None)
+        print(f"ring first beats tree on 4 ranks at {_fmt(crossover) if crossover else 'never'}")
+    _plot(results, alpha, beta, args.plot)
+
+
+def _fmt(size: int) -> str:
+    return f"{size // 2**20} MB" if size >= 2**20 else f"{size // 2**10} KB"
+
+
+def _plot(results, alpha, beta, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from engine.viz import apply_style
+
+    apply_style()
+    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
+    for ax, (n, rows) in zip(axes[0], results.items(), strict=True):
+        for name in ALGORITHMS:
+            pts = [(s, t) for nm, s, t in rows if nm == name]
+            ax.loglog([s for s, _ in pts], [t * 1e3 for _, t in pts], "o-", label=name, ms=4)
+            if name != "built-in":
+                ax.loglog([s for s, _ in pts],
+                          [theory.alpha_beta_time(name, s, n, alpha, beta) * 1e3 for s, _ in pts],
+                          ":", color=ax.lines[-1].get_color(), lw=1)
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel("time (ms)")
+        ax.set_title(f"all-reduce on {n} Gloo ranks (dotted: alpha-beta model)")
+        ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"plot saved to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Checks for chapter 01: ring all-reduce from p2p sends, and the volume formulas."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.distributed as dist
+
+from engine import launch, theory
+from engine.comm import CommMeter
+from tests.grading import CheckFailed, Exercise
+from tests.grading.drill import Drill
+
+RING_CASES = [(2, 5), (3, 1001), (4, 3), (4, 64)]  # (N, elements): awkward counts included
+TIMEOUT_S = 20
+
+
+def _ring_on_rank(rank, world_size, impl, numel):
+    t = ((torch.arange(numel) * 3 + rank * 5) % 13).float()
+    expected = t.clone()
+    dist.all_reduce(expected)
+    with CommMeter() as meter:
+        out = impl(t)
+    return dict(ok=torch.equal(t, expected), same=out is t, sent=meter.bytes_sent,
+                got=t[:4].tolist(), expected=expected[:4].tolist(),
+                ops=sorted({e.op for e in meter.events}),
+                measured=all(e.measured for e in meter.events))
+
+
+def _run_ring(impl, world_size, numel):
+    return launch(_ring_on_rank, world_size, impl, numel, timeout=TIMEOUT_S, quiet=True)
+
+
+def check_sums_exactly(impl):
+    for world_size, numel in RING_CASES:
+        for rank, res in enumerate(_run_ring(impl, world_size, numel)):
+            if not res["ok"]:
+                raise CheckFailed(f"rank {rank} holds the wrong sum", world_size=world_size,
+                                  numel=numel, got_first=res["got"],
+                                  expected_first=res["expected"])
+            if not res["same"]:
+                raise CheckFailed("work in place and return the tensor you were given",
+                                  world_size=world_size, numel=numel)
+
+
+def check_sends_2_n_minus_1_over_n(impl):
+    for world_size, numel in RING_CASES:
+        formula = theory.ring_all_reduce_bytes(numel * 4, world_size)
+        slack = 2 * (world_size - 1) * 4  # uneven chunks: at most one element per step
+        for rank, res in enumerate(_run_ring(impl, world_size, numel)):
+            if not res["measured"] or not res["ops"]:
+                raise CheckFailed("send with point-to-point ops (exchange, ops.isend...) so the "
+                                  "meter counts your traffic", ops_seen=res["ops"])
+            if abs(res["sent"] - formula) > slack:
+                raise CheckFailed(f"rank {rank} sent {res['sent']} bytes; a ring sends "
+                                  f"2(N-1)/N·S = {formula:.0f} (± {slack} for uneven chunks)",
+                                  world_size=world_size, numel=numel, tensor_bytes=numel * 4)
+
+
+def _hidden_cases(seed: int = 2026, count: int = 25):
+    rng = random.Random(seed)
+    return [(rng.choice([1, 4, 100, 2**20, 25e6 * 4, 7e9 * 2]), rng.randint(1, 64))
+            for _ in range(count)]
+
+
+def _check_formula(impl, name, reference):
+    for size, n in _hidden_cases():
+        got = getattr(impl, name)(size, n)
+        if not isinstance(got, (int, float)) or abs(got - reference(size, n)) > 1e-9 * size:
+            raise CheckFailed(f"{name} gives {got!r} bytes", size_bytes=size, n=n)
+
+
+def check_ring_bytes_per_rank(impl):
+    _check_formula(impl, "ring_bytes_per_rank", theory.ring_all_reduce_bytes)
+
+
+def check_ps_worker_bytes(impl):
+    _check_formula(impl, "ps_worker_bytes",
+                   lambda s, n: theory.ps_all_reduce_bytes(s, n)["worker_sent"])
+
+
+def check_ps_server_bytes(impl):
+    _check_formula(impl, "ps_server_bytes",
+                   lambda s, n: theory.ps_all_reduce_bytes(s, n)["server_sent"])
+
+
+EXERCISES = [
+    Exercise(
+        name="ch01.ring_all_reduce",
+        title="Ring all-reduce from point-to-point sends",
+        module="ch01_ring_all_reduce",
+        attr="ring_all_reduce",
+        checks=(check_sums_exactly, check_sends_2_n_minus_1_over_n),
+        hint="rank r sends chunk (r-s-1)%N right and adds chunk (r-s-2)%N from the left in "
+             "reduce-scatter step s; in all-gather step s it sends (r-s)%N and receives "
+             "(r-s-1)%N in place. With N = 1 there is nothing to do.",
+    ),
+    Exercise(
+        name="ch01.volume_formulas",
+        title="Bytes per rank: ring and parameter server",
+        module="ch01_volume_formulas",
+        attr="",
+        checks=(check_ring_bytes_per_rank, check_ps_worker_bytes, check_ps_server_bytes),
+        hint="ring: N-1 chunks of S/N out in each of two phases. PS: a worker sends S once; "
+             "the server sends the sum to the N-1 others. With N = 1 nothing moves.",
+    ),
+]
+
+DRILLS = [
+    Drill("ch01.ps_server_link",
+          "A parameter server (one of 8 ranks) all-reduces 100 MB: how many MB leave the "
+          "server?", 700.0, "It sends the sum to each of the 7 workers: 7 × 100 MB. Each "
+          "worker sends only 100 MB: the server's link is the bottleneck."),
+    Drill("ch01.ring_latency_steps",
+          "How many sequential send steps does a ring all-reduce take on 16 ranks?", 30.0,
+          "2(N-1) = 30: N-1 for reduce-scatter and N-1 for all-gather. The bytes per rank "
+          "barely grow with N, but this latency term does."),
+    Drill("ch01.busbw",
+          "An all-reduce of 1 GB on 4 ranks takes 1 s. What is its bus bandwidth in GB/s?",
+          1.5, "busbw = S/t · 2(N-1)/N = 1 GB/s × 1.5: the rate each link actually works at."),
+]
