@@ -12,44 +12,10 @@ ring on small messages.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
 from engine import launch, theory
-from engine.comm import ps_all_reduce, ring_all_reduce, tree_all_reduce
-
-ALGORITHMS = {
-    "built-in": lambda t: dist.all_reduce(t),
-    "ring": lambda t: ring_all_reduce(t, check=False),
-    "tree": lambda t: tree_all_reduce(t, check=False),
-    "ps": lambda t: ps_all_reduce(t, check=False),
-}
-
-
-def _measure(rank, world_size, sizes, repeats):
-    """Median time per (algorithm, size); repeats interleave the algorithms, so drift in a
-    shared machine's load hits all of them alike."""
-    rows = []
-    for size in sizes:
-        t = torch.ones(size // 4)
-        times = {name: [] for name in ALGORITHMS}
-        for fn in ALGORITHMS.values():
-            fn(t)  # warm-up: connections, buffers
-        for _ in range(repeats):
-            for name, fn in ALGORITHMS.items():
-                dist.barrier()
-                start = time.perf_counter()
-                fn(t)
-                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's time
-                times[name].append(elapsed.item())
-        rows += [(name, size, statistics.median(ts)) for name, ts in times.items()]
-    return rows
-
+from engine.comm.timing import ALGORITHMS, time_all_reduces
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -63,8 +29,9 @@ def main() -> None:
     samples = []
     results = {}
     for n in args.ranks:
-        rows = launch(_measure, n, sizes, args.repeats, backend="gloo", timeout=1800,
-                      quiet=True)[0]
+        rows = [(name, size, seconds) for name, size, _, seconds in
+                launch(time_all_reduces, n, sizes, tuple(ALGORITHMS), args.repeats,
+                       backend="gloo", timeout=1800, quiet=True)[0]]
         results[n] = rows
         builtin = {size: s for name, size, s in rows if name == "built-in"}
         print(f"\nN = {n} ranks (Gloo, CPU), median of {args.repeats}, slowest rank")
@@ -77,12 +44,16 @@ def main() -> None:
             if name != "built-in":
                 samples.append((name, size, n, seconds))
 
-    alpha, beta = theory.fit_alpha_beta(samples)
-    print(f"\nalpha-beta fit over ring, tree and ps: alpha = {alpha * 1e6:.1f} us per message, "
-          f"beta = {beta * 1e9:.3f} ns per byte ({1 / beta / 1e9:.2f} GB/s)")
-    worst = max(abs(theory.alpha_beta_time(a, s, n, alpha, beta) / t - 1)
-                for a, s, n, t in samples if s >= 2**20)
-    print(f"model vs measured for sizes >= 1 MB: worst error {worst * 100:.0f}%")
+    print("\nalpha-beta fit per algorithm (over every N): time = alpha·rounds + beta·bytes")
+    fits = {}
+    for name in ("ring", "tree", "ps"):
+        mine = [s for s in samples if s[0] == name]
+        alpha, beta = fits[name] = theory.fit_alpha_beta(mine)
+        worst = max(abs(theory.alpha_beta_time(a, s, n, alpha, beta) / t - 1)
+                    for a, s, n, t in mine if s >= 2**20)
+        print(f"{name:>5}: alpha = {alpha * 1e6:8.1f} us per round, beta = {beta * 1e9:.3f} ns/B "
+              f"({1 / beta / 1e9 if beta else float('inf'):.2f} GB/s); worst error >= 1 MB: "
+              f"{worst * 100:.0f}%")
     if 4 in results:
         big = [(s, t) for name, s, t in results[4] if name == "ring" and s >= 16 * 2**20]
         builtin4 = {s: t for name, s, t in results[4] if name == "built-in"}
@@ -94,14 +65,14 @@ def main() -> None:
                           t < dict(((nm, sz), tt) for nm, sz, tt in results[4])[("tree", s)]),
                          None)
         print(f"ring first beats tree on 4 ranks at {_fmt(crossover) if crossover else 'never'}")
-    _plot(results, alpha, beta, args.plot)
+    _plot(results, fits, args.plot)
 
 
 def _fmt(size: int) -> str:
     return f"{size // 2**20} MB" if size >= 2**20 else f"{size // 2**10} KB"
 
 
-def _plot(results, alpha, beta, path):
+def _plot(results, fits, path):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -117,7 +88,7 @@ def _plot(results, alpha, beta, path):
             ax.loglog([s for s, _ in pts], [t * 1e3 for _, t in pts], "o-", label=name, ms=4)
             if name != "built-in":
                 ax.loglog([s for s, _ in pts],
-                          [theory.alpha_beta_time(name, s, n, alpha, beta) * 1e3 for s, _ in pts],
+                          [theory.alpha_beta_time(name, s, n, *fits[name]) * 1e3 for s, _ in pts],
                           ":", color=ax.lines[-1].get_color(), lw=1)
         ax.set_xlabel("message size (bytes)")
         ax.set_ylabel("time (ms)")

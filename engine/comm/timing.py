@@ -1,0 +1,60 @@
+"""Timing all-reduce algorithms on live ranks, the same way everywhere.
+
+Used by ``benchmarks/collectives.py``, chapter 01 and the GPU lab. Each measurement is the
+slowest rank's time (a collective is done when its last rank is), the median over repeats,
+with the algorithms interleaved inside each repeat so drift in the machine's load hits all of
+them alike. Module-level, so it can be started with spawn (NCCL) as well as fork.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from engine.comm.ps import ps_all_reduce
+from engine.comm.ring import ring_all_reduce
+from engine.comm.tree import tree_all_reduce
+
+ALGORITHMS = {
+    "built-in": lambda t: dist.all_reduce(t),
+    "ring": lambda t: ring_all_reduce(t, check=False),
+    "tree": lambda t: tree_all_reduce(t, check=False),
+    "ps": lambda t: ps_all_reduce(t, check=False),
+}
+
+
+def time_all_reduces(rank: int, world_size: int, sizes, names=tuple(ALGORITHMS),
+                     repeats: int = 5, device: str = "cpu") -> list[tuple[str, int, int, float]]:
+    """``[(algorithm, size_bytes, world_size, median_seconds), ...]`` for float32 tensors."""
+    unknown = [n for n in names if n not in ALGORITHMS]
+    if unknown:
+        raise ValueError(f"unknown algorithm(s) {unknown}; expected some of {tuple(ALGORITHMS)}")
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    rows = []
+    for size in sizes:
+        t = torch.ones(size // 4, device=device)
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for name in names:
+            ALGORITHMS[name](t)  # warm-up: connections, buffers
+        for _ in range(repeats):
+            for name in names:
+                dist.barrier()
+                _sync(device)
+                start = time.perf_counter()
+                ALGORITHMS[name](t)
+                _sync(device)
+                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64,
+                                       device=device)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                times[name].append(elapsed.item())
+        rows += [(name, size, world_size, statistics.median(ts)) for name, ts in times.items()]
+    return rows
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
