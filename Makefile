@@ -46,6 +46,7 @@ grade: setup
 
 bench: setup
 	$(BIN)/python benchmarks/launch.py
+	$(BIN)/python benchmarks/collectives.py
 
 clean:
 	rm -rf $(VENV) grade-report.xml

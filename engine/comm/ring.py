@@ -60,6 +60,9 @@ def ring_reduce_scatter(t: torch.Tensor, group=None, op="sum", check: bool = Tru
 
     ``t`` is the working buffer: afterwards chunk ``rank`` (see :func:`chunk_sizes`) holds the
     sum (or average) over all ranks, and the other chunks hold partial sums.
+
+    Each receive is posted one step ahead, into one of two scratch buffers, so a chunk flows
+    the moment its sender has it; and the chunk just reduced is exactly the one to send next.
     """
     op = validate(t, op)
     if check:
@@ -67,12 +70,24 @@ def ring_reduce_scatter(t: torch.Tensor, group=None, op="sum", check: bool = Tru
     me, n, right, left = _ring(group)
     chunks = list(t.view(-1).split(chunk_sizes(t.numel(), n)))
     if n > 1:
-        incoming = torch.empty(max(c.numel() for c in chunks), dtype=t.dtype)
+        largest = max(c.numel() for c in chunks)
+        scratch = [torch.empty(largest, dtype=t.dtype), torch.empty(largest, dtype=t.dtype)]
+
+        def post_receive(step):  # step s adds chunk (me-s-2) from the left
+            return _irecv(scratch[step % 2][: chunks[(me - step - 2) % n].numel()], left, group)
+
+        receives = {0: post_receive(0)}
+        sends = [_isend(chunks[(me - 1) % n], right, group)]
         for step in range(n - 1):
-            send_i, recv_i = (me - step - 1) % n, (me - step - 2) % n
-            buf = incoming[: chunks[recv_i].numel()]
-            exchange(chunks[send_i], right, buf, left, group)
-            chunks[recv_i].add_(buf)
+            if step + 1 < n - 1:
+                receives[step + 1] = post_receive(step + 1)
+            target = chunks[(me - step - 2) % n]
+            _wait(receives.pop(step))
+            target.add_(scratch[step % 2][: target.numel()])
+            if step + 1 < n - 1:
+                sends.append(_isend(target, right, group))
+        for work in sends:
+            _wait(work)
     if op == "avg":
         chunks[me].div_(n)
     return chunks[me]
@@ -81,17 +96,37 @@ def ring_reduce_scatter(t: torch.Tensor, group=None, op="sum", check: bool = Tru
 def ring_all_gather(t: torch.Tensor, group=None, check: bool = True) -> torch.Tensor:
     """Fill every chunk of ``t`` from the rank that owns it (chunk r comes from rank r).
 
-    In place; returns ``t``. Only chunk ``rank`` of ``t`` needs to be valid on entry.
+    In place; returns ``t``. Only chunk ``rank`` of ``t`` needs to be valid on entry. Every
+    receive lands in its final place, so all are posted at once; each chunk is forwarded to
+    the right as soon as it arrives.
     """
     validate(t)
     if check:
         check_same_everywhere(t, group)
     me, n, right, left = _ring(group)
     chunks = t.view(-1).split(chunk_sizes(t.numel(), n))
+    receives = [_irecv(chunks[(me - step - 1) % n], left, group) for step in range(n - 1)]
+    sends = [_isend(chunks[me], right, group)] if n > 1 else []
     for step in range(n - 1):
-        send_i, recv_i = (me - step) % n, (me - step - 1) % n
-        exchange(chunks[send_i], right, chunks[recv_i], left, group)
+        _wait(receives[step])
+        if step + 1 < n - 1:
+            sends.append(_isend(chunks[(me - step - 1) % n], right, group))
+    for work in sends:
+        _wait(work)
     return t
+
+
+def _isend(chunk, dst, group):
+    return ops.isend(chunk, dst, group) if chunk.numel() else None
+
+
+def _irecv(chunk, src, group):
+    return ops.irecv(chunk, src, group) if chunk.numel() else None
+
+
+def _wait(work) -> None:
+    if work is not None:  # None: an empty chunk, neither sent nor received
+        work.wait()
 
 
 def ring_all_reduce(t: torch.Tensor, group=None, op="sum", check: bool = True) -> torch.Tensor:
