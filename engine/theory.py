@@ -165,9 +165,13 @@ def fit_alpha_beta(samples) -> tuple[float, float]:
         raise ValueError(f"need at least 2 samples to fit alpha and beta, got {len(rows)}")
     import numpy as np
 
-    (alpha, beta), *_ = np.linalg.lstsq(np.array(rows, float), np.array(times, float),
-                                        rcond=None)
-    return max(float(alpha), 0.0), max(float(beta), 0.0)
+    a, y = np.array(rows, float), np.array(times, float)
+    (alpha, beta), *_ = np.linalg.lstsq(a, y, rcond=None)
+    if alpha < 0:  # noise can push a tiny latency below zero: fit the bandwidth term alone
+        alpha, beta = 0.0, float(a[:, 1] @ y / (a[:, 1] @ a[:, 1]))
+    elif beta < 0:
+        alpha, beta = float(a[:, 0] @ y / (a[:, 0] @ a[:, 0])), 0.0
+    return float(alpha), float(beta)
 
 
 _BUS_FACTOR = {

@@ -64,7 +64,7 @@ def _scatter_then_gather(rank, world_size, numel):
     return scatter_ok, torch.equal(buffer, torch.cat(pieces))
 
 
-@pytest.mark.parametrize("world_size, numel", [(2, 9), (3, 10), (4, 3), (5, 1001)])
+@pytest.mark.parametrize("world_size, numel", [(1, 4), (2, 9), (3, 10), (4, 3), (5, 1001)])
 def test_reduce_scatter_and_all_gather_own_chunk_rank(world_size, numel):
     assert run_ranks(_scatter_then_gather, world_size, numel) == [(True, True)] * world_size
 
@@ -181,3 +181,11 @@ def test_alpha_beta_fit_recovers_known_parameters():
         theory.alpha_beta_time("ring", 4e3, 8, alpha, beta)
     assert theory.alpha_beta_time("ring", 64e6, 8, alpha, beta) < \
         theory.alpha_beta_time("tree", 64e6, 8, alpha, beta)
+
+
+def test_alpha_beta_fit_never_returns_a_negative_latency():
+    beta = 1e-9
+    samples = [("ps", size, 4, beta * theory.all_reduce_critical_bytes("ps", size, 4) - 1e-6)
+               for size in (1e6, 1e7, 1e8)]  # a slightly negative intercept, as noise makes
+    alpha, fit_beta = theory.fit_alpha_beta(samples)
+    assert alpha == 0.0 and fit_beta == pytest.approx(beta, rel=1e-3)
