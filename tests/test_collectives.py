@@ -189,3 +189,26 @@ def test_alpha_beta_fit_never_returns_a_negative_latency():
                for size in (1e6, 1e7, 1e8)]  # a slightly negative intercept, as noise makes
     alpha, fit_beta = theory.fit_alpha_beta(samples)
     assert alpha == 0.0 and fit_beta == pytest.approx(beta, rel=1e-3)
+
+
+def _segmented(rank, world_size, numel, segment_bytes):
+    import engine.comm.ring as ring
+
+    ring.SEGMENT_BYTES = segment_bytes  # every rank the same: chunks split into many segments
+    t = _data(rank, numel, torch.float32)
+    expected = t.clone()
+    dist.all_reduce(expected)
+    with CommMeter() as meter:
+        ring_all_reduce(t)
+    return torch.equal(t, expected), meter.bytes_sent, len(meter.events)
+
+
+@pytest.mark.parametrize("world_size, numel, segment_bytes", [
+    (2, 1001, 64), (3, 1001, 64), (5, 1001, 100), (4, 7, 4), (3, 3_000_001, 1 << 20)])
+def test_pipelined_segments_keep_the_sum_exact_and_the_bytes_unchanged(world_size, numel,
+                                                                          segment_bytes):
+    for exact, sent, events in run_ranks(_segmented, world_size, numel, segment_bytes):
+        assert exact
+        assert abs(sent - theory.ring_all_reduce_bytes(numel * 4, world_size)) <= \
+            2 * (world_size - 1) * 4
+        assert events > 4 * (world_size - 1)  # more than one message per step: segmented

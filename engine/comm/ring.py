@@ -54,6 +54,16 @@ def exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group=N
         work.wait()
 
 
+SEGMENT_BYTES = 1 << 20  # chunks larger than this travel as pipelined segments
+MAX_SEGMENTS = 16
+
+
+def segment_count(chunk_bytes: int) -> int:
+    """How many segments a chunk is cut into, so that adding (or forwarding) one segment
+    overlaps with the next one's transfer, as Gloo's chunked ring and NCCL do."""
+    return max(1, min(MAX_SEGMENTS, -(-chunk_bytes // SEGMENT_BYTES)))
+
+
 def ring_reduce_scatter(t: torch.Tensor, group=None, op="sum", check: bool = True
                         ) -> torch.Tensor:
     """Reduce ``t`` across the group; return the view of ``t`` holding this rank's chunk.
@@ -61,8 +71,10 @@ def ring_reduce_scatter(t: torch.Tensor, group=None, op="sum", check: bool = Tru
     ``t`` is the working buffer: afterwards chunk ``rank`` (see :func:`chunk_sizes`) holds the
     sum (or average) over all ranks, and the other chunks hold partial sums.
 
-    Each receive is posted one step ahead, into one of two scratch buffers, so a chunk flows
-    the moment its sender has it; and the chunk just reduced is exactly the one to send next.
+    Two things keep the wire busy. Receives are posted one step ahead, into one of two
+    scratch buffers, so data flows the moment its sender has it. And each chunk moves as
+    :func:`segment_count` segments: a segment is added and sent on (the chunk just reduced is
+    exactly the one to send next) while the following segment is still arriving.
     """
     op = validate(t, op)
     if check:
@@ -71,21 +83,24 @@ def ring_reduce_scatter(t: torch.Tensor, group=None, op="sum", check: bool = Tru
     chunks = list(t.view(-1).split(chunk_sizes(t.numel(), n)))
     if n > 1:
         largest = max(c.numel() for c in chunks)
+        k = segment_count(largest * t.element_size())
         scratch = [torch.empty(largest, dtype=t.dtype), torch.empty(largest, dtype=t.dtype)]
 
-        def post_receive(step):  # step s adds chunk (me-s-2) from the left
-            return _irecv(scratch[step % 2][: chunks[(me - step - 2) % n].numel()], left, group)
+        def incoming(step):  # step s adds chunk (me-s-2), arriving from the left
+            return scratch[step % 2][: chunks[(me - step - 2) % n].numel()].tensor_split(k)
 
-        receives = {0: post_receive(0)}
-        sends = [_isend(chunks[(me - 1) % n], right, group)]
+        receives = {0: [_irecv(seg, left, group) for seg in incoming(0)]}
+        sends = [_isend(seg, right, group) for seg in chunks[(me - 1) % n].tensor_split(k)]
         for step in range(n - 1):
             if step + 1 < n - 1:
-                receives[step + 1] = post_receive(step + 1)
-            target = chunks[(me - step - 2) % n]
-            _wait(receives.pop(step))
-            target.add_(scratch[step % 2][: target.numel()])
-            if step + 1 < n - 1:
-                sends.append(_isend(target, right, group))
+                receives[step + 1] = [_irecv(seg, left, group) for seg in incoming(step + 1)]
+            target = chunks[(me - step - 2) % n].tensor_split(k)
+            for work, seg, arrived in zip(receives.pop(step), target, incoming(step),
+                                          strict=True):
+                _wait(work)
+                seg.add_(arrived)
+                if step + 1 < n - 1:
+                    sends.append(_isend(seg, right, group))
         for work in sends:
             _wait(work)
     if op == "avg":
@@ -97,20 +112,23 @@ def ring_all_gather(t: torch.Tensor, group=None, check: bool = True) -> torch.Te
     """Fill every chunk of ``t`` from the rank that owns it (chunk r comes from rank r).
 
     In place; returns ``t``. Only chunk ``rank`` of ``t`` needs to be valid on entry. Every
-    receive lands in its final place, so all are posted at once; each chunk is forwarded to
-    the right as soon as it arrives.
+    receive lands in its final place, so all are posted at once, and each segment is forwarded
+    to the right as soon as it arrives.
     """
     validate(t)
     if check:
         check_same_everywhere(t, group)
     me, n, right, left = _ring(group)
     chunks = t.view(-1).split(chunk_sizes(t.numel(), n))
-    receives = [_irecv(chunks[(me - step - 1) % n], left, group) for step in range(n - 1)]
-    sends = [_isend(chunks[me], right, group)] if n > 1 else []
+    k = segment_count(max(c.numel() for c in chunks) * t.element_size())
+    arriving = [chunks[(me - step - 1) % n].tensor_split(k) for step in range(n - 1)]
+    receives = [[_irecv(seg, left, group) for seg in segs] for segs in arriving]
+    sends = [_isend(seg, right, group) for seg in chunks[me].tensor_split(k)] if n > 1 else []
     for step in range(n - 1):
-        _wait(receives[step])
-        if step + 1 < n - 1:
-            sends.append(_isend(chunks[(me - step - 1) % n], right, group))
+        for work, seg in zip(receives[step], arriving[step], strict=True):
+            _wait(work)
+            if step + 1 < n - 1:
+                sends.append(_isend(seg, right, group))
     for work in sends:
         _wait(work)
     return t
