@@ -21,6 +21,7 @@ def ring_all_reduce(t: torch.Tensor, group=None) -> torch.Tensor:
     3. All-gather, N-1 steps: in step s send chunk (r-s) mod N to the right, receive chunk
        (r-s-1) mod N from the left straight into place.
 
-    Each rank then sends 2(N-1)/N of the tensor in all, whatever N: check() measures it.
+    Each rank then sends 2(N-1)/N of the tensor in all, below 2x for any N: check() measures
+    it. Use ``group`` (its size, your rank in it, its members' global ranks) throughout.
     """
     raise NotImplementedError("ch01.ring_all_reduce: write me")

@@ -12,7 +12,7 @@ def ring_all_reduce(t: torch.Tensor, group=None) -> torch.Tensor:
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
     right, left = ranks[(r + 1) % n], ranks[(r - 1) % n]
     chunks = t.view(-1).split(chunk_sizes(t.numel(), n))
-    scratch = torch.empty(max(c.numel() for c in chunks), dtype=t.dtype)
+    scratch = torch.empty(max(c.numel() for c in chunks), dtype=t.dtype, device=t.device)
     for s in range(n - 1):  # reduce-scatter
         send, recv = chunks[(r - s - 1) % n], chunks[(r - s - 2) % n]
         buf = scratch[: recv.numel()]

@@ -142,21 +142,34 @@ def test_drills_give_instant_feedback(capsys):
 
 def _all_to_all(t, group=None):
     """Correct sums, but every rank ships its whole tensor to every other: (N-1)·S each."""
-    n, r = dist.get_world_size(), dist.get_rank()
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    me = dist.get_rank()
     total = t.clone()
     incoming = torch.empty_like(t)
-    for peer in range(n):
-        if peer == r:
+    for peer in ranks:
+        if peer == me:
             continue
-        first, second = (r, peer) if r < peer else (peer, r)
-        if r == first:
-            ops.send(t, second)
-            ops.recv(incoming, second)
+        if me < peer:
+            ops.send(t, peer)
+            ops.recv(incoming, peer)
         else:
-            ops.recv(incoming, first)
-            ops.send(t, first)
+            ops.recv(incoming, peer)
+            ops.send(t, peer)
         total += incoming
     return t.copy_(total)
+
+
+def _built_in_behind_a_decoy(t, group=None):
+    """Passes a byte count by sending dummies, but sums with dist.all_reduce."""
+    from engine.comm.ring import exchange
+
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    decoy = torch.empty(t.numel() // n)
+    for _ in range(2 * (n - 1)):
+        exchange(decoy, ranks[(r + 1) % n], torch.empty_like(decoy), ranks[(r - 1) % n], group)
+    dist.all_reduce(t, group=group)
+    return t
 
 
 def _reduce_scatter_only(t, group=None):
@@ -169,6 +182,7 @@ def _reduce_scatter_only(t, group=None):
 @pytest.mark.parametrize("impl, failing", [
     (_all_to_all, {"sends_2_n_minus_1_over_n"}),
     (_reduce_scatter_only, {"sums_exactly", "sends_2_n_minus_1_over_n"}),
+    (_built_in_behind_a_decoy, {"sums_exactly", "sends_2_n_minus_1_over_n"}),
 ])
 def test_ring_all_reduce_checks_catch_wrong_answers(impl, failing):
     report = run_checks("ch01.ring_all_reduce", impl=impl)

@@ -5,7 +5,9 @@ Every worker sends its whole tensor to one server rank, which sums and sends the
 A worker moves S out and S in. The server moves (N-1)·S each way (here the server is one of
 the N ranks, so its own tensor never crosses the wire; with a dedicated server and N workers
 it is N·S). The server's link carries N-1 times what any worker's does: that link, not the
-total, is why a ring scales better (``theory.ps_all_reduce_bytes``).
+total, is why a ring scales better than a single server (``theory.ps_all_reduce_bytes``).
+Real parameter servers shard the parameters over many servers; with one shard on each of N
+nodes, each node moves 2(N-1)/N·S, like the ring.
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@
 Each phase takes ceil(log2 N) rounds instead of the ring's N-1 steps, so for small messages,
 where every step costs a fixed latency, the tree wins. But on its critical path the whole
 tensor crosses a link in every round (2·ceil(log2 N)·S in all), so for large messages the
-ring's 2(N-1)/N·S wins. NCCL's double binary tree (Sanders, Speck & Träff 2009) keeps the
-tree's latency while using both directions of every link; this single tree shows the idea.
+ring's 2(N-1)/N·S wins. NCCL's double binary tree (Sanders, Speck & Träff 2009) runs two
+pipelined trees, each on half the data, arranged so that each rank is an inner node in at
+most one of them: near-full bandwidth at log N latency. This single, unpipelined tree shows
+the idea.
 
 Traffic per rank: every rank but the root sends S up once and receives S down once; a rank
 with c children also receives c·S up and sends c·S down (``theory.tree_all_reduce_bytes``).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import torch
@@ -12,50 +13,90 @@ from engine.comm import CommMeter
 from tests.grading import CheckFailed, Exercise
 from tests.grading.drill import Drill
 
-RING_CASES = [(2, 5), (3, 1001), (4, 3), (4, 64)]  # (N, elements): awkward counts included
-TIMEOUT_S = 20
+RING_CASES = [(2, 5), (3, 1001), (4, 3), (4, 64), (3, 1_000_003)]  # awkward counts; ~4 MB
+SUBGROUP_CASE = (4, 1001)  # the ring runs on ranks [1, 3] only
+TIMEOUT_S = 30
+_BUILT_INS = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather",
+              "all_gather_into_tensor", "all_gather_single", "broadcast", "reduce")
 
 
-def _ring_on_rank(rank, world_size, impl, numel):
+@contextlib.contextmanager
+def _built_in_collectives_blocked():
+    """Inside a rank being graded, a built-in collective raises: the point is to build one."""
+    saved = {name: getattr(dist, name) for name in _BUILT_INS if hasattr(dist, name)}
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("this exercise builds the all-reduce from point-to-point sends; "
+                           "built-in collectives are switched off while it is graded")
+
+    for name in saved:
+        setattr(dist, name, refuse)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def _ring_on_rank(rank, world_size, impl, numel, subgroup):
+    group = dist.new_group([1, 3]) if subgroup else None
     t = ((torch.arange(numel) * 3 + rank * 5) % 13).float()
     expected = t.clone()
-    dist.all_reduce(expected)
-    with CommMeter() as meter:
-        out = impl(t)
-    return dict(ok=torch.equal(t, expected), same=out is t, sent=meter.bytes_sent,
-                got=t[:4].tolist(), expected=expected[:4].tolist(),
+    if not subgroup or rank in (1, 3):
+        dist.all_reduce(expected, group=group)
+    if subgroup and rank not in (1, 3):
+        return dict(skip=True)
+    with CommMeter() as meter, _built_in_collectives_blocked():
+        out = impl(t, group) if subgroup else impl(t)
+    same_memory = (isinstance(out, torch.Tensor) and out.numel() == t.numel()
+                   and out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr())
+    result = out if isinstance(out, torch.Tensor) and out.numel() == t.numel() else t
+    return dict(skip=False, ok=torch.equal(result.reshape(t.shape), expected),
+                in_place=same_memory and torch.equal(t, expected), sent=meter.bytes_sent,
+                got=result.flatten()[:4].tolist(), expected=expected[:4].tolist(),
                 ops=sorted({e.op for e in meter.events}),
                 measured=all(e.measured for e in meter.events))
 
 
-def _run_ring(impl, world_size, numel):
-    return launch(_ring_on_rank, world_size, impl, numel, timeout=TIMEOUT_S, quiet=True)
+def _run_ring(impl, world_size, numel, subgroup=False):
+    results = launch(_ring_on_rank, world_size, impl, numel, subgroup, timeout=TIMEOUT_S,
+                     quiet=True)
+    return [(rank, res) for rank, res in enumerate(results) if not res["skip"]]
+
+
+def _all_cases(impl):
+    for world_size, numel in RING_CASES:
+        yield world_size, numel, False, _run_ring(impl, world_size, numel)
+    world_size, numel = SUBGROUP_CASE
+    yield world_size, numel, True, _run_ring(impl, world_size, numel, subgroup=True)
 
 
 def check_sums_exactly(impl):
-    for world_size, numel in RING_CASES:
-        for rank, res in enumerate(_run_ring(impl, world_size, numel)):
+    for world_size, numel, subgroup, results in _all_cases(impl):
+        for rank, res in results:
             if not res["ok"]:
                 raise CheckFailed(f"rank {rank} holds the wrong sum", world_size=world_size,
-                                  numel=numel, got_first=res["got"],
-                                  expected_first=res["expected"])
-            if not res["same"]:
-                raise CheckFailed("work in place and return the tensor you were given",
-                                  world_size=world_size, numel=numel)
+                                  numel=numel, group="[1, 3]" if subgroup else "world",
+                                  got_first=res["got"], expected_first=res["expected"])
+            if not res["in_place"]:
+                raise CheckFailed("the sum is right, but write it into the tensor you were "
+                                  "given and return that tensor", world_size=world_size,
+                                  numel=numel)
 
 
 def check_sends_2_n_minus_1_over_n(impl):
-    for world_size, numel in RING_CASES:
-        formula = theory.ring_all_reduce_bytes(numel * 4, world_size)
-        slack = 2 * (world_size - 1) * 4  # uneven chunks: at most one element per step
-        for rank, res in enumerate(_run_ring(impl, world_size, numel)):
+    for world_size, numel, subgroup, results in _all_cases(impl):
+        n = 2 if subgroup else world_size
+        formula = theory.ring_all_reduce_bytes(numel * 4, n)
+        slack = 2 * (n - 1) * 4  # uneven chunks: at most one element per step
+        for rank, res in results:
             if not res["measured"] or not res["ops"]:
                 raise CheckFailed("send with point-to-point ops (exchange, ops.isend...) so the "
                                   "meter counts your traffic", ops_seen=res["ops"])
             if abs(res["sent"] - formula) > slack:
                 raise CheckFailed(f"rank {rank} sent {res['sent']} bytes; a ring sends "
                                   f"2(N-1)/N·S = {formula:.0f} (± {slack} for uneven chunks)",
-                                  world_size=world_size, numel=numel, tensor_bytes=numel * 4)
+                                  world_size=n, numel=numel, tensor_bytes=numel * 4)
 
 
 def _hidden_cases(seed: int = 2026, count: int = 25):
