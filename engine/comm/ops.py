@@ -37,17 +37,19 @@ class MeteredWork:
 
     Where the backend gives the work a future (Gloo and NCCL collectives) the stamp is the
     moment the op completed, even if ``wait()`` comes much later, so overlapped communication
-    shows its true duration. Gloo's point-to-point works have no future: they are stamped
-    when ``wait()`` returns or ``is_completed()`` first says True.
+    shows its true duration. Point-to-point works are not asked (Gloo's have no future, and
+    asking costs a C++ exception each time): they are stamped when ``wait()`` returns or
+    ``is_completed()`` first says True.
     """
 
-    def __init__(self, work, events: Sequence[CommEvent]):
+    def __init__(self, work, events: Sequence[CommEvent], has_future: bool = True):
         self._work, self._events = work, list(events)
         self._waited, self._result = False, None
-        try:
-            work.get_future().then(self._stamp)
-        except RuntimeError:  # "Work::getFuture not implemented" (Gloo send/recv)
-            pass
+        if has_future:
+            try:
+                work.get_future().then(self._stamp)
+            except RuntimeError:  # "Work::getFuture not implemented"
+                pass
 
     def _stamp(self, _future=None) -> None:
         now = time.perf_counter()
@@ -109,12 +111,12 @@ def recv(tensor: torch.Tensor, src: int, group=None) -> None:
 
 def isend(tensor: torch.Tensor, dst: int, group=None) -> MeteredWork:
     event = _p2p_event("isend", tensor, dst, group, time.perf_counter())
-    return MeteredWork(dist.isend(tensor, dst, group=group), [event])
+    return MeteredWork(dist.isend(tensor, dst, group=group), [event], has_future=False)
 
 
 def irecv(tensor: torch.Tensor, src: int, group=None) -> MeteredWork:
     event = _p2p_event("irecv", tensor, src, group, time.perf_counter())
-    return MeteredWork(dist.irecv(tensor, src, group=group), [event])
+    return MeteredWork(dist.irecv(tensor, src, group=group), [event], has_future=False)
 
 
 def send_op(tensor: torch.Tensor, peer: int, group=None) -> P2POp:
