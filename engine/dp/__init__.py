@@ -1,0 +1,6 @@
+"""Data parallelism: naive and bucketed/overlapped, from the engine's metered collectives."""
+
+from engine.dp.buckets import assign_buckets
+from engine.dp.data_parallel import DataParallel, NaiveDataParallel, broadcast_module
+
+__all__ = ["DataParallel", "NaiveDataParallel", "assign_buckets", "broadcast_module"]

@@ -1,0 +1,200 @@
+"""Data parallelism: equal to one process on the full batch, and to torch DDP, after K steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.comm import CommMeter
+from engine.dp import DataParallel, NaiveDataParallel, assign_buckets
+from engine.models import MLP, regression_data, shard
+from tests.helpers import run_ranks
+
+SIZES = (16, 64, 64, 8)  # 6 parameter tensors, 5.7 K parameters: 23 KB of fp32 gradients
+STEPS = 3
+# bucket caps (MB) forcing one bucket, two, and one per parameter tensor
+CAPS = {"1 bucket": 1.0, "2 buckets": 0.012, "6 buckets": 1e-6}
+
+
+def _optimizer(kind, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _train(model, opt, x, y, steps=STEPS):
+    for _ in range(steps):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def _equivalence(rank, world_size, wrapper, cap, overlap, opt_kind):
+    x, y = regression_data(12 * world_size, 16, 8, seed=1)
+    reference = MLP(SIZES, seed=3)
+    _train(reference, _optimizer(opt_kind, reference.parameters()), x, y)
+
+    local = MLP(SIZES, seed=100 + rank)  # every rank starts elsewhere...
+    if rank == 0:
+        local.load_state_dict(MLP(SIZES, seed=3).state_dict())  # ...the broadcast must fix it
+    if wrapper == "engine":
+        model = DataParallel(local, bucket_cap_mb=cap, overlap=overlap)
+    elif wrapper == "naive":
+        model = NaiveDataParallel(local)
+    else:  # torch DDP also broadcasts rank 0's parameters at construction
+        model = nn.parallel.DistributedDataParallel(local, bucket_cap_mb=cap)
+    with CommMeter() as meter:
+        _train(model, _optimizer(opt_kind, model.parameters()), shard(x, rank, world_size),
+               shard(y, rank, world_size))
+    worst = max((a - b).abs().max().item()
+                for a, b in zip(local.parameters(), reference.parameters(), strict=True))
+    return worst, len([e for e in meter.events if e.op == "all_reduce"])
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("cap_name", list(CAPS))
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("opt_kind", ["sgd", "adamw"])
+def test_data_parallel_equals_single_process_full_batch(world_size, cap_name, overlap, opt_kind):
+    expected_buckets = {"1 bucket": 1, "2 buckets": 2, "6 buckets": 6}[cap_name]
+    for worst, all_reduces in run_ranks(_equivalence, world_size, "engine", CAPS[cap_name],
+                                        overlap, opt_kind):
+        assert worst <= 1e-6
+        assert all_reduces == STEPS * expected_buckets
+
+
+@pytest.mark.parametrize("wrapper", ["naive", "torch"])
+def test_naive_and_torch_ddp_agree_with_the_same_reference(wrapper):
+    for worst, all_reduces in run_ranks(_equivalence, 3, wrapper, 0.012, True, "adamw"):
+        assert worst <= 1e-6
+        if wrapper == "naive":
+            assert all_reduces == STEPS * 6  # one per parameter tensor
+
+
+def _accumulate(rank, world_size, k):
+    x, y = regression_data(8 * k * world_size, 16, 8, seed=2)
+    xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
+    reference = MLP(SIZES, seed=3)
+    nn.functional.mse_loss(reference(x), y).backward()
+    model = DataParallel(MLP(SIZES, seed=3), bucket_cap_mb=0.012)
+    with CommMeter() as meter:
+        for i, (xi, yi) in enumerate(zip(xs.chunk(k), ys.chunk(k), strict=True)):
+            loss = nn.functional.mse_loss(model(xi), yi) / k
+            if i < k - 1:
+                with model.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+    worst = max((p.grad - q.grad).abs().max().item() for p, q in
+                zip(model.module.parameters(), reference.parameters(), strict=True))
+    return worst, len(meter.events)
+
+
+def test_no_sync_accumulation_equals_one_big_batch_with_k_times_fewer_all_reduces():
+    k = 4
+    for worst, events in run_ranks(_accumulate, 2, k):
+        assert worst <= 1e-6
+        assert events == 2  # two buckets, once: not k times
+
+
+class _Tricky(nn.Module):
+    """A frozen layer, a branch used only on rank 0, and a weight tied between two layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Linear(4, 4)
+        self.frozen.requires_grad_(False)
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+        self.sometimes = nn.Linear(4, 4)
+
+    def forward(self, x, use_branch):
+        h = self.b(self.a(self.frozen(x)))
+        return self.sometimes(h) if use_branch else h
+
+
+def _tricky(rank, world_size):
+    torch.manual_seed(0)
+    model = DataParallel(_Tricky(), bucket_cap_mb=1e-6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    frozen_before = model.module.frozen.weight.clone()
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.ones(2, 4) * (rank + 1), use_branch=rank == 0).sum().backward()
+        opt.step()
+    flat = torch.cat([p.detach().flatten() for p in model.module.parameters()])
+    return flat, torch.equal(model.module.frozen.weight, frozen_before), \
+        model.module.frozen.weight.grad is None
+
+
+def test_frozen_unused_and_tied_parameters_keep_replicas_identical():
+    results = run_ranks(_tricky, 3)
+    for flat, frozen_same, frozen_no_grad in results:
+        assert frozen_same and frozen_no_grad
+        assert torch.equal(flat, results[0][0])  # every replica took the same step
+
+
+def test_buckets_are_filled_in_reverse_order():
+    params = [nn.Parameter(torch.zeros(n)) for n in (10, 20, 30, 40)]
+    buckets = assign_buckets(params, cap_bytes=200)
+    assert [[p.numel() for p in b] for b in buckets] == [[40, 30], [20, 10]]
+    first_small = assign_buckets(params, cap_bytes=10_000, first_cap_bytes=100)
+    assert [[p.numel() for p in b] for b in first_small] == [[40], [30, 20, 10]]
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: DataParallel(nn.Linear(2, 2), bucket_cap_mb=0), "bucket_cap_mb must be a positive"),
+    (lambda: DataParallel(nn.ReLU()), "ReLU has no parameters"),
+    (lambda: DataParallel(nn.Linear(2, 2), compressor=3), "compressor must be None or callable"),
+])
+def test_bad_input_is_a_clear_error(make, message):
+    def rank_fn(rank, world_size):
+        make()
+
+    with pytest.raises(Exception, match=message):
+        run_ranks(rank_fn, 2)
+
+
+def test_mixed_devices_are_a_clear_error():
+    module = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).to("meta"))
+    with pytest.raises(ValueError, match="parameters are on several devices"):
+        DataParallel(module)
+
+
+def _compressed(rank, world_size):
+    calls = []
+
+    def plain_sum(bucket, group):
+        calls.append(bucket.numel())
+        return dist.all_reduce(bucket, group=group, async_op=True)
+
+    model = DataParallel(MLP(SIZES, seed=3), bucket_cap_mb=0.012, compressor=plain_sum)
+    x, y = regression_data(8, 16, 8, seed=rank)
+    nn.functional.mse_loss(model(x), y).backward()
+    return calls
+
+
+def test_the_compressor_slot_receives_every_bucket():
+    for calls in run_ranks(_compressed, 2):
+        assert sum(calls) == sum(p.numel() for p in MLP(SIZES).parameters()) and len(calls) == 2
+
+
+def _first_launch_vs_backward_end(rank, world_size, overlap):
+    model = DataParallel(MLP((64, 256, 256, 256, 256, 8), seed=0), bucket_cap_mb=0.2,
+                         overlap=overlap)
+    x, y = regression_data(64, 64, 8, seed=rank)
+    with CommMeter() as meter:
+        nn.functional.mse_loss(model(x), y).backward()
+    starts = [e.start for e in meter.events if e.op == "all_reduce"]
+    return len(starts), min(starts) < model.backward_done_at, max(starts) < \
+        model.backward_done_at
+
+
+def test_overlap_starts_the_first_all_reduce_before_backward_ends():
+    for count, first_before, last_before in run_ranks(_first_launch_vs_backward_end, 2, True):
+        assert count >= 3 and first_before  # communication began while backward computed
+    for count, first_before, _ in run_ranks(_first_launch_vs_backward_end, 2, False):
+        assert count >= 3 and not first_before  # without overlap, all of it waits for the end
