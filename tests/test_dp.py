@@ -198,3 +198,20 @@ def test_overlap_starts_the_first_all_reduce_before_backward_ends():
         assert count >= 3 and first_before  # communication began while backward computed
     for count, first_before, _ in run_ranks(_first_launch_vs_backward_end, 2, False):
         assert count >= 3 and not first_before  # without overlap, all of it waits for the end
+
+
+def _against_torch_ddp(rank, world_size, cap, overlap):
+    x, y = regression_data(10 * world_size, 16, 8, seed=5)
+    xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
+    ours = DataParallel(MLP(SIZES, seed=3), bucket_cap_mb=cap, overlap=overlap)
+    theirs = nn.parallel.DistributedDataParallel(MLP(SIZES, seed=3), bucket_cap_mb=cap)
+    for model in (ours, theirs):
+        _train(model, _optimizer("adamw", model.parameters()), xs, ys)
+    return max((a - b).abs().max().item() for a, b in
+               zip(ours.module.parameters(), theirs.module.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("world_size, cap, overlap", [(2, 1.0, True), (3, 0.012, False),
+                                                       (4, 1e-6, True)])
+def test_data_parallel_equals_torch_ddp_directly(world_size, cap, overlap):
+    assert max(run_ranks(_against_torch_ddp, world_size, cap, overlap)) <= 1e-6
