@@ -215,3 +215,71 @@ def _against_torch_ddp(rank, world_size, cap, overlap):
                                                        (4, 1e-6, True)])
 def test_data_parallel_equals_torch_ddp_directly(world_size, cap, overlap):
     assert max(run_ranks(_against_torch_ddp, world_size, cap, overlap)) <= 1e-6
+
+
+def _averaging_vs_gradients(rank, world_size, opt_kind):
+    from engine.dp import average_parameters
+
+    x, y = regression_data(8 * world_size, 16, 8, seed=7)
+    xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
+    grads = DataParallel(MLP(SIZES, seed=3), bucket_cap_mb=1.0)
+    grad_opt = _optimizer(opt_kind, grads.parameters())
+    params = MLP(SIZES, seed=3)
+    param_opt = _optimizer(opt_kind, params.parameters())
+    for _ in range(3):
+        _train(grads, grad_opt, xs, ys, steps=1)
+        _train(params, param_opt, xs, ys, steps=1)  # a purely local step...
+        average_parameters(params)  # ...then the parameters are averaged
+    diff = max((a - b).abs().max().item() for a, b in
+               zip(grads.module.parameters(), params.parameters(), strict=True))
+    moments = torch.cat([s["exp_avg"].flatten() for s in param_opt.state.values()]) \
+        if opt_kind == "adamw" else torch.zeros(1)
+    return diff, moments
+
+
+def test_parameter_averaging_is_not_gradient_averaging_for_adam():
+    results = run_ranks(_averaging_vs_gradients, 3, "adamw")
+    assert all(diff > 1e-4 for diff, _ in results)  # different models after 3 steps
+    assert not torch.equal(results[0][1], results[1][1])  # and the Adam moments drifted apart
+
+
+def test_for_plain_sgd_averaging_parameters_every_step_is_the_same():
+    def rank_fn(rank, world_size):
+        x, y = regression_data(8 * world_size, 16, 8, seed=7)
+        xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
+        from engine.dp import average_parameters
+
+        grads = DataParallel(MLP(SIZES, seed=3), bucket_cap_mb=1.0)
+        params = MLP(SIZES, seed=3)
+        for model in (grads, params):
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(3):
+                _train(model, opt, xs, ys, steps=1)
+                if model is params:
+                    average_parameters(params)
+        return max((a - b).abs().max().item() for a, b in
+                   zip(grads.module.parameters(), params.parameters(), strict=True))
+
+    assert max(run_ranks(rank_fn, 3)) <= 1e-6  # linear update: mean of steps = step of mean
+
+
+def test_local_sgd_averages_every_period_steps():
+    def rank_fn(rank, world_size):
+        from engine.dp import LocalSGD
+
+        model = MLP(SIZES, seed=rank)
+        local = LocalSGD(model, period=3)
+        with CommMeter() as meter:
+            averaged = [local.step() for _ in range(7)]
+        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+        return averaged, len(meter.events), flat
+
+    results = run_ranks(rank_fn, 2)
+    for averaged, events, flat in results:
+        assert averaged == [False, False, True, False, False, True, False]
+        assert events == 2 * 6  # two averages of 6 tensors
+        assert torch.equal(flat, results[0][2])  # replicas equal right after an average
+    with pytest.raises(ValueError, match="period must be an int >= 1"):
+        from engine.dp import LocalSGD
+
+        LocalSGD(nn.Linear(2, 2), period=0)

@@ -162,3 +162,18 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_backend_choice_on_a_machine_with_one_gpu(monkeypatch):
+    """The NCCL rules, checked without a GPU by pretending one is there."""
+    from engine.launch import resolve_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    assert resolve_backend("auto", 1) == "nccl"
+    assert resolve_backend("auto", 2) == "gloo"  # NCCL needs one GPU per rank
+    assert resolve_backend("nccl", 1) == "nccl"
+    with pytest.raises(ValueError, match="world_size=2 but only 1 GPU\\(s\\) are visible. "
+                                         "Use backend='gloo'"):
+        resolve_backend("nccl", 2)

@@ -2,5 +2,7 @@
 
 from engine.dp.buckets import assign_buckets
 from engine.dp.data_parallel import DataParallel, NaiveDataParallel, broadcast_module
+from engine.dp.local_sgd import LocalSGD, average_parameters
 
-__all__ = ["DataParallel", "NaiveDataParallel", "assign_buckets", "broadcast_module"]
+__all__ = ["DataParallel", "NaiveDataParallel", "assign_buckets", "broadcast_module",
+           "LocalSGD", "average_parameters"]
