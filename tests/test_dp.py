@@ -283,3 +283,43 @@ def test_local_sgd_averages_every_period_steps():
         from engine.dp import LocalSGD
 
         LocalSGD(nn.Linear(2, 2), period=0)
+
+
+def _sequential_sgd(steps, lr, staleness, batch=16, seed=0):
+    """One worker, by hand: what the parameter server must reproduce exactly."""
+    from torch.nn.utils import parameters_to_vector
+
+    from engine.dp.async_ps import SIZES, _loss_and_grad
+
+    model = MLP(SIZES, seed=seed)
+    x, y = regression_data(64, SIZES[0], SIZES[-1], seed=seed)
+    server = parameters_to_vector(model.parameters()).detach().clone()
+    local, losses = server.clone(), []
+    for step in range(steps):
+        start = (step * batch) % x.size(0)
+        _, grad = _loss_and_grad(model, local, x[start:start + batch], y[start:start + batch])
+        server -= lr * grad
+        losses.append(_loss_and_grad(model, server, x, y)[0])
+        if (step + 1) % (staleness + 1) == 0:
+            local = server.clone()
+    return losses
+
+
+@pytest.mark.parametrize("staleness", [0, 3])
+def test_async_sgd_with_one_worker_is_exactly_sgd_on_stale_parameters(staleness):
+    from engine.dp import async_sgd
+
+    losses = run_ranks(async_sgd, 2, 20, 0.1, staleness)[0]
+    assert losses == pytest.approx(_sequential_sgd(20, 0.1, staleness), abs=1e-6)
+
+
+def test_staler_gradients_train_worse_and_bounded_staleness_completes():
+    from engine.dp import async_sgd
+
+    fresh = _sequential_sgd(40, 0.3, staleness=0)[-1]
+    stale = _sequential_sgd(40, 0.3, staleness=8)[-1]
+    assert stale > fresh
+    losses = run_ranks(async_sgd, 4, 10, 0.1, 0, 0)[0]  # three workers, bound 0
+    assert len(losses) == 30 and losses[-1] < losses[0]
+    with pytest.raises(Exception, match="needs a server and at least one worker"):
+        run_ranks(async_sgd, 1)

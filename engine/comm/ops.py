@@ -103,10 +103,13 @@ def send(tensor: torch.Tensor, dst: int, group=None) -> None:
     event.end = time.perf_counter()
 
 
-def recv(tensor: torch.Tensor, src: int, group=None) -> None:
+def recv(tensor: torch.Tensor, src: int | None = None, group=None) -> int:
+    """Receive into ``tensor`` from ``src`` (None: from whichever rank sends first); returns
+    the sender's rank."""
     event = _p2p_event("recv", tensor, src, group, time.perf_counter())
-    dist.recv(tensor, src, group=group)
-    event.end = time.perf_counter()
+    sender = dist.recv(tensor, src, group=group)
+    event.end, event.peer = time.perf_counter(), sender
+    return sender
 
 
 def isend(tensor: torch.Tensor, dst: int, group=None) -> MeteredWork:
