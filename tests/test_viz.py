@@ -37,3 +37,18 @@ def test_every_figure_draws_and_labels_its_axes():
         plt.close(fig)
     with pytest.raises(ValueError, match="n must be >= 1, got 0"):
         ring_states(0)
+
+
+def test_timeline_draws_lanes_and_rejects_nothing():
+    from engine.trace import TraceEvent
+    from engine.viz.timeline import timeline_figure
+
+    events = [TraceEvent("backward", 0, 0.0, 0.01, lane="compute"),
+              TraceEvent("all_reduce", 0, 0.004, 0.012, lane="comm"),
+              TraceEvent("backward", 1, 0.0, 0.011, lane="compute")]
+    fig = timeline_figure(events, "t")
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == [
+        "rank 1: compute", "rank 0: comm", "rank 0: compute"]
+    plt.close(fig)
+    with pytest.raises(ValueError, match="no events to draw"):
+        timeline_figure([])
