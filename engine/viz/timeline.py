@@ -23,7 +23,8 @@ def timeline_figure(events: list[TraceEvent], title: str = ""):
         for e in (e for e in events if (e.rank, e.lane) == (rank, lane)):
             ax.barh(y, (e.end - e.start) * 1e3, left=(e.start - t0) * 1e3, height=0.6,
                     color=LANE_COLORS.get(lane, "#7f7f7f"), edgecolor="white", linewidth=0.5)
-            if (e.end - e.start) * 1e3 > 0.08 * max((x.end - t0) * 1e3 for x in events):
+            wide = (e.end - e.start) * 1e3 > 0.08 * max((x.end - t0) * 1e3 for x in events)
+            if wide and lane != "comm":  # async comm ops overlap each other: no labels there
                 ax.text((e.start - t0 + (e.end - e.start) / 2) * 1e3, y, e.name, ha="center",
                         va="center", fontsize=7, color="white")
     ax.set_yticks(range(len(rows)), [f"rank {r}: {lane}" for r, lane in reversed(rows)])
