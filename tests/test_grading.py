@@ -204,3 +204,37 @@ def test_volume_formula_checks_catch_the_seed_documents_claims():
         ps_server_bytes=lambda s, n: s)  # forgets the server answers every worker
     report = run_checks("ch01.volume_formulas", impl=wrong_server)
     assert {r.name for r in report.results if not r.passed} == {"ps_server_bytes"}
+
+
+def _accumulate_without_no_sync(model, optimizer, micro_batches, loss_fn=None):
+    from torch import nn
+
+    optimizer.zero_grad()
+    for x, y in micro_batches:
+        (nn.functional.mse_loss(model(x), y) / len(micro_batches)).backward()  # syncs k times
+    optimizer.step()
+    return 0.0
+
+
+def _accumulate_the_sum(model, optimizer, micro_batches, loss_fn=None):
+    from torch import nn
+
+    optimizer.zero_grad()
+    for i, (x, y) in enumerate(micro_batches):
+        loss = nn.functional.mse_loss(model(x), y)  # forgot / k
+        if i < len(micro_batches) - 1:
+            with model.no_sync():
+                loss.backward()
+        else:
+            loss.backward()
+    optimizer.step()
+    return 0.0
+
+
+@pytest.mark.parametrize("impl, failing", [
+    (_accumulate_without_no_sync, {"one_all_reduce_per_step"}),
+    (_accumulate_the_sum, {"equals_one_big_batch"}),
+])
+def test_accumulation_checks_catch_wrong_answers(impl, failing):
+    report = run_checks("ch02.accumulate", impl=impl)
+    assert {r.name for r in report.results if not r.passed} == failing

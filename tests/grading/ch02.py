@@ -1,0 +1,83 @@
+"""Checks for chapter 02: gradient accumulation under no_sync."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine import launch
+from engine.comm import CommMeter
+from engine.dp import DataParallel
+from engine.models import MLP, regression_data, shard
+from tests.grading import CheckFailed, Exercise
+from tests.grading.drill import Drill
+
+SIZES = (16, 32, 8)
+CASES = [(2, 4), (3, 2)]  # (world_size, k)
+
+
+def _accumulate_on_rank(rank, world_size, impl, k):
+    x, y = regression_data(6 * k * world_size, 16, 8, seed=11)
+    reference = MLP(SIZES, seed=2)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    model = DataParallel(MLP(SIZES, seed=2), bucket_cap_mb=1.0)  # one bucket
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)  # scale-sensitive
+    xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
+    micro = [(a.clone(), b.clone()) for a, b in zip(xs.chunk(k), ys.chunk(k), strict=True)]
+    with CommMeter() as meter:
+        for _ in range(2):
+            loss = impl(model, opt, micro)
+            ref_opt.zero_grad()
+            nn.functional.mse_loss(reference(x), y).backward()
+            ref_opt.step()
+    worst = max((a - b).abs().max().item() for a, b in
+                zip(model.module.parameters(), reference.parameters(), strict=True))
+    return worst, len(meter.events), loss
+
+
+def _run(impl, world_size, k):
+    return launch(_accumulate_on_rank, world_size, impl, k, timeout=20, quiet=True)
+
+
+def check_equals_one_big_batch(impl):
+    for world_size, k in CASES:
+        for rank, (worst, _, _) in enumerate(_run(impl, world_size, k)):
+            if not worst <= 1e-6:
+                raise CheckFailed(f"after 2 steps rank {rank}'s parameters differ from one big "
+                                  f"batch by {worst:.2e}: is each loss divided by k, and the "
+                                  "gradient zeroed first?", world_size=world_size, k=k)
+
+
+def check_one_all_reduce_per_step(impl):
+    for world_size, k in CASES:
+        for rank, (_, events, loss) in enumerate(_run(impl, world_size, k)):
+            if events != 2:  # one bucket, two optimizer steps
+                raise CheckFailed(f"rank {rank} issued {events} all-reduces over 2 steps; "
+                                  "with no_sync around all but the last backward it is 2",
+                                  world_size=world_size, k=k)
+            if not isinstance(loss, float):
+                raise CheckFailed(f"return the mean loss as a float, got {loss!r}")
+
+
+EXERCISES = [
+    Exercise(
+        name="ch02.accumulate",
+        title="Gradient accumulation with no_sync",
+        module="ch02_accumulate",
+        attr="accumulation_step",
+        checks=(check_equals_one_big_batch, check_one_all_reduce_per_step),
+        hint="optimizer.zero_grad(); for each micro-batch: loss = loss_fn(...) / k; backward "
+             "inside `with model.no_sync():` except the last one; then optimizer.step().",
+    ),
+]
+
+DRILLS = [
+    Drill("ch02.ring_bytes_flat",
+          "Per GPU, how many times the gradient size does a ring all-reduce send as N grows "
+          "large?", 2.0, "2(N-1)/N tends to 2: per GPU, data-parallel traffic is about "
+          "constant in N, not linear in it."),
+    Drill("ch02.accumulation_all_reduces",
+          "8 micro-batches with no_sync on all but the last, and 3 buckets: how many "
+          "all-reduces per optimizer step?", 3.0, "One per bucket, once: the first 7 "
+          "backward passes only accumulate into param.grad."),
+]
