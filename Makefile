@@ -47,6 +47,7 @@ grade: setup
 bench: setup
 	$(BIN)/python benchmarks/launch.py
 	$(BIN)/python benchmarks/collectives.py
+	$(BIN)/python benchmarks/dp.py
 
 clean:
 	rm -rf $(VENV) grade-report.xml
