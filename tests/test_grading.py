@@ -238,3 +238,26 @@ def _accumulate_the_sum(model, optimizer, micro_batches, loss_fn=None):
 def test_accumulation_checks_catch_wrong_answers(impl, failing):
     report = run_checks("ch02.accumulate", impl=impl)
     assert {r.name for r in report.results if not r.passed} == failing
+
+
+def _sums_without_dividing(model, group=None):
+    for p in model.parameters():
+        ops.all_reduce(p.grad, group=group)
+
+
+def _averages_parameters_instead(model, group=None):
+    n = dist.get_world_size(group)
+    with torch.no_grad():
+        for p in model.parameters():
+            ops.all_reduce(p.data, group=group)
+            p.data.div_(n)
+
+
+@pytest.mark.parametrize("impl, failing", [
+    (_sums_without_dividing, {"matches_full_batch_training"}),
+    (_averages_parameters_instead, {"matches_full_batch_training",
+                                    "adam_moments_equal_on_every_rank"}),
+])
+def test_averaging_checks_catch_wrong_answers(impl, failing):
+    report = run_checks("ch02.average_gradients", impl=impl)
+    assert {r.name for r in report.results if not r.passed} == failing

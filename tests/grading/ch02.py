@@ -59,6 +59,56 @@ def check_one_all_reduce_per_step(impl):
                 raise CheckFailed(f"return the mean loss as a float, got {loss!r}")
 
 
+def _make_optimizer(kind, params):
+    if kind == "sgd":  # momentum SGD is linear in the gradient: it notices a sum for a mean
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.Adam(params, lr=1e-2)  # Adam's state notices averaged parameters
+
+
+def _averaging_on_rank(rank, world_size, impl, kind="adam"):
+    x, y = regression_data(8 * world_size, 16, 8, seed=4)
+    reference = MLP(SIZES, seed=2)
+    ref_opt = _make_optimizer(kind, reference.parameters())
+    model = MLP(SIZES, seed=2)
+    opt = _make_optimizer(kind, model.parameters())
+    xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
+    with CommMeter() as meter:
+        for _ in range(3):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(xs), ys).backward()
+            impl(model)
+            opt.step()
+            ref_opt.zero_grad()
+            nn.functional.mse_loss(reference(x), y).backward()
+            ref_opt.step()
+    worst = max((a - b).abs().max().item() for a, b in
+                zip(model.parameters(), reference.parameters(), strict=True))
+    state = "exp_avg" if kind == "adam" else "momentum_buffer"
+    moments = torch.cat([s[state].flatten() for s in opt.state.values()])
+    return worst, moments, len(meter.events)
+
+
+def check_matches_full_batch_training(impl):
+    for world_size, kind in ((2, "sgd"), (3, "sgd"), (2, "adam"), (3, "adam")):
+        results = launch(_averaging_on_rank, world_size, impl, kind, timeout=20, quiet=True)
+        for rank, (worst, _, events) in enumerate(results):
+            if not events:
+                raise CheckFailed("use ops.all_reduce so the meter sees the averaging")
+            if not worst <= 1e-6:
+                raise CheckFailed(f"after 3 steps rank {rank} differs from one process on the "
+                                  f"full batch by {worst:.2e}: average (sum / N) the gradients, "
+                                  "before the optimizer step", world_size=world_size,
+                                  optimizer=kind)
+
+
+def check_adam_moments_equal_on_every_rank(impl):
+    results = launch(_averaging_on_rank, 3, impl, timeout=20, quiet=True)
+    for rank, (_, moments, _) in enumerate(results):
+        if not torch.equal(moments, results[0][1]):
+            raise CheckFailed(f"rank {rank}'s Adam exp_avg differs from rank 0's: its optimizer "
+                              "saw a different gradient", world_size=3)
+
+
 EXERCISES = [
     Exercise(
         name="ch02.accumulate",
@@ -68,6 +118,15 @@ EXERCISES = [
         checks=(check_equals_one_big_batch, check_one_all_reduce_per_step),
         hint="optimizer.zero_grad(); for each micro-batch: loss = loss_fn(...) / k; backward "
              "inside `with model.no_sync():` except the last one; then optimizer.step().",
+    ),
+    Exercise(
+        name="ch02.average_gradients",
+        title="Average gradients, not parameters",
+        module="ch02_average_gradients",
+        attr="average_gradients",
+        checks=(check_matches_full_batch_training, check_adam_moments_equal_on_every_rank),
+        hint="for each parameter with a grad: ops.all_reduce(p.grad, group=group), then "
+             "p.grad.div_(dist.get_world_size(group)).",
     ),
 ]
 
