@@ -4,9 +4,7 @@ Fill in ``accumulation_step``, save, then run ``check("ch02.accumulate")`` in
 course/02_data_parallel.ipynb (or ``make grade``).
 """
 
-import torch
 from torch import nn
-
 
 def accumulation_step(model, optimizer, micro_batches, loss_fn=nn.functional.mse_loss):
     """Take ONE optimizer step whose gradient is that of the mean loss over all micro-batches.
