@@ -6,6 +6,7 @@ course/02_data_parallel.ipynb (or ``make grade``).
 
 from torch import nn
 
+
 def accumulation_step(model, optimizer, micro_batches, loss_fn=nn.functional.mse_loss):
     """Take ONE optimizer step whose gradient is that of the mean loss over all micro-batches.
 
