@@ -309,8 +309,10 @@ def _sequential_sgd(steps, lr, staleness, batch=16, seed=0):
 def test_async_sgd_with_one_worker_is_exactly_sgd_on_stale_parameters(staleness):
     from engine.dp import async_sgd
 
-    losses = run_ranks(async_sgd, 2, 20, 0.1, staleness)[0]
-    assert losses == pytest.approx(_sequential_sgd(20, 0.1, staleness), abs=1e-6)
+    run = run_ranks(async_sgd, 2, 20, 0.1, staleness)[0]
+    assert run["losses"] == pytest.approx(_sequential_sgd(20, 0.1, staleness), abs=1e-6)
+    # one worker: the knob is the only source of staleness, 0, 1, ..., s, 0, 1, ...
+    assert run["staleness"] == [i % (staleness + 1) for i in range(20)]
 
 
 def test_staler_gradients_train_worse_and_bounded_staleness_completes():
@@ -319,7 +321,14 @@ def test_staler_gradients_train_worse_and_bounded_staleness_completes():
     fresh = _sequential_sgd(40, 0.3, staleness=0)[-1]
     stale = _sequential_sgd(40, 0.3, staleness=8)[-1]
     assert stale > fresh
-    losses = run_ranks(async_sgd, 4, 10, 0.1, 0, 0)[0]  # three workers, bound 0
-    assert len(losses) == 30 and losses[-1] < losses[0]
+    # three workers in lock-step (bound 0), one of them slow: every worker pushes once per
+    # round, and a gradient can only be behind the other two of its round
+    run = run_ranks(async_sgd, 4, 30, 0.1, 0, 0, 0.002)[0]
+    assert len(run["losses"]) == 30 and run["losses"][-1] < run["losses"][0]
+    assert run["pushes"] == {1: 10, 2: 10, 3: 10}
+    assert max(run["staleness"]) <= 2
+    # fully asynchronous with the same straggler: still exactly 30 updates, clean shutdown
+    run = run_ranks(async_sgd, 4, 30, 0.1, 0, None, 0.002)[0]
+    assert len(run["losses"]) == 30 and sum(run["pushes"].values()) == 30
     with pytest.raises(Exception, match="needs a server and at least one worker"):
         run_ranks(async_sgd, 1)

@@ -261,3 +261,49 @@ def _averages_parameters_instead(model, group=None):
 def test_averaging_checks_catch_wrong_answers(impl, failing):
     report = run_checks("ch02.average_gradients", impl=impl)
     assert {r.name for r in report.results if not r.passed} == failing
+
+
+def _bucketed_variant(launch_in_finish=False, divide=True, per_parameter=False):
+    """The reference, with one of the mistakes a learner might make."""
+    from solutions.ch02_bucketed_ddp import BucketedDataParallel
+
+    class Variant(BucketedDataParallel):
+        def _on_grad_ready(self, p):
+            if per_parameter:  # no buckets: one all-reduce per gradient, at once
+                self.queue_finish()
+                ops.all_reduce(p.grad, group=self.group)
+                if divide:
+                    p.grad.div_(dist.get_world_size(self.group))
+                return
+            if launch_in_finish:
+                self.queue_finish()
+                self.views[p].copy_(p.grad)
+                return
+            super()._on_grad_ready(p)
+
+        def _finish(self):
+            if per_parameter:
+                return
+            if launch_in_finish:  # correct sums, but no overlap with backward
+                for i, buffer in enumerate(self.buffers):
+                    self.works[i] = ops.all_reduce(buffer, group=self.group, async_op=True)
+            n = dist.get_world_size(self.group) if divide else 1
+            for i, bucket in enumerate(self.buckets):
+                self.works[i].wait()
+                self.buffers[i].div_(n)
+                for p in bucket:
+                    p.grad.copy_(self.views[p])
+                self.ready[i].clear()
+            self.next_bucket = 0
+
+    return Variant
+
+
+@pytest.mark.parametrize("variant, failing", [
+    (dict(launch_in_finish=True), {"first_bucket_overlaps_backward"}),
+    (dict(divide=False), {"matches_full_batch_training_bucketed"}),
+    (dict(per_parameter=True), {"one_all_reduce_per_bucket"}),
+])
+def test_bucketed_ddp_checks_catch_wrong_answers(variant, failing):
+    report = run_checks("ch02.bucketed_ddp", impl=_bucketed_variant(**variant))
+    assert {r.name for r in report.results if not r.passed} == failing

@@ -1,23 +1,32 @@
-"""Asynchronous SGD through a parameter server: real processes, a staleness knob, and
-bounded staleness. The counterexample to "asynchronous is always faster (and free)".
+"""Asynchronous SGD through a parameter server: real processes, a staleness knob, a straggler,
+and bounded staleness. The counterexample to "asynchronous is always faster (and free)".
 
 Rank 0 is the server; every other rank is a worker. A worker computes a gradient on its copy
-of the parameters, sends it (with its step count) to the server, and gets the server's current
-parameters back. The server applies each gradient the moment it arrives, from whichever worker
-sends first (Dean et al., "Large scale distributed deep networks", NIPS 2012: Downpour SGD).
-By then other workers may have moved the parameters on: the gradient is *stale*.
+of the parameters, sends it to the server, and gets the server's current parameters back. The
+server applies each gradient the moment it arrives, from whichever worker sends first (Dean et
+al., "Large scale distributed deep networks", NIPS 2012: Downpour SGD). By then other workers
+may have moved the parameters on: the gradient is *stale*. The server measures it: staleness =
+the number of updates applied between the version a gradient was computed on and its own.
 
 Knobs:
 
 * ``staleness``: a worker adopts the server's parameters only every ``staleness + 1`` steps,
   computing gradients on a copy up to that many of its own steps old (on top of the staleness
   the arrival order creates by itself);
+* ``straggler_delay``: rank 1 sleeps this many seconds per step, a slow machine. The fast
+  workers race ahead and the straggler's gradients arrive very stale;
 * ``bound``: stale synchronous parallel (Ho et al., "More effective distributed ML via a stale
   synchronous parallel parameter server", NIPS 2013). The server holds back its reply to a
-  worker more than ``bound`` steps ahead of the slowest unfinished worker.
+  worker that has pushed more than ``bound`` gradients beyond the slowest worker. ``bound=0``
+  is lock-step (bulk synchronous); ``None`` is fully asynchronous. Bounded staleness trades
+  waiting time for fresher gradients.
+
+The server stops after ``updates`` updates and tells every worker to stop.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 from torch import nn
@@ -27,6 +36,7 @@ from engine.comm import ops
 from engine.models import MLP, regression_data, shard
 
 SIZES = (16, 32, 8)
+_HEADER = 2  # worker -> server: [clock, version used, grad...]; back: [stop, version, params...]
 
 
 def _loss_and_grad(model: nn.Module, flat: torch.Tensor, x, y):
@@ -37,48 +47,78 @@ def _loss_and_grad(model: nn.Module, flat: torch.Tensor, x, y):
     return loss.item(), parameters_to_vector(p.grad for p in model.parameters())
 
 
-def async_sgd(rank: int, world_size: int, steps_per_worker: int = 40, lr: float = 0.05,
-              staleness: int = 0, bound: int | None = None, batch: int = 16, seed: int = 0):
-    """Run on every rank with :func:`engine.launch`. The server (rank 0) returns the full-data
-    loss after each update, in the order the updates were applied; workers return None."""
+def async_sgd(rank: int, world_size: int, updates: int = 120, lr: float = 0.05,
+              staleness: int = 0, bound: int | None = None, straggler_delay: float = 0.0,
+              batch: int = 16, seed: int = 0):
+    """Run on every rank with :func:`engine.launch`.
+
+    The server (rank 0) returns a dict: ``losses`` (full-data loss after each update),
+    ``staleness`` (of each applied gradient, in updates), ``pushes`` (gradients applied per
+    worker), ``times`` (seconds from the start to each update) and ``seconds`` (wall time).
+    Workers return None.
+    """
     if world_size < 2:
         raise ValueError(f"async SGD needs a server and at least one worker, got {world_size} "
                          "rank(s)")
     if staleness < 0 or (bound is not None and bound < 0):
         raise ValueError(f"staleness and bound must be >= 0, got {staleness!r} and {bound!r}")
+    if updates < 1 or straggler_delay < 0:
+        raise ValueError(f"need updates >= 1 and straggler_delay >= 0, got {updates!r} and "
+                         f"{straggler_delay!r}")
     model = MLP(SIZES, seed=seed)
     x, y = regression_data(64 * (world_size - 1), SIZES[0], SIZES[-1], seed=seed)
     flat = parameters_to_vector(model.parameters()).detach().clone()
-    workers = list(range(1, world_size))
     if rank == 0:
-        return _serve(model, flat, x, y, workers, steps_per_worker, lr, bound)
-    xs, ys = shard(x, rank - 1, len(workers)), shard(y, rank - 1, len(workers))
-    local, reply = flat.clone(), torch.empty_like(flat)
-    for step in range(steps_per_worker):
+        return _serve(model, flat, x, y, list(range(1, world_size)), updates, lr, bound)
+    xs, ys = shard(x, rank - 1, world_size - 1), shard(y, rank - 1, world_size - 1)
+    local, version = flat.clone(), 0
+    reply = torch.empty(flat.numel() + _HEADER)
+    step = 0
+    while True:
         start = (step * batch) % xs.size(0)
         _, grad = _loss_and_grad(model, local, xs[start:start + batch], ys[start:start + batch])
-        ops.send(torch.cat([torch.tensor([step + 1.0]), grad]), 0)
+        if rank == 1 and straggler_delay:
+            time.sleep(straggler_delay)
+        step += 1
+        ops.send(torch.cat([torch.tensor([float(step), float(version)]), grad]), 0)
         ops.recv(reply, 0)
-        if (step + 1) % (staleness + 1) == 0:
-            local.copy_(reply)
-    return None
+        if reply[0]:
+            return None
+        if step % (staleness + 1) == 0:
+            local.copy_(reply[_HEADER:])
+            version = int(reply[1])
 
 
-def _serve(model, flat, x, y, workers, steps_per_worker, lr, bound):
+def _serve(model, flat, x, y, workers, updates, lr, bound):
+    began = time.perf_counter()
     clocks = {w: 0 for w in workers}
+    pushes = {w: 0 for w in workers}
     waiting: list[int] = []  # workers whose reply is held back (bounded staleness)
-    message = torch.empty(flat.numel() + 1)
-    losses = []
-    for _ in range(len(workers) * steps_per_worker):
+    message = torch.empty(flat.numel() + _HEADER)
+    losses, stale, times = [], [], []
+
+    def reply(worker, stop):
+        ops.send(torch.cat([torch.tensor([float(stop), float(len(losses))]), flat]), worker)
+
+    while len(losses) < updates:
         sender = ops.recv(message)  # whichever worker is first
-        clocks[sender] = int(message[0])
-        flat -= lr * message[1:]
+        clocks[sender], used = int(message[0]), int(message[1])
+        pushes[sender] += 1
+        stale.append(len(losses) - used)
+        flat -= lr * message[_HEADER:]
         losses.append(_loss_and_grad(model, flat, x, y)[0])
+        times.append(time.perf_counter() - began)
         waiting.append(sender)
-        running = [c for c in clocks.values() if c < steps_per_worker]
-        slowest = min(running) if running else steps_per_worker
+        if len(losses) == updates:
+            break
+        slowest = min(clocks.values())
         for w in list(waiting):
-            if bound is None or clocks[w] - slowest <= bound or clocks[w] >= steps_per_worker:
-                ops.send(flat, w)
+            if bound is None or clocks[w] - slowest <= bound:
                 waiting.remove(w)
-    return losses
+                reply(w, stop=False)
+    for w in waiting:  # held back, or the last sender: nothing more to compute
+        reply(w, stop=True)
+    for _ in range(len(workers) - len(waiting)):  # still computing: take the gradient, stop
+        reply(ops.recv(message), stop=True)
+    return {"losses": losses, "staleness": stale, "pushes": pushes, "times": times,
+            "seconds": time.perf_counter() - began}

@@ -1,6 +1,8 @@
-"""Checks for chapter 02: gradient accumulation under no_sync."""
+"""Checks for chapter 02: gradient accumulation, averaging gradients, bucketed DDP."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 from torch import nn
@@ -8,6 +10,7 @@ from torch import nn
 from engine import launch
 from engine.comm import CommMeter
 from engine.dp import DataParallel
+from engine.dp.buckets import assign_buckets
 from engine.models import MLP, regression_data, shard
 from tests.grading import CheckFailed, Exercise
 from tests.grading.drill import Drill
@@ -140,3 +143,98 @@ DRILLS = [
           "all-reduces per optimizer step?", 3.0, "One per bucket, once: the first 7 "
           "backward passes only accumulate into param.grad."),
 ]
+
+
+# -- ch02.bucketed_ddp ------------------------------------------------------------------------
+
+DDP_SIZES = (16, 32, 32, 8)  # 1864 fp32 parameters, 7456 bytes
+BUCKET_CAPS_MB = {1: 1.0, 2: 5000 / 2**20, 3: 1024 / 2**20}  # buckets -> cap that makes them
+
+
+def _bucketed_on_rank(rank, world_size, impl, cap_mb):
+    x, y = regression_data(4 * world_size, 16, 8, seed=5)
+    reference = MLP(DDP_SIZES, seed=3)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    model = impl(MLP(DDP_SIZES, seed=3 + rank), bucket_cap_mb=cap_mb)  # differ until broadcast
+    opt = torch.optim.AdamW(model.module.parameters(), lr=1e-2)
+    xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
+    grads_done: list[float] = []  # when each gradient became ready, in the last backward
+    for p in model.module.parameters():
+        p.register_post_accumulate_grad_hook(lambda _p: grads_done.append(time.perf_counter()))
+    steps = []
+    for _ in range(3):
+        grads_done.clear()
+        opt.zero_grad()
+        with CommMeter() as meter:
+            nn.functional.mse_loss(model(xs), ys).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        steps.append([(e.op, e.payload_bytes, e.start) for e in meter.events])
+    worst = max((a - b).abs().max().item() for a, b in
+                zip(model.module.parameters(), reference.parameters(), strict=True))
+    return worst, steps, max(grads_done)
+
+
+def _run_bucketed(impl, world_size, buckets):
+    return launch(_bucketed_on_rank, world_size, impl, BUCKET_CAPS_MB[buckets], timeout=20,
+                  quiet=True)
+
+
+def check_matches_full_batch_training_bucketed(impl):
+    for world_size in (2, 3):
+        for buckets in BUCKET_CAPS_MB:
+            for rank, (worst, _, _) in enumerate(_run_bucketed(impl, world_size, buckets)):
+                if not worst <= 1e-6:
+                    raise CheckFailed(
+                        f"after 3 AdamW steps rank {rank}'s parameters differ from one process "
+                        f"on the full batch by {worst:.2e}: average (sum / N) every bucket and "
+                        "copy each slice back into p.grad", world_size=world_size,
+                        buckets=buckets)
+
+
+def _bucket_bytes(buckets):
+    model = MLP(DDP_SIZES, seed=3)
+    groups = assign_buckets(list(model.parameters()), int(BUCKET_CAPS_MB[buckets] * 2**20))
+    return [sum(p.numel() * p.element_size() for p in g) for g in groups]
+
+
+def check_one_all_reduce_per_bucket(impl):
+    for buckets in BUCKET_CAPS_MB:
+        expected = [("all_reduce", size) for size in _bucket_bytes(buckets)]
+        for rank, (_, steps, _) in enumerate(_run_bucketed(impl, 2, buckets)):
+            for step, events in enumerate(steps):
+                seen = [(op, size) for op, size, _ in events]
+                if seen != expected:
+                    raise CheckFailed(
+                        f"rank {rank}, step {step}: the meter saw {seen}; expected one "
+                        f"all-reduce per bucket, last layer's bucket first: {expected}. Use "
+                        "ops.all_reduce on each bucket's flat buffer, once per backward",
+                        buckets=buckets)
+
+
+def check_first_bucket_overlaps_backward(impl):
+    for rank, (_, steps, backward_end) in enumerate(_run_bucketed(impl, 2, 3)):
+        events = steps[-1]
+        if not events:
+            raise CheckFailed("the meter saw no all-reduce; use ops.all_reduce", buckets=3)
+        if not events[0][2] < backward_end:
+            raise CheckFailed(
+                f"rank {rank}: the first bucket's all-reduce started "
+                f"{(events[0][2] - backward_end) * 1e3:.2f} ms after the last gradient was "
+                "ready. Launch a bucket in _on_grad_ready as soon as it is complete, not in "
+                "_finish", buckets=3)
+
+
+EXERCISES.append(Exercise(
+    name="ch02.bucketed_ddp",
+    title="Bucketed data parallelism with overlap",
+    module="ch02_bucketed_ddp",
+    attr="BucketedDataParallel",
+    checks=(check_matches_full_batch_training_bucketed, check_one_all_reduce_per_bucket,
+            check_first_bucket_overlaps_backward),
+    hint="_on_grad_ready: queue_finish(); views[p].copy_(p.grad); ready[i].add(p); while the "
+         "bucket at next_bucket is complete, launch its async all-reduce and move on. _finish: "
+         "for each bucket wait, divide by the world size, copy the views into p.grad, reset.",
+))
