@@ -167,19 +167,26 @@ def test_mixed_devices_are_a_clear_error():
 def _compressed(rank, world_size):
     calls = []
 
-    def plain_sum(bucket, group):
-        calls.append(bucket.numel())
-        return dist.all_reduce(bucket, group=group, async_op=True)
+    def plain_average(bucket, group):
+        calls.append((bucket.index, bucket.is_last, bucket.buffer.numel()))
+        bucket.buffer.div_(dist.get_world_size(group))
+        return dist.all_reduce(bucket.buffer, group=group, async_op=True)
 
-    model = DataParallel(MLP(SIZES, seed=3), bucket_cap_mb=0.012, compressor=plain_sum)
+    model = DataParallel(MLP(SIZES, seed=3), bucket_cap_mb=0.012, compressor=plain_average)
+    reference = DataParallel(MLP(SIZES, seed=3), bucket_cap_mb=0.012)
     x, y = regression_data(8, 16, 8, seed=rank)
-    nn.functional.mse_loss(model(x), y).backward()
-    return calls
+    for m in (model, reference):
+        nn.functional.mse_loss(m(x), y).backward()
+    same = all(torch.equal(a.grad, b.grad) for a, b in
+               zip(model.parameters(), reference.parameters(), strict=True))
+    return calls, same
 
 
-def test_the_compressor_slot_receives_every_bucket():
-    for calls in run_ranks(_compressed, 2):
-        assert sum(calls) == sum(p.numel() for p in MLP(SIZES).parameters()) and len(calls) == 2
+def test_the_compressor_slot_receives_every_bucket_and_returns_the_average():
+    for calls, same in run_ranks(_compressed, 2):
+        assert [c[:2] for c in calls] == [(0, False), (1, True)]
+        assert sum(c[2] for c in calls) == sum(p.numel() for p in MLP(SIZES).parameters())
+        assert same
 
 
 def _first_launch_vs_backward_end(rank, world_size, overlap):

@@ -85,8 +85,12 @@ class NaiveDataParallel(nn.Module):
 
 
 class _Bucket:
-    def __init__(self, index: int, params: list[nn.Parameter]):
-        self.index, self.params = index, params
+    """One bucket: a flat gradient buffer and each parameter's view of it. Compressors get
+    this object (``index``, ``is_last``, ``buffer``, ``params``, ``views``), as PyTorch's comm
+    hooks get a ``GradBucket``."""
+
+    def __init__(self, index: int, params: list[nn.Parameter], is_last: bool):
+        self.index, self.params, self.is_last = index, params, is_last
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
                                   device=params[0].device)
         self.views = {}
@@ -106,9 +110,9 @@ class DataParallel(nn.Module):
         bucket_cap_mb: close a bucket once it holds this many MB of gradients.
         overlap: start each bucket's all-reduce as soon as it is full (True), or all of them
             after backward (False), to measure what overlap buys.
-        compressor: ``None`` (plain all-reduce) or a callable ``(flat_bucket, group) -> work``
-            that leaves the *sum* over ranks in ``flat_bucket`` once ``work.wait()`` returns
-            (chapter 03's compressors).
+        compressor: ``None`` (plain all-reduce) or a callable ``(bucket, group) -> work``
+            that leaves the *average* over ranks in ``bucket.buffer`` once ``work.wait()``
+            returns, like a PyTorch comm hook (:mod:`engine.compress`).
         group: the data-parallel process group (default: the world).
         first_bucket_mb: a smaller first bucket gets communication going sooner (DDP: 1 MB).
     """
@@ -128,7 +132,7 @@ class DataParallel(nn.Module):
         mb = 2**20
         first_cap = int(first_bucket_mb * mb) if first_bucket_mb else None
         groups = assign_buckets(params, int(bucket_cap_mb * mb), first_cap)
-        self.buckets = [_Bucket(i, ps) for i, ps in enumerate(groups)]
+        self.buckets = [_Bucket(i, ps, i == len(groups) - 1) for i, ps in enumerate(groups)]
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         self._next = 0  # the next bucket to launch: launches go in bucket order on every rank
         self.backward_done_at: float | None = None
@@ -168,7 +172,7 @@ class DataParallel(nn.Module):
 
     def _launch(self, bucket: _Bucket) -> None:
         if self.compressor is not None:
-            bucket.work = self.compressor(bucket.buffer, self.group)
+            bucket.work = self.compressor(bucket, self.group)
         else:
             bucket.work = ops.all_reduce(bucket.buffer, group=self.group, async_op=True)
         self._next += 1
@@ -188,7 +192,8 @@ class DataParallel(nn.Module):
         n = dist.get_world_size(self.group)
         for bucket in self.buckets:
             bucket.work.wait()
-            bucket.buffer.div_(n)
+            if self.compressor is None:  # a compressor leaves the average already
+                bucket.buffer.div_(n)
             for p in bucket.params:
                 if p.grad is None:
                     p.grad = bucket.views[p].clone()
