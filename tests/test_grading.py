@@ -307,3 +307,30 @@ def _bucketed_variant(launch_in_finish=False, divide=True, per_parameter=False):
 def test_bucketed_ddp_checks_catch_wrong_answers(variant, failing):
     report = run_checks("ch02.bucketed_ddp", impl=_bucketed_variant(**variant))
     assert {r.name for r in report.results if not r.passed} == failing
+
+
+def _topk_variant(forget_residual=False, floor_k=False):
+    import math
+
+    from solutions.ch03_topk_error_feedback import TopKWithErrorFeedback
+
+    class Variant(TopKWithErrorFeedback):
+        def compress(self, gradient, residual):
+            corrected = gradient if (residual is None or forget_residual) else gradient + residual
+            k = int(self.ratio * corrected.numel()) if floor_k else \
+                max(1, math.ceil(self.ratio * corrected.numel()))
+            indices = corrected.abs().topk(k, sorted=False).indices
+            new_residual = corrected.clone()
+            new_residual[indices] = 0
+            return corrected[indices], indices, new_residual
+
+    return Variant
+
+
+@pytest.mark.parametrize("variant, failing", [
+    (dict(forget_residual=True), {"error_feedback_invariant", "trains_close_to_dense"}),
+    (dict(floor_k=True), {"sends_k_values_and_k_indices"}),
+])
+def test_topk_checks_catch_wrong_answers(variant, failing):
+    report = run_checks("ch03.topk_error_feedback", impl=_topk_variant(**variant))
+    assert {r.name for r in report.results if not r.passed} == failing

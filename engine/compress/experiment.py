@@ -55,13 +55,15 @@ def teacher_data(samples: int, seed: int):
         return x, teacher(x).argmax(dim=1)
 
 
-def train_compressed(rank: int, world_size: int, spec: str, steps: int = 300, lr: float = 0.1,
+def train_compressed(rank: int, world_size: int, spec, steps: int = 300, lr: float = 0.1,
                      batch: int = 32, seed: int = 0, log_every: int = 10) -> dict:
     """One run on every rank (use :func:`engine.launch`). Returns, on every rank: ``losses``
     (training loss over all ranks, averaged over each window of ``log_every`` steps),
     ``accuracy`` and ``test_loss`` (held out, at the end), ``bytes_sent`` (this rank, for
-    gradients) and ``dense_bytes`` (what a dense ring all-reduce would send)."""
-    compressor = make_compressor(spec)
+    gradients) and ``dense_bytes`` (what a dense ring all-reduce would send). ``spec`` is a
+    name (see :func:`make_compressor`) or a function that returns a compressor."""
+    compressor = spec() if callable(spec) else make_compressor(spec)
+    spec = spec if isinstance(spec, str) else repr(compressor)
     model = DataParallel(MLP(STUDENT, seed=seed), compressor=compressor)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     x, y = teacher_data(batch * world_size * steps, seed=seed + 1)
