@@ -48,6 +48,7 @@ bench: setup
 	$(BIN)/python benchmarks/launch.py
 	$(BIN)/python benchmarks/collectives.py
 	$(BIN)/python benchmarks/dp.py
+	$(BIN)/python benchmarks/compression.py
 
 clean:
 	rm -rf $(VENV) grade-report.xml

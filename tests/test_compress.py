@@ -235,3 +235,31 @@ def test_integer_gradients_are_a_clear_error(make):
     bucket = FakeBucket([torch.arange(10)])
     with pytest.raises(ValueError, match="floating-point gradients, got a bucket of torch.int64"):
         make()(bucket)
+
+
+# -- the convergence experiment's plumbing ---------------------------------------------------
+
+@pytest.mark.parametrize("spec, message", [
+    ("topk", "unknown compressor spec 'topk'"),
+    ("topk:2", "bad compressor spec 'topk:2': ratio must be a number in \\(0, 1\\]"),
+    ("powersgd:0", "bad compressor spec 'powersgd:0'"),
+    ("gzip", "unknown compressor spec 'gzip'"),
+])
+def test_bad_compressor_specs_are_clear_errors(spec, message):
+    from engine.compress.experiment import make_compressor
+
+    with pytest.raises(ValueError, match=message):
+        make_compressor(spec)
+
+
+def test_experiment_counts_topk_bytes_as_n_times_the_ratio_of_dense():
+    from engine.compress.experiment import STUDENT, train_compressed
+
+    numel = sum(p.numel() for p in MLP(STUDENT).parameters())  # one bucket
+    for world_size in (2, 3):
+        results = run_ranks(train_compressed, world_size, "topk:0.01", 5)
+        k = theory.topk_kept(numel, 0.01)
+        for r in results:
+            assert r["bytes_sent"] == 5 * theory.topk_bytes_per_rank(numel, 0.01, world_size)
+            assert r["bytes_sent"] / r["dense_bytes"] == pytest.approx(world_size * k / numel)
+            assert len(r["losses"]) == 1 and 0 <= r["accuracy"] <= 1

@@ -33,8 +33,8 @@ def compression_figure(results: list[dict]):
                          s=50)
         frontier.annotate(r["spec"], (r["bytes_sent"] / 2**20, r["accuracy"]), fontsize=7,
                           xytext=(4, 3), textcoords="offset points")
-    curves.set_xlabel("step"); curves.set_ylabel("training loss (all ranks)")
-    curves.set_yscale("log"); curves.set_title("Loss curves (dashed: no error feedback)")
+    curves.set(xlabel="step", ylabel="training loss (all ranks)", yscale="log",
+               title="Loss curves (dashed: no error feedback)")
     curves.legend(fontsize=7, ncol=2)
     frontier.set_xscale("log")
     frontier.set_xlabel("MB sent per rank for gradients (log)")
