@@ -44,7 +44,7 @@ def broadcast_module(module: nn.Module, group=None) -> None:
             ops.broadcast(tensor.data, src, group)
 
 
-class _EndOfBackward:
+class EndOfBackward:
     """Runs ``fn`` once when the current backward pass finishes (queued from a grad hook)."""
 
     def __init__(self, fn):
@@ -68,7 +68,7 @@ class NaiveDataParallel(nn.Module):
         self.module, self.group = module, group
         self.params = [p for p in _checked_params(module) if p.requires_grad]
         broadcast_module(module, group)
-        self._end = _EndOfBackward(self._all_reduce_gradients)
+        self._end = EndOfBackward(self._all_reduce_gradients)
         for p in self.params:
             p.register_post_accumulate_grad_hook(lambda _p: self._end.queue())
 
@@ -137,7 +137,7 @@ class DataParallel(nn.Module):
         self._next = 0  # the next bucket to launch: launches go in bucket order on every rank
         self.backward_done_at: float | None = None
         self._sync = True
-        self._end = _EndOfBackward(self._finish)
+        self._end = EndOfBackward(self._finish)
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 

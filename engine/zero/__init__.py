@@ -1,0 +1,7 @@
+"""ZeRO from scratch: sharded optimizer state (stage 1), gradients (stage 2) and parameters
+(stage 3) over flat, evenly padded buckets."""
+
+from engine.zero.flat import FlatBucket, make_buckets
+from engine.zero.optimizer import ZeroOptimizer
+
+__all__ = ["ZeroOptimizer", "FlatBucket", "make_buckets"]

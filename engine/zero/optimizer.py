@@ -1,0 +1,176 @@
+"""``ZeroOptimizer``: ZeRO stages 0, 1 and 2 as a ``torch.optim.Optimizer``.
+
+Rajbhandari et al., "ZeRO: Memory optimizations toward training trillion parameter models"
+(SC 2020), section 5:
+
+* **stage 0** (plain data parallelism): gradients are all-reduced; every rank keeps the whole
+  optimizer state.
+* **stage 1** (P_os): every rank keeps the optimizer state of its 1/N shard only. At the step,
+  gradients are reduce-scattered (each rank receives the average of its shard), the rank
+  updates its shard, and the updated parameters are all-gathered. A reduce-scatter plus an
+  all-gather move exactly what one all-reduce moves: no extra communication.
+* **stage 2** (P_os+g): as stage 1, but the reduce-scatter runs during backward, bucket by
+  bucket from gradient hooks, and each full gradient is freed as soon as it is in its bucket:
+  a rank keeps only its 1/N of the gradients.
+
+With fp16/bf16 parameters the optimizer keeps fp32 master weights for its shard: the paper's
+2 + 2 + 12 bytes per parameter (K = 12). With fp32 parameters the shard *is* the parameters'
+memory, so there is no extra copy (4 + 4 + 8).
+
+Stage 3 shards the parameters too, so it has to wrap the model: see
+:class:`engine.zero.ZeroDataParallel`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.comm import ops
+from engine.dp.data_parallel import EndOfBackward
+from engine.memory import StateBytes, optimizer_tensors, unique_storage_bytes
+from engine.zero.flat import check_params, make_buckets
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Wrap ``optimizer_cls`` (e.g. ``torch.optim.AdamW``) so that it only ever sees this
+    rank's shard of the parameters.
+
+    Args:
+        params: the model's parameters (one group; each ``.data`` becomes a view of a flat
+            bucket). They are broadcast from the group's first rank.
+        optimizer_cls, **kwargs: the optimizer to run on the shard, and its arguments.
+        stage: 0, 1 or 2 (3 needs the model: ``ZeroDataParallel``).
+        group: the data-parallel group (default: the world).
+        bucket_cap_mb: bucket size; in stage 2 the size of each reduce-scatter during backward
+            (DeepSpeed's ``reduce_bucket_size``).
+
+    Use it as any optimizer: ``loss.backward(); opt.step(); opt.zero_grad()``. In stages 0
+    and 1 ``backward`` is the plain one (no DataParallel wrapper: the optimizer averages).
+    """
+
+    def __init__(self, params, optimizer_cls, stage: int = 1, group=None,
+                 bucket_cap_mb: float = 25, **kwargs):
+        if stage == 3:
+            raise ValueError("stage 3 shards the parameters themselves, so it wraps the model: "
+                             "use ZeroDataParallel(module, optimizer_cls, ...)")
+        if stage not in (0, 1, 2):
+            raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+        params = check_params(params)
+        super().__init__(params, {})
+        self.stage, self.group = stage, group
+        self.world_size = dist.get_world_size(group)
+        sharded = stage >= 1
+        self.buckets = make_buckets(params, bucket_cap_mb,
+                                    dist.get_rank(group) if sharded else 0,
+                                    self.world_size if sharded else 1)
+        root = ops.group_ranks(group)[0]
+        for b in self.buckets:
+            ops.broadcast(b.flat, root, group)
+        self.mixed = params[0].dtype != torch.float32
+        # fp32: the optimizer updates the shard in place. fp16/bf16: an fp32 master copy.
+        self.masters = [nn.Parameter(b.shard.detach().float().clone() if self.mixed
+                                     else b.shard.detach()) for b in self.buckets]
+        self.inner = optimizer_cls(self.masters, **kwargs)
+        self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        if stage == 2:
+            self._setup_stage2()
+
+    # -- stage 2: reduce-scatter during backward -----------------------------------------------
+
+    def _setup_stage2(self) -> None:
+        for b in self.buckets:
+            b.shard_grad = torch.zeros_like(b.shard)  # this rank's gradients, accumulated
+            b.grad_buffer, b.received, b.work, b.ready = None, None, None, set()
+        self._next = 0
+        self._end = EndOfBackward(self._finish_backward)
+        for p in self._bucket_of:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        self._end.queue()
+        b = self._bucket_of[p]
+        if b.grad_buffer is None:
+            b.grad_buffer = torch.zeros_like(b.flat)
+        b.view_of(p, b.grad_buffer).add_(p.grad)
+        p.grad = None  # the full gradient is gone; only the bucket holds it, until sent
+        b.ready.add(p)
+        while self._next < len(self.buckets) and \
+                len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
+            self._reduce_scatter(self.buckets[self._next])
+
+    def _reduce_scatter(self, b) -> None:
+        if b.grad_buffer is None:  # no parameter of this bucket was used
+            b.grad_buffer = torch.zeros_like(b.flat)
+        b.received = torch.empty_like(b.shard)
+        b.work = ops.reduce_scatter_tensor(b.received, b.grad_buffer, group=self.group,
+                                           async_op=True)
+        self._next += 1
+
+    def _finish_backward(self) -> None:
+        for b in self.buckets[self._next:]:  # unused parameters: their gradient is zero
+            self._reduce_scatter(b)
+        for b in self.buckets:
+            b.work.wait()
+            b.shard_grad.add_(b.received.div_(self.world_size))
+            b.grad_buffer = b.received = b.work = None
+            b.ready.clear()
+        self._next = 0
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def _average_gradients(self) -> list[torch.Tensor]:
+        """This rank's shard of the averaged gradient, per bucket."""
+        if self.stage == 2:
+            return [b.shard_grad for b in self.buckets]
+        shards = []
+        for b in self.buckets:
+            full = b.flatten_grads()
+            if self.stage == 0:
+                ops.all_reduce(full, group=self.group)
+                shards.append(full.div_(self.world_size))
+            else:
+                shard = torch.empty_like(b.shard)
+                ops.reduce_scatter_tensor(shard, full, group=self.group)
+                shards.append(shard.div_(self.world_size))
+        return shards
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for master, grad in zip(self.masters, self._average_gradients(), strict=True):
+            master.grad = grad.float() if self.mixed else grad
+        self.inner.step()
+        for b, master in zip(self.buckets, self.masters, strict=True):
+            master.grad = None  # the fp32 gradient shard lives only during the step
+            if self.mixed:
+                b.shard.copy_(master)  # round the master weights to the model's precision
+            if self.stage >= 1:
+                ops.all_gather_into_tensor(b.flat, b.shard.clone(), group=self.group)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        if self.stage == 2:
+            for b in self.buckets:
+                b.shard_grad.zero_()
+
+    # -- measuring -----------------------------------------------------------------------------
+
+    def state_bytes(self) -> StateBytes:
+        """Bytes this rank holds, by unique storage: parameters (the flat buckets, padding
+        included), gradients (full ones and stage 2's shards) and optimizer state (the inner
+        optimizer's, and fp32 master weights in mixed precision)."""
+        params = [b.flat for b in self.buckets]
+        grads = [p.grad for p in self._bucket_of if p.grad is not None]
+        if self.stage == 2:
+            grads += [b.shard_grad for b in self.buckets]
+        optim = optimizer_tensors(self.inner) + (list(self.masters) if self.mixed else [])
+        seen: set = set()
+        total = sum(unique_storage_bytes(group, seen) for group in (params, grads, optim))
+        return StateBytes(params=unique_storage_bytes(params), grads=unique_storage_bytes(grads),
+                          optimizer=unique_storage_bytes(optim), total=total)
