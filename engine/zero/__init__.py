@@ -3,5 +3,6 @@
 
 from engine.zero.flat import FlatBucket, make_buckets
 from engine.zero.optimizer import ZeroOptimizer
+from engine.zero.stage3 import ZeroDataParallel
 
-__all__ = ["ZeroOptimizer", "FlatBucket", "make_buckets"]
+__all__ = ["ZeroOptimizer", "ZeroDataParallel", "FlatBucket", "make_buckets"]

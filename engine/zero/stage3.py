@@ -1,0 +1,286 @@
+"""ZeRO stage 3 (P_os+g+p): the parameters are sharded too, so the model must be wrapped.
+
+Rajbhandari et al., ZeRO (SC 2020), section 5.3; PyTorch FSDP's ``FULL_SHARD`` does the same.
+The model is cut into *units* (by default every module that owns parameters directly; or the
+modules you pass, e.g. the transformer blocks). Each unit's parameters are one flat, padded
+bucket, and a rank keeps only its 1/N slice of it. Then, per step:
+
+* **forward**: just before a unit runs, its parameters are all-gathered; just after, freed;
+* **backward**: just before the unit's backward (a hook on its output's gradient), gathered
+  again; once all its gradients are in, they are reduce-scattered (each rank keeps the
+  average of its slice) and the full parameters and gradients are freed;
+* **step**: the optimizer updates the shard; nothing else moves.
+
+Two all-gathers and one reduce-scatter: ``3(N-1)/N * psi`` elements per rank per step, 1.5x
+data parallelism (the paper's section 7). With ``prefetch=True`` the next unit's gather is
+started before the current unit runs, so it overlaps with compute, at the price of holding
+two units at once.
+
+Parameters that are not in any unit, or that two units share (tied embeddings), form the
+*root* unit: gathered when the forward starts and freed when the backward ends.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.comm import ops
+from engine.dp.data_parallel import EndOfBackward
+from engine.memory import StateBytes, optimizer_tensors, unique_storage_bytes
+from engine.zero.flat import FlatBucket, check_params
+
+_EMPTY = torch.empty(0)
+
+
+class _Unit:
+    """One unit: its parameters as a flat sharded bucket, gathered only while needed."""
+
+    def __init__(self, name: str, params: list[nn.Parameter], rank: int, n: int):
+        self.name, self.params = name, params
+        self.shapes = {p: p.shape for p in params}  # .data is emptied while not gathered
+        bucket = FlatBucket(params, rank, n)  # packs the current values, then we keep 1/N
+        self.offsets, self.padded = bucket.offsets, bucket.padded
+        self.shard = nn.Parameter(bucket.shard.detach().clone())
+        self.shard_grad = torch.zeros_like(self.shard)
+        self.full: torch.Tensor | None = None
+        self.pending = None  # an async gather in flight (prefetch)
+        self.grad_buffer: torch.Tensor | None = None
+        self.received, self.work, self.ready = None, None, set()
+        self.free()
+
+    @property
+    def full_bytes(self) -> int:
+        return self.padded * self.shard.element_size()
+
+    def start_gather(self, group) -> None:
+        if self.full is None and self.pending is None:
+            buffer = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
+            work = ops.all_gather_into_tensor(buffer, self.shard.detach(), group=group,
+                                              async_op=True)
+            self.pending = (buffer, work)
+
+    def finish_gather(self) -> None:
+        if self.full is None:
+            buffer, work = self.pending
+            work.wait()
+            self.full, self.pending = buffer, None
+            for p in self.params:
+                at, shape = self.offsets[p], self.shapes[p]
+                p.data = self.full[at:at + shape.numel()].view(shape)
+
+    def free(self) -> None:
+        self.full = None
+        for p in self.params:
+            p.data = _EMPTY.to(dtype=p.dtype, device=p.device)
+
+
+class ZeroDataParallel(nn.Module):
+    """ZeRO stage 3: ``model = ZeroDataParallel(module, torch.optim.AdamW, lr=1e-3)``; then
+    ``loss = model(x)...; loss.backward(); model.optimizer.step(); model.optimizer.zero_grad()``.
+
+    Args:
+        module: the model; its parameters are broadcast from the group's first rank, then
+            sharded (each rank keeps 1/N of every unit).
+        optimizer_cls, **kwargs: the optimizer, run on this rank's shards only.
+        units: the modules to gather and free one at a time (default: every module that owns
+            parameters directly).
+        prefetch: start gathering the next unit before the current one runs.
+        group: the data-parallel group (default: the world).
+    """
+
+    def __init__(self, module: nn.Module, optimizer_cls, units=None, prefetch: bool = False,
+                 group=None, **kwargs):
+        super().__init__()
+        check_params(module.parameters())
+        self.module, self.group, self.prefetch = module, group, prefetch
+        self.world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+        root = ops.group_ranks(group)[0]
+        with torch.no_grad():
+            for p in module.parameters():
+                ops.broadcast(p.data, root, group)
+        self.units, root_params = self._make_units(module, units, rank)
+        self.root = _Unit("(root)", root_params, rank, self.world_size) if root_params else None
+        self.all_units = ([self.root] if self.root else []) + self.units
+        self._unit_of = {p: u for u in self.all_units for p in u.params}
+        self.optimizer = _ShardOptimizer(self, optimizer_cls([u.shard for u in self.all_units],
+                                                             **kwargs))
+        self._order: list[_Unit] = []  # units in the order the last forward ran them
+        self._end = EndOfBackward(self._finish_backward)
+        self.gathered_bytes = 0
+        self.peak_gathered_bytes = 0
+        self.memory_timeline: list[tuple[float, int, str]] = []  # (time, bytes gathered, event)
+        for unit, mod in zip(self.units, self._unit_modules, strict=True):
+            mod.register_forward_pre_hook(lambda _m, _a, u=unit: self._before_forward(u))
+            mod.register_forward_hook(lambda _m, _a, out, u=unit: self._after_forward(u, out))
+        for p in self._unit_of:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _make_units(self, module, units, rank):
+        if units is None:
+            units = [m for m in module.modules() if any(True for _ in m.parameters(False))]
+        units = list(units)
+        claimed: dict[nn.Parameter, int] = {}
+        for i, mod in enumerate(units):
+            for p in mod.parameters():
+                if p.requires_grad:
+                    claimed.setdefault(p, i) if p not in claimed else claimed.__setitem__(p, -1)
+        self._unit_modules, made = [], []
+        for i, mod in enumerate(units):
+            mine = [p for p in mod.parameters() if claimed.get(p) == i]
+            if mine:
+                self._unit_modules.append(mod)
+                made.append(_Unit(type(mod).__name__, list(dict.fromkeys(mine)), rank,
+                                  self.world_size))
+        root = [p for p in dict.fromkeys(module.parameters())
+                if p.requires_grad and claimed.get(p, -1) == -1]
+        return made, root
+
+    # -- bookkeeping of what is gathered ------------------------------------------------------
+
+    def _start(self, unit: _Unit, event: str) -> None:
+        if unit.full is None and unit.pending is None:
+            unit.start_gather(self.group)
+            self._account(unit.full_bytes, f"gather {unit.name} ({event})")
+
+    def _gather(self, unit: _Unit, event: str) -> None:
+        self._start(unit, event)
+        unit.finish_gather()
+
+    def _free(self, unit: _Unit, event: str) -> None:
+        if unit.full is not None:
+            unit.free()
+            self._account(-unit.full_bytes, f"free {unit.name} ({event})")
+
+    def _account(self, delta: int, event: str) -> None:
+        self.gathered_bytes += delta
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+        self.memory_timeline.append((time.perf_counter(), self.gathered_bytes, event))
+
+    # -- forward --------------------------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        self._order = []
+        if self.root is not None:
+            self._gather(self.root, "forward")
+        return self.module(*args, **kwargs)
+
+    def _before_forward(self, unit: _Unit) -> None:
+        if not torch.is_grad_enabled() and unit.full is not None:
+            return
+        self._order.append(unit)
+        self._gather(unit, "forward")
+        if self.prefetch:  # the next unit's gather overlaps with this unit's compute
+            following = self._next_in(self.units, unit)
+            if following is not None:
+                self._start(following, "forward prefetch")
+
+    def _after_forward(self, unit: _Unit, output) -> None:
+        self._free(unit, "after forward")
+        if torch.is_grad_enabled():
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(lambda grad, u=unit: self._before_backward(u) or grad)
+                    break
+
+    @staticmethod
+    def _next_in(order, unit):
+        i = order.index(unit) if unit in order else -1
+        return order[i + 1] if 0 <= i < len(order) - 1 else None
+
+    # -- backward -------------------------------------------------------------------------------
+
+    def _before_backward(self, unit: _Unit) -> None:
+        self._end.queue()
+        self._gather(unit, "backward")
+        if self.prefetch:  # backward runs the units in reverse
+            earlier = self._next_in(self._order[::-1], unit)
+            if earlier is not None and not earlier.ready:
+                self._start(earlier, "backward prefetch")
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        self._end.queue()
+        unit = self._unit_of[p]
+        if unit.grad_buffer is None:
+            unit.grad_buffer = torch.zeros(unit.padded, dtype=unit.shard.dtype,
+                                           device=unit.shard.device)
+        at = unit.offsets[p]
+        unit.grad_buffer[at:at + p.numel()].add_(p.grad.reshape(-1))
+        p.grad = None
+        unit.ready.add(p)
+        if len(unit.ready) == len(unit.params) and unit is not self.root:
+            self._reduce_scatter(unit)
+            self._free(unit, "after backward")
+
+    def _reduce_scatter(self, unit: _Unit) -> None:
+        if unit.grad_buffer is None:
+            unit.grad_buffer = torch.zeros(unit.padded, dtype=unit.shard.dtype,
+                                           device=unit.shard.device)
+        unit.received = torch.empty_like(unit.shard)
+        unit.work = ops.reduce_scatter_tensor(unit.received, unit.grad_buffer, group=self.group,
+                                              async_op=True)
+
+    def _finish_backward(self) -> None:
+        # units launch in the order their gradients complete, the same on every rank; units
+        # whose parameters got no gradient (unused) and the root go last, in a fixed order
+        for unit in self.all_units:
+            if unit.work is None:
+                self._reduce_scatter(unit)
+        for unit in self.all_units:
+            unit.work.wait()
+            unit.shard_grad.add_(unit.received.div_(self.world_size))
+            unit.grad_buffer = unit.received = unit.work = None
+            unit.ready.clear()
+            if unit.pending is not None:  # prefetched, but its backward never came
+                unit.finish_gather()
+            self._free(unit, "end of backward")
+
+    # -- measuring ------------------------------------------------------------------------------
+
+    def state_bytes(self) -> StateBytes:
+        """Bytes this rank holds between steps: shards of parameters and gradients, optimizer
+        state, and any unit still gathered."""
+        params = [u.shard for u in self.all_units] + \
+            [u.full for u in self.all_units if u.full is not None]
+        grads = [u.shard_grad for u in self.all_units]
+        optim = optimizer_tensors(self.optimizer.inner)
+        seen: set = set()
+        total = sum(unique_storage_bytes(g, seen) for g in (params, grads, optim))
+        return StateBytes(params=unique_storage_bytes(params), grads=unique_storage_bytes(grads),
+                          optimizer=unique_storage_bytes(optim), total=total)
+
+
+class _ShardOptimizer:
+    """``model.optimizer``: steps the inner optimizer on the shards, with their gradients."""
+
+    def __init__(self, model: ZeroDataParallel, inner: torch.optim.Optimizer):
+        self.model, self.inner = model, inner
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for unit in self.model.all_units:
+            unit.shard.grad = unit.shard_grad
+        self.inner.step()
+        for unit in self.model.all_units:
+            unit.shard.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for unit in self.model.all_units:
+            unit.shard_grad.zero_()
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+
+def _tensors(output):
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for o in output for t in _tensors(o)]
+    if isinstance(output, dict):
+        return [t for o in output.values() for t in _tensors(o)]
+    return []
