@@ -180,3 +180,27 @@ def test_unused_parameters_get_zero_gradient_in_stage_two():
 
     for unchanged, _ in run_ranks(run, 2):
         assert unchanged
+
+
+def _offloaded(rank, world_size, offload, dtype):
+    model = MLP(BIG, seed=0).to(dtype)
+    opt = ZeroOptimizer(model.parameters(), torch.optim.Adam, stage=2, lr=1e-2, offload=offload)
+    x, y = regression_data(16, 64, 8, seed=rank)
+    for _ in range(3):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype)).backward()
+        opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return flat, opt.state_bytes(), opt.offloaded_bytes(), sum(p.numel() for p in
+                                                               model.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_offload_moves_the_optimizer_state_off_the_device_and_changes_nothing_else(dtype):
+    plain = run_ranks(_offloaded, 2, False, dtype)
+    for (flat, held, offloaded, psi), (ref, ref_held, _, _) in zip(
+            run_ranks(_offloaded, 2, True, dtype), plain, strict=True):
+        assert torch.equal(flat, ref)
+        assert held.optimizer == 0 and held.params == ref_held.params
+        # off the device: fp32 master weights + Adam's two moments, 12 bytes per owned element
+        assert offloaded == pytest.approx(12 * psi / 2, rel=0.02)

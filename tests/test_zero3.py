@@ -139,3 +139,32 @@ def _against_fsdp(rank, world_size, strategy):
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
 def test_stages_three_and_two_equal_pytorch_fsdp(strategy):
     assert max(run_ranks(_against_fsdp, 2, strategy)) <= 1e-6
+
+
+def _bf16(rank, world_size, stage):
+    model = MLP(SIZES, seed=2).to(torch.bfloat16)
+    if stage == 3:
+        model = ZeroDataParallel(model, torch.optim.AdamW, lr=1e-2)
+        opt = model.optimizer
+    else:
+        opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, lr=1e-2)
+    x, y = regression_data(16, 16, 8, seed=rank)
+    for _ in range(3):
+        _step(model, opt, x.bfloat16(), y.bfloat16())
+    held = model.state_bytes() if stage == 3 else opt.state_bytes()
+    if stage == 3:
+        for unit in model.all_units:
+            unit.start_gather(None)
+            unit.finish_gather()
+        model = model.module
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), held
+
+
+def test_stage_three_in_bf16_keeps_fp32_masters_two_two_twelve():
+    psi = sum(p.numel() for p in MLP(SIZES).parameters())
+    base = run_ranks(_bf16, 2, 0)
+    for (ours, held), (reference, _) in zip(run_ranks(_bf16, 2, 3), base, strict=True):
+        assert ours.dtype == torch.bfloat16 and torch.equal(ours, reference)
+        expected = theory.zero_model_state_bytes(psi, 2, 3)  # 2 + 2 + 12 bytes, all over N
+        for field in ("params", "grads", "optimizer"):
+            assert getattr(held, field) == pytest.approx(expected[field], rel=0.02), field

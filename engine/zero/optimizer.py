@@ -45,13 +45,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         group: the data-parallel group (default: the world).
         bucket_cap_mb: bucket size; in stage 2 the size of each reduce-scatter during backward
             (DeepSpeed's ``reduce_bucket_size``).
+        offload: keep the fp32 master weights and the optimizer state in CPU memory and run the
+            optimizer step there (ZeRO-Offload, Ren et al., USENIX ATC 2021): the accelerator
+            keeps only parameters and gradients. Worth it when the GPU is what runs out.
 
     Use it as any optimizer: ``loss.backward(); opt.step(); opt.zero_grad()``. In stages 0
     and 1 ``backward`` is the plain one (no DataParallel wrapper: the optimizer averages).
     """
 
     def __init__(self, params, optimizer_cls, stage: int = 1, group=None,
-                 bucket_cap_mb: float = 25, **kwargs):
+                 bucket_cap_mb: float = 25, offload: bool = False, **kwargs):
         if stage == 3:
             raise ValueError("stage 3 shards the parameters themselves, so it wraps the model: "
                              "use ZeroDataParallel(module, optimizer_cls, ...)")
@@ -68,10 +71,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         root = ops.group_ranks(group)[0]
         for b in self.buckets:
             ops.broadcast(b.flat, root, group)
+        self.offload = offload
         self.mixed = params[0].dtype != torch.float32
-        # fp32: the optimizer updates the shard in place. fp16/bf16: an fp32 master copy.
-        self.masters = [nn.Parameter(b.shard.detach().float().clone() if self.mixed
-                                     else b.shard.detach()) for b in self.buckets]
+        # fp32 on the device: the optimizer updates the shard in place. fp16/bf16, or offload:
+        # a separate fp32 master copy (on the CPU when offloading).
+        self.separate_masters = self.mixed or offload
+        self.masters = [nn.Parameter(b.shard.detach().to("cpu" if offload else b.shard.device,
+                                                         torch.float32, copy=True)
+                                     if self.separate_masters else b.shard.detach())
+                        for b in self.buckets]
         self.inner = optimizer_cls(self.masters, **kwargs)
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         if stage == 2:
@@ -143,12 +151,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for master, grad in zip(self.masters, self._average_gradients(), strict=True):
-            master.grad = grad.float() if self.mixed else grad
+            master.grad = grad.to(master.device, torch.float32) if self.separate_masters \
+                else grad
         self.inner.step()
         for b, master in zip(self.buckets, self.masters, strict=True):
             master.grad = None  # the fp32 gradient shard lives only during the step
-            if self.mixed:
-                b.shard.copy_(master)  # round the master weights to the model's precision
+            if self.separate_masters:
+                b.shard.copy_(master)  # back to the device, in the model's precision
             if self.stage >= 1:
                 ops.all_gather_into_tensor(b.flat, b.shard.clone(), group=self.group)
         return loss
@@ -161,15 +170,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # -- measuring -----------------------------------------------------------------------------
 
+    def offloaded_bytes(self) -> int:
+        """Bytes of master weights and optimizer state kept in CPU memory (``offload=True``)."""
+        if not self.offload:
+            return 0
+        return unique_storage_bytes(optimizer_tensors(self.inner) + list(self.masters))
+
     def state_bytes(self) -> StateBytes:
-        """Bytes this rank holds, by unique storage: parameters (the flat buckets, padding
-        included), gradients (full ones and stage 2's shards) and optimizer state (the inner
-        optimizer's, and fp32 master weights in mixed precision)."""
+        """Bytes this rank holds on its device, by unique storage: parameters (the flat
+        buckets, padding included), gradients (full ones and stage 2's shards) and optimizer
+        state (the inner optimizer's, and fp32 master weights in mixed precision). With
+        ``offload`` the optimizer state is elsewhere: see :meth:`offloaded_bytes`."""
         params = [b.flat for b in self.buckets]
         grads = [p.grad for p in self._bucket_of if p.grad is not None]
         if self.stage == 2:
             grads += [b.shard_grad for b in self.buckets]
-        optim = optimizer_tensors(self.inner) + (list(self.masters) if self.mixed else [])
+        optim = [] if self.offload else \
+            optimizer_tensors(self.inner) + (list(self.masters) if self.mixed else [])
         seen: set = set()
         total = sum(unique_storage_bytes(group, seen) for group in (params, grads, optim))
         return StateBytes(params=unique_storage_bytes(params), grads=unique_storage_bytes(grads),

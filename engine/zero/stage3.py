@@ -44,7 +44,10 @@ class _Unit:
         self.shapes = {p: p.shape for p in params}  # .data is emptied while not gathered
         bucket = FlatBucket(params, rank, n)  # packs the current values, then we keep 1/N
         self.offsets, self.padded = bucket.offsets, bucket.padded
-        self.shard = nn.Parameter(bucket.shard.detach().clone())
+        self.shard = bucket.shard.detach().clone()  # gathered in the model's precision
+        # what the optimizer updates: the shard itself (fp32), or an fp32 master copy of it
+        self.master = nn.Parameter(self.shard if self.shard.dtype == torch.float32
+                                   else self.shard.float())
         self.shard_grad = torch.zeros_like(self.shard)
         self.full: torch.Tensor | None = None
         self.pending = None  # an async gather in flight (prefetch)
@@ -106,7 +109,7 @@ class ZeroDataParallel(nn.Module):
         self.root = _Unit("(root)", root_params, rank, self.world_size) if root_params else None
         self.all_units = ([self.root] if self.root else []) + self.units
         self._unit_of = {p: u for u in self.all_units for p in u.params}
-        self.optimizer = _ShardOptimizer(self, optimizer_cls([u.shard for u in self.all_units],
+        self.optimizer = _ShardOptimizer(self, optimizer_cls([u.master for u in self.all_units],
                                                              **kwargs))
         self._order: list[_Unit] = []  # units in the order the last forward ran them
         self._end = EndOfBackward(self._finish_backward)
@@ -246,7 +249,8 @@ class ZeroDataParallel(nn.Module):
         params = [u.shard for u in self.all_units] + \
             [u.full for u in self.all_units if u.full is not None]
         grads = [u.shard_grad for u in self.all_units]
-        optim = optimizer_tensors(self.optimizer.inner)
+        optim = optimizer_tensors(self.optimizer.inner) + \
+            [u.master for u in self.all_units if u.master.dtype != u.shard.dtype]
         seen: set = set()
         total = sum(unique_storage_bytes(g, seen) for g in (params, grads, optim))
         return StateBytes(params=unique_storage_bytes(params), grads=unique_storage_bytes(grads),
@@ -262,10 +266,12 @@ class _ShardOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         for unit in self.model.all_units:
-            unit.shard.grad = unit.shard_grad
+            unit.master.grad = unit.shard_grad.float()
         self.inner.step()
         for unit in self.model.all_units:
-            unit.shard.grad = None
+            unit.master.grad = None
+            if unit.master.dtype != unit.shard.dtype:
+                unit.shard.copy_(unit.master)  # fp32 master -> the precision we gather in
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for unit in self.model.all_units:
