@@ -4,5 +4,7 @@
 from engine.zero.flat import FlatBucket, make_buckets
 from engine.zero.optimizer import ZeroOptimizer
 from engine.zero.stage3 import ZeroDataParallel
+from engine.zero.checkpoint import CheckpointError, consolidate, load_sharded, save_sharded
 
-__all__ = ["ZeroOptimizer", "ZeroDataParallel", "FlatBucket", "make_buckets"]
+__all__ = ["ZeroOptimizer", "ZeroDataParallel", "save_sharded", "load_sharded", "consolidate",
+           "CheckpointError", "FlatBucket", "make_buckets"]
