@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -105,11 +106,17 @@ def _gpt2_init(module: nn.Module) -> None:
 
 
 class TinyGPT(nn.Module):
-    """A GPT-2-shaped decoder; ``forward(idx)`` returns logits ``[batch, seq, vocab]``."""
+    """A GPT-2-shaped decoder; ``forward(idx)`` returns logits ``[batch, seq, vocab]``.
 
-    def __init__(self, cfg: GPTConfig = GPTConfig(), seed: int = 0):
+    ``checkpoint=True`` recomputes each block's forward during backward instead of keeping its
+    activations (activation checkpointing, Chen et al., "Training deep nets with sublinear
+    memory cost", 2016; ``torch.utils.checkpoint``): only the block inputs are kept, at the
+    price of one more forward pass per block.
+    """
+
+    def __init__(self, cfg: GPTConfig = GPTConfig(), seed: int = 0, checkpoint: bool = False):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.checkpoint = cfg, checkpoint
         with seeded(seed):
             self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
             self.pos = nn.Embedding(cfg.seq_len, cfg.hidden)
@@ -125,7 +132,10 @@ class TinyGPT(nn.Module):
             raise ValueError(f"sequence length {s} exceeds GPTConfig.seq_len={self.cfg.seq_len}")
         x = self.tok(idx) + self.pos(torch.arange(s, device=idx.device))
         for block in self.blocks:
-            x = block(x)
+            if self.checkpoint and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.head(self.ln_f(x))
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -66,3 +66,23 @@ def test_too_long_a_sequence_and_bad_sizes_are_clear_errors():
         TinyGPT()(torch.zeros(1, 20, dtype=torch.long))
     with pytest.raises(ValueError, match="sizes must list >= 2 positive layer widths"):
         MLP((16,))
+
+
+def test_activation_checkpointing_keeps_less_and_gives_the_same_gradients():
+    from engine.memory import ActivationTracker
+    from engine.models import GPTConfig, TinyGPT, token_data
+
+    cfg = GPTConfig(vocab=64, seq_len=32, layers=4, heads=4, hidden=64)
+    x, y = token_data(8, 32, 64, seed=0)
+    kept, grads = {}, {}
+    for checkpoint in (False, True):
+        model = TinyGPT(cfg, seed=0, checkpoint=checkpoint)
+        with ActivationTracker(exclude=model.parameters()) as acts:
+            loss = model.loss(x, y)
+        loss.backward()
+        kept[checkpoint] = acts.bytes
+        grads[checkpoint] = [p.grad for p in model.parameters()]
+    # only each block's input survives the forward: a fraction of what four blocks keep
+    assert kept[True] < kept[False] / 3
+    for a, b in zip(grads[False], grads[True], strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
