@@ -334,3 +334,54 @@ def _topk_variant(forget_residual=False, floor_k=False):
 def test_topk_checks_catch_wrong_answers(variant, failing):
     report = run_checks("ch03.topk_error_feedback", impl=_topk_variant(**variant))
     assert {r.name for r in report.results if not r.passed} == failing
+
+
+def _zero1_variant(full_optimizer=False, no_average=False, no_gather=False):
+    from solutions.ch04_zero1_step import Zero1
+
+    class Variant(Zero1):
+        def __init__(self, params, optimizer_cls, group=None, **kwargs):
+            super().__init__(params, optimizer_cls, group, **kwargs)
+            if full_optimizer:  # every rank keeps the whole Adam state, like plain DP
+                self.inner = optimizer_cls(self.params, **kwargs)
+
+        @torch.no_grad()
+        def step(self):
+            n = dist.get_world_size(self.group)
+            if full_optimizer:
+                for p in self.params:
+                    ops.all_reduce(p.grad, group=self.group)
+                    p.grad.div_(n)
+                self.inner.step()
+                return
+            full = self.bucket.flatten_grads()
+            mine = torch.empty_like(self.bucket.shard)
+            ops.reduce_scatter_tensor(mine, full, group=self.group)
+            self.master.grad = mine if no_average else mine.div_(n)
+            self.inner.step()
+            if not no_gather:
+                ops.all_gather_into_tensor(self.bucket.flat, self.bucket.shard.clone(),
+                                           group=self.group)
+
+    return Variant
+
+
+@pytest.mark.parametrize("variant, failing", [
+    (dict(full_optimizer=True), {"optimizer_state_is_one_nth", "sends_what_one_all_reduce_sends"}),
+    (dict(no_average=True), {"equals_data_parallel_adam"}),
+    (dict(no_gather=True), {"equals_data_parallel_adam", "sends_what_one_all_reduce_sends"}),
+])
+def test_zero1_checks_catch_wrong_answers(variant, failing):
+    report = run_checks("ch04.zero1_step", impl=_zero1_variant(**variant))
+    assert {r.name for r in report.results if not r.passed} == failing
+
+
+def test_memory_formula_check_catches_the_four_eight_sixteen_answer():
+    import types
+
+    def seed_answer(psi, n, stage, precision="mixed"):  # "ZeRO-1 saves 4x, 2 8x, 3 16x"
+        return 16 * psi / (1, 4, 8, 16)[stage]
+
+    report = run_checks("ch04.memory_formula", impl=types.SimpleNamespace(
+        bytes_per_gpu=seed_answer))
+    assert not report.results[0].passed

@@ -1,0 +1,133 @@
+"""Checks for chapter 04: a ZeRO-1 step, the per-GPU memory formula; drills on 2 vs 3 psi."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from engine import launch, theory
+from engine.comm import CommMeter
+from engine.dp import DataParallel
+from engine.memory import optimizer_tensors, unique_storage_bytes
+from engine.models import MLP, regression_data, shard
+from tests.grading import CheckFailed, Exercise
+from tests.grading.drill import Drill
+
+SIZES = (16, 33, 31, 8)  # 1871 parameters: padding needed at 2 and 3 ranks
+
+
+def _zero1_on_rank(rank, world_size, impl):
+    x, y = regression_data(8 * world_size, 16, 8, seed=1)
+    xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
+    ref = DataParallel(MLP(SIZES, seed=2))
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    model = MLP(SIZES, seed=2 + rank)
+    opt = impl(model.parameters(), torch.optim.Adam, lr=1e-2)
+    events = []
+    for _ in range(3):
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(ref(xs), ys).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        nn.functional.mse_loss(model(xs), ys).backward()
+        with CommMeter() as meter:
+            opt.step()
+        events = [(e.op, e.bytes_sent) for e in meter.events]
+    worst = max((a - b).abs().max().item()
+                for a, b in zip(ref.parameters(), model.parameters(), strict=True))
+    state = unique_storage_bytes(optimizer_tensors(opt.inner))
+    return worst, state, events
+
+
+def check_equals_data_parallel_adam(impl):
+    for world_size in (2, 3):
+        for rank, (worst, _, _) in enumerate(launch(_zero1_on_rank, world_size, impl,
+                                                    timeout=20, quiet=True)):
+            if not worst <= 1e-6:
+                raise CheckFailed(
+                    f"after 3 steps rank {rank}'s parameters differ from DataParallel + Adam by "
+                    f"{worst:.2e}: average the reduce-scattered slice (divide by N), and "
+                    "all-gather the updated slices into bucket.flat", world_size=world_size)
+
+
+def check_optimizer_state_is_one_nth(impl):
+    psi = sum(p.numel() for p in MLP(SIZES).parameters())
+    for world_size in (2, 3):
+        owned = math.ceil(psi / world_size)
+        expected = 8 * owned + 4  # Adam's exp_avg and exp_avg_sq, fp32, plus its step counter
+        for rank, (_, state, _) in enumerate(launch(_zero1_on_rank, world_size, impl,
+                                                    timeout=20, quiet=True)):
+            if state != expected:
+                raise CheckFailed(
+                    f"rank {rank}'s Adam holds {state} bytes of state; owning 1/{world_size} "
+                    f"of {psi} parameters it should hold {expected} (8 bytes per owned "
+                    "element + the step counter). Step only self.inner, on self.master",
+                    world_size=world_size)
+
+
+def check_sends_what_one_all_reduce_sends(impl):
+    psi = sum(p.numel() for p in MLP(SIZES).parameters())
+    for world_size in (2, 3):
+        padded = math.ceil(psi / world_size) * world_size
+        expected = [("reduce_scatter", theory.ring_reduce_scatter_bytes(4 * padded, world_size)),
+                    ("all_gather", theory.ring_all_gather_bytes(4 * padded, world_size))]
+        for rank, (_, _, events) in enumerate(launch(_zero1_on_rank, world_size, impl,
+                                                     timeout=20, quiet=True)):
+            if events != expected:
+                raise CheckFailed(
+                    f"rank {rank}'s step sent {events}; ZeRO-1 is one reduce-scatter of the "
+                    "gradients and one all-gather of the parameters, through engine.comm.ops: "
+                    f"{expected}", world_size=world_size)
+
+
+HIDDEN = [(7.5e9, 64, s, "mixed") for s in range(4)] + \
+    [(1.3e9, 8, s, "fp32") for s in range(4)] + [(175e9, 1024, 3, "mixed"), (1e6, 1, 2, "fp32")]
+
+
+def check_per_gpu_bytes(module):
+    for psi, n, stage, precision in HIDDEN:
+        formula = {} if precision == "mixed" else dict(param_bytes=4, grad_bytes=4, k=8)
+        expected = theory.zero_model_state_bytes(psi, n, stage, **formula)["total"]
+        got = module.bytes_per_gpu(psi, n, stage, precision)
+        if not math.isclose(got, expected, rel_tol=1e-9):
+            raise CheckFailed(f"wrong for a hidden configuration at stage {stage}, {precision}: "
+                              f"got {got:.4g} bytes. Stage s shards the first s of: optimizer "
+                              "state, gradients, parameters")
+
+
+EXERCISES = [
+    Exercise(
+        name="ch04.zero1_step",
+        title="A ZeRO-1 optimizer step",
+        module="ch04_zero1_step",
+        attr="Zero1",
+        checks=(check_equals_data_parallel_adam, check_optimizer_state_is_one_nth,
+                check_sends_what_one_all_reduce_sends),
+        hint="full = bucket.flatten_grads(); mine = empty_like(bucket.shard); "
+             "ops.reduce_scatter_tensor(mine, full); master.grad = mine / N; inner.step(); "
+             "ops.all_gather_into_tensor(bucket.flat, bucket.shard.clone()).",
+    ),
+    Exercise(
+        name="ch04.memory_formula",
+        title="Model-state bytes per GPU under ZeRO",
+        module="ch04_memory_formula",
+        attr="",
+        checks=(check_per_gpu_bytes,),
+        hint="(2 + 2 + 12) bytes per parameter in mixed precision, (4 + 4 + 8) in fp32; stage 1 "
+             "divides the 12 (or 8) by N, stage 2 the gradient bytes too, stage 3 everything.",
+    ),
+]
+
+DRILLS = [
+    Drill("ch04.zero3_vs_zero2_traffic",
+          "How many times the per-step communication of ZeRO-2 does ZeRO-3 send?", 1.5,
+          "ZeRO-2: reduce-scatter gradients + all-gather parameters = 2 psi. ZeRO-3 gathers "
+          "the parameters twice (forward and backward) = 3 psi: 1.5x, not 2x."),
+    Drill("ch04.zero1_saving_at_4",
+          "Mixed-precision Adam over 4 GPUs: by what factor does ZeRO-1 cut model-state memory "
+          "per GPU (16 psi to ...)?", 16 / 7,
+          "2 + 2 + 12/4 = 7 bytes per parameter: 16/7 = 2.29x, not 4x. 4x is the limit as the "
+          "number of GPUs grows."),
+]
