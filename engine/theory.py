@@ -268,3 +268,14 @@ def zero_comm_elements(psi: float, n: int, stage: int) -> float:
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
     return (3 if stage == 3 else 2) * (n - 1) / n * psi
+
+
+def transformer_activation_bytes(layers: int, hidden: int, heads: int, seq_len: int,
+                                 micro_batch: int = 1, checkpoint: bool = False) -> float:
+    """Activation bytes one GPU keeps for backward, 16-bit activations, no tensor or sequence
+    parallelism (Korthikanti et al., "Reducing activation recomputation in large transformer
+    models", MLSys 2023, equation 2): ``s*b*h*(34 + 5*a*s/h)`` per layer. With full activation
+    checkpointing only each layer's 16-bit input is kept: ``2*s*b*h`` per layer (section 5)."""
+    s, b, h, a = seq_len, micro_batch, hidden, heads
+    per_layer = 2 * s * b * h if checkpoint else s * b * h * (34 + 5 * a * s / h)
+    return layers * per_layer

@@ -52,3 +52,30 @@ def test_timeline_draws_lanes_and_rejects_nothing():
     plt.close(fig)
     with pytest.raises(ValueError, match="no events to draw"):
         timeline_figure([])
+
+
+def test_zero_memory_figure_and_explorer():
+    import pytest
+
+    from engine import theory
+    from engine.viz.zero import memory_explorer, memory_figure, per_gpu_bytes
+
+    parts = per_gpu_bytes("LLaMA 7B", 8, 3, checkpoint=True)
+    expected = theory.zero_model_state_bytes(6.7e9, 8, 3)
+    assert parts["params"] + parts["grads"] + parts["optimizer"] == expected["total"]
+    assert parts["activations"] == 32 * 2 * 2048 * 4096  # 2sbh per layer, checkpointed
+    assert per_gpu_bytes("LLaMA 7B", 8, 1, offload=True)["optimizer"] == 0
+    assert memory_figure("GPT-3 175B", 64, 3).axes[0].get_yscale() == "log"
+    assert memory_explorer() is not None
+    with pytest.raises(ValueError, match="unknown preset 'GPT-5'"):
+        per_gpu_bytes("GPT-5", 8, 1)
+
+
+def test_activation_formula_is_korthikanti_equation_two():
+    from engine import theory
+
+    # GPT-3 175B, s=2048, b=1: sbh(34 + 5as/h) = 2048*12288*(34 + 80) bytes per layer
+    per_layer = 2048 * 12288 * 114
+    assert theory.transformer_activation_bytes(96, 12288, 96, 2048) == 96 * per_layer
+    assert theory.transformer_activation_bytes(96, 12288, 96, 2048, checkpoint=True) == \
+        96 * 2 * 2048 * 12288
