@@ -49,6 +49,7 @@ bench: setup
 	$(BIN)/python benchmarks/collectives.py
 	$(BIN)/python benchmarks/dp.py
 	$(BIN)/python benchmarks/compression.py
+	$(BIN)/python benchmarks/zero.py
 
 clean:
 	rm -rf $(VENV) grade-report.xml
