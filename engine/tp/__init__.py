@@ -1,0 +1,13 @@
+"""Megatron-style tensor parallelism: f/g mappings, column/row-parallel linear layers, a
+vocab-parallel embedding and loss, and a tensor-parallel TinyGPT."""
+
+from engine.tp.blocks import (ParallelAttention, ParallelBlock, ParallelMLP, TensorParallelGPT,
+                              check_tp_degree, dense_state)
+from engine.tp.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                              vocab_parallel_cross_entropy)
+from engine.tp.mappings import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
+
+__all__ = ["copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp",
+           "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+           "vocab_parallel_cross_entropy", "ParallelMLP", "ParallelAttention", "ParallelBlock",
+           "TensorParallelGPT", "dense_state", "check_tp_degree"]

@@ -1,0 +1,159 @@
+"""Tensor-parallel transformer pieces for :class:`engine.models.TinyGPT`.
+
+Per layer (Megatron-LM, section 3, Figure 3): the MLP is column-parallel ``fc`` (each rank
+4h/t of the hidden units), a local GeLU, then row-parallel ``out``; attention splits the
+heads (each rank a/t heads: its slice of q, k and v is column-parallel, the output projection
+row-parallel). Each costs one all-reduce forward (g) and one backward (f): **2 + 2 per
+layer**, each of b*s*h elements. LayerNorms and the position embedding are replicated.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.tp.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                              check_divisible, tp_rank_and_size, vocab_parallel_cross_entropy)
+from engine.tp.mappings import copy_to_tp, gather_from_tp
+
+
+class ParallelMLP(nn.Module):
+    def __init__(self, fc: ColumnParallelLinear, out: RowParallelLinear):
+        super().__init__()
+        self.fc, self.out = fc, out
+
+    @classmethod
+    def from_dense(cls, fc: nn.Linear, out: nn.Linear, group=None):
+        return cls(ColumnParallelLinear.from_dense(fc, group, gather_output=False),
+                   RowParallelLinear.from_dense(out, group, input_is_parallel=True))
+
+    def forward(self, x):
+        return self.out(F.gelu(self.fc(x)))
+
+
+class ParallelAttention(nn.Module):
+    """Causal self-attention with ``heads / t`` heads on each rank."""
+
+    def __init__(self, qkv: ColumnParallelLinear, proj: RowParallelLinear, local_heads: int):
+        super().__init__()
+        self.qkv, self.proj, self.local_heads = qkv, proj, local_heads
+
+    @classmethod
+    def from_dense(cls, attn: nn.Module, group=None):
+        rank, t = tp_rank_and_size(group)
+        local_heads = check_divisible("heads", attn.heads, t)
+        hidden = attn.proj.in_features
+        qkv = ColumnParallelLinear(hidden, 3 * hidden, gather_output=False, group=group)
+        with torch.no_grad():  # rank r's heads of q, of k and of v, side by side
+            qkv.weight.copy_(torch.cat([w.chunk(t, dim=0)[rank]
+                                        for w in attn.qkv.weight.split(hidden, dim=0)]))
+            qkv.bias.copy_(torch.cat([b.chunk(t)[rank] for b in attn.qkv.bias.split(hidden)]))
+        proj = RowParallelLinear.from_dense(attn.proj, group, input_is_parallel=True)
+        return cls(qkv, proj, local_heads)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        d = q.shape[-1] // self.local_heads
+        q, k, v = (t.view(b, s, self.local_heads, d).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d)
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(b, s, self.local_heads * d)
+        return self.proj(y)
+
+
+class ParallelBlock(nn.Module):
+    def __init__(self, block: nn.Module, group=None):
+        super().__init__()
+        self.ln1, self.ln2 = copy.deepcopy(block.ln1), copy.deepcopy(block.ln2)
+        self.attn = ParallelAttention.from_dense(block.attn, group)
+        self.mlp = ParallelMLP.from_dense(block.fc, block.out, group)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+def check_tp_degree(cfg, t: int) -> None:
+    """Raise a clear error, naming both values, if ``cfg`` cannot be split ``t`` ways. Pure:
+    call it before any rank starts."""
+    if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+        raise ValueError(f"the tensor-parallel degree must be an int >= 1, got {t!r}")
+    check_divisible("hidden", cfg.hidden, t)
+    check_divisible("heads", cfg.heads, t)
+    check_divisible("vocab", cfg.vocab, t)
+
+
+class TensorParallelGPT(nn.Module):
+    """A :class:`engine.models.TinyGPT` split over the tensor-parallel group: vocab-parallel
+    embedding (tied to a vocab-parallel output layer), parallel blocks, vocab-parallel loss."""
+
+    def __init__(self, gpt: nn.Module, group=None):
+        super().__init__()
+        _, t = tp_rank_and_size(group)
+        cfg = gpt.cfg
+        check_tp_degree(cfg, t)
+        self.group, self.cfg = group, cfg
+        self.tok = VocabParallelEmbedding.from_dense(gpt.tok, group)
+        self.pos = copy.deepcopy(gpt.pos)
+        self.blocks = nn.ModuleList(ParallelBlock(block, group) for block in gpt.blocks)
+        self.ln_f = copy.deepcopy(gpt.ln_f)
+
+    @classmethod
+    def from_dense(cls, gpt: nn.Module, group=None):
+        return cls(gpt, group)
+
+    def forward(self, idx: torch.Tensor, gather: bool = False) -> torch.Tensor:
+        """Logits for this rank's slice of the vocabulary (``gather=True``: all of them)."""
+        s = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(s, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = F.linear(copy_to_tp(self.ln_f(x), self.group), self.tok.weight)
+        return gather_from_tp(logits, self.group) if gather else logits
+
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(self(idx), targets, self.group).mean()
+
+
+def _gather_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    return gather_from_tp(x.detach().movedim(dim, -1).contiguous(), group).movedim(-1, dim)
+
+
+def dense_state(model: TensorParallelGPT, grads: bool = False) -> dict[str, torch.Tensor]:
+    """The whole model's parameters (or their gradients), gathered from every rank and laid
+    out like the dense :class:`engine.models.TinyGPT`'s ``state_dict``. Call on every rank."""
+    group = model.group
+    _, t = tp_rank_and_size(group)
+
+    def value(p):
+        return (p.grad if grads else p).detach()
+
+    state = {"tok.weight": _gather_dim(value(model.tok.weight), 0, group),
+             "pos.weight": value(model.pos.weight).clone()}
+    for i, block in enumerate(model.blocks):
+        pre = f"blocks.{i}."
+        for ln in ("ln1", "ln2"):
+            for name, p in getattr(block, ln).named_parameters():
+                state[pre + f"{ln}.{name}"] = value(p).clone()
+        for name, dim in (("weight", 0), ("bias", 0)):
+            local = value(getattr(block.attn.qkv, name))
+            gathered = _gather_dim(local, dim, group)  # [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]
+            per_rank = gathered.chunk(t, dim=0)
+            state[pre + f"attn.qkv.{name}"] = torch.cat(
+                [torch.cat([r.chunk(3, dim=0)[j] for r in per_rank]) for j in range(3)])
+        state[pre + "attn.proj.weight"] = _gather_dim(value(block.attn.proj.weight), 1, group)
+        state[pre + "attn.proj.bias"] = value(block.attn.proj.bias).clone()
+        state[pre + "fc.weight"] = _gather_dim(value(block.mlp.fc.weight), 0, group)
+        state[pre + "fc.bias"] = _gather_dim(value(block.mlp.fc.bias), 0, group)
+        state[pre + "out.weight"] = _gather_dim(value(block.mlp.out.weight), 1, group)
+        state[pre + "out.bias"] = value(block.mlp.out.bias).clone()
+    for name, p in model.ln_f.named_parameters():
+        state[f"ln_f.{name}"] = value(p).clone()
+    state["head.weight"] = state["tok.weight"]
+    return state

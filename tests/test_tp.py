@@ -1,0 +1,210 @@
+"""engine.tp: every tensor-parallel piece equals its dense original (outputs and gradients),
+a layer costs exactly 2 + 2 all-reduces of b*s*h elements, and bad sizes are clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine import theory
+from engine.comm import CommMeter
+from engine.models import GPTConfig, TinyGPT, token_data
+from engine.tp import (ColumnParallelLinear, RowParallelLinear, TensorParallelGPT,
+                       VocabParallelEmbedding, check_tp_degree, copy_to_tp, dense_state,
+                       reduce_from_tp, vocab_parallel_cross_entropy)
+from tests.helpers import run_ranks
+
+CFG = {2: GPTConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32),
+       3: GPTConfig(vocab=63, seq_len=16, layers=2, heads=3, hidden=48),
+       4: GPTConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32)}
+
+
+def _mappings(rank, world_size):
+    x = torch.full((3,), float(rank + 1), requires_grad=True)
+    copy_to_tp(x).sum().backward()  # f: identity forward, sum of gradients backward
+    y = torch.full((3,), float(rank + 1), requires_grad=True)
+    out = reduce_from_tp(y)  # g: sum forward, identity backward
+    out.sum().backward()
+    return x.grad.tolist(), out.tolist(), y.grad.tolist()
+
+
+def test_f_and_g_are_conjugate():
+    for f_grad, g_out, g_grad in run_ranks(_mappings, 3):
+        assert f_grad == [3.0] * 3  # three ranks' gradients of 1 each
+        assert g_out == [6.0] * 3  # 1 + 2 + 3
+        assert g_grad == [1.0] * 3
+
+
+def _linear_pair(rank, world_size, gather_output, input_is_parallel):
+    torch.manual_seed(0)
+    a, b = nn.Linear(12, 24), nn.Linear(24, 12)
+    x = torch.randn(5, 12, requires_grad=True)
+    dense = b(F.gelu(a(x)))
+    dense.square().sum().backward()
+    dense_x_grad = x.grad.clone()
+    x.grad = None
+    col = ColumnParallelLinear.from_dense(a, gather_output=gather_output)
+    row = RowParallelLinear.from_dense(b, input_is_parallel=input_is_parallel)
+    with CommMeter() as forward:
+        out = row(F.gelu(col(x)))
+    with CommMeter() as backward:
+        out.square().sum().backward()
+    t = world_size
+    grads_match = all([
+        torch.allclose(col.weight.grad, a.weight.grad.chunk(t, 0)[rank], atol=1e-5),
+        torch.allclose(col.bias.grad, a.bias.grad.chunk(t, 0)[rank], atol=1e-5),
+        torch.allclose(row.weight.grad, b.weight.grad.chunk(t, 1)[rank], atol=1e-5),
+        torch.allclose(row.bias.grad, b.bias.grad, atol=1e-5),
+        torch.allclose(x.grad, dense_x_grad, atol=1e-5)])
+    ops = [e.op for e in forward.events], [e.op for e in backward.events]
+    return (out - dense).abs().max().item(), grads_match, ops
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_column_then_row_equals_the_dense_mlp_with_one_all_reduce_each_way(world_size):
+    for worst, grads_match, (fwd, bwd) in run_ranks(_linear_pair, world_size, False, True):
+        assert worst <= 1e-5 and grads_match
+        if world_size > 1:
+            assert fwd == ["all_reduce"] and bwd == ["all_reduce"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gathered_column_output_and_scattered_row_input_also_match(world_size):
+    for worst, grads_match, (fwd, _) in run_ranks(_linear_pair, world_size, True, False):
+        assert worst <= 1e-5 and grads_match
+        assert fwd == ["all_gather", "all_reduce"]
+
+
+def _vocab(rank, world_size):
+    torch.manual_seed(0)
+    emb = nn.Embedding(12, 6)
+    ids = torch.randint(12, (4, 5))
+    logits = torch.randn(4, 5, 12, requires_grad=True)
+    targets = torch.randint(12, (4, 5))
+    dense_loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    dense_loss.backward()
+    local = logits.detach().chunk(world_size, -1)[rank].clone().requires_grad_()
+    with CommMeter() as meter:
+        loss = vocab_parallel_cross_entropy(local, targets).mean()
+    loss.backward()
+    tp_emb = VocabParallelEmbedding.from_dense(emb)
+    return ((loss - dense_loss).abs().item(),
+            torch.allclose(local.grad, logits.grad.chunk(world_size, -1)[rank], atol=1e-6),
+            torch.allclose(tp_emb(ids), emb(ids)),
+            max((e.payload_bytes for e in meter.events), default=0))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_vocab_parallel_embedding_and_loss_match_dense_without_gathering_logits(world_size):
+    for loss_diff, grad_ok, emb_ok, largest in run_ranks(_vocab, world_size):
+        assert loss_diff <= 1e-6 and grad_ok and emb_ok
+        assert largest <= 4 * 5 * 4  # one number per token, never the 12-wide logits
+
+
+def _gpt(rank, world_size, steps):
+    cfg = CFG[world_size]
+    dense = TinyGPT(cfg, seed=0)
+    tp = TensorParallelGPT.from_dense(dense)
+    x, y = token_data(3, cfg.seq_len, cfg.vocab, seed=1)
+    logits_diff = (tp(x, gather=True) - dense(x)).abs().max().item()
+    loss_diff = (tp.loss(x, y) - dense.loss(x, y)).abs().item()
+    tp.loss(x, y).backward()
+    dense.loss(x, y).backward()
+    grads = dense_state(tp, grads=True)
+    grad_diff = max((grads[n] - p.grad).abs().max().item()
+                    for n, p in dense.named_parameters())
+    # momentum SGD, not Adam: the key bias's gradient is exactly zero in theory (softmax
+    # ignores a shift shared by all keys), so both models hold only round-off there (~1e-9),
+    # and Adam would scale that noise up to +-lr steps in different directions
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (dense, tp)]
+    for _ in range(steps):
+        for model, opt in zip((dense, tp), opts):
+            opt.zero_grad()
+            model.loss(x, y).backward()
+            opt.step()
+    params = dense_state(tp)
+    param_diff = max((params[n] - p).abs().max().item() for n, p in dense.named_parameters())
+    return logits_diff, loss_diff, grad_diff, param_diff
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_tiny_gpt_logits_loss_gradients_and_training_match_dense(world_size):
+    for logits_diff, loss_diff, grad_diff, param_diff in run_ranks(_gpt, world_size, 3):
+        assert logits_diff <= 1e-5 and loss_diff <= 1e-5
+        assert grad_diff <= 1e-5  # every gradient, gathered into the dense layout
+        assert param_diff <= 1e-5  # after 3 training steps
+
+
+def _count(rank, world_size, layers, b):
+    cfg = GPTConfig(vocab=64, seq_len=16, layers=layers, heads=4, hidden=32)
+    tp = TensorParallelGPT.from_dense(TinyGPT(cfg, seed=0))
+    x, y = token_data(b, 16, 64, seed=1)
+    with CommMeter() as forward:
+        loss = tp.loss(x, y)
+    with CommMeter() as backward:
+        loss.backward()
+    big = [e for e in forward.events + backward.events if e.payload_bytes == b * 16 * 32 * 4]
+    return (sum(e.op == "all_reduce" for e in forward.events),
+            sum(e.op == "all_reduce" for e in backward.events), sum(e.bytes_sent for e in big))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_each_layer_costs_two_all_reduces_forward_and_two_backward(world_size):
+    b = 3
+    one = run_ranks(_count, world_size, 1, b)[0]
+    three = run_ranks(_count, world_size, 3, b)[0]
+    assert (three[0] - one[0]) / 2 == 2  # forward, per layer
+    assert (three[1] - one[1]) / 2 == 2  # backward, per layer
+    per_layer = (three[2] - one[2]) / 2 / 4  # bytes -> fp32 elements
+    assert per_layer == theory.tp_comm_elements_per_layer(b, 16, 32, world_size)
+
+
+def _against_dtensor(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+    x = torch.randn(4, 8)
+    ours = nn.Sequential(ColumnParallelLinear.from_dense(dense[0], gather_output=False),
+                         nn.GELU(), RowParallelLinear.from_dense(dense[2],
+                                                                 input_is_parallel=True))
+    mesh = init_device_mesh("cpu", (world_size,))
+    theirs = parallelize_module(dense, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    out_ours, out_theirs = ours(x), theirs(x)
+    out_ours.sum().backward()
+    out_theirs.sum().backward()
+    return ((out_ours - out_theirs).abs().max().item(),
+            (ours[0].weight.grad - theirs[0].weight.grad.to_local()).abs().max().item(),
+            (ours[2].weight.grad - theirs[2].weight.grad.to_local()).abs().max().item())
+
+
+def test_matches_pytorch_dtensor_colwise_and_rowwise_parallel():
+    for diffs in run_ranks(_against_dtensor, 2):
+        assert max(diffs) <= 1e-6
+
+
+@pytest.mark.parametrize("cfg, t, message", [
+    (GPTConfig(vocab=64, heads=4, hidden=32), 3, "hidden=32 is not divisible by the "
+     "tensor-parallel degree 3"),
+    (GPTConfig(vocab=64, heads=2, hidden=32), 4, "heads=2 is not divisible by the "
+     "tensor-parallel degree 4"),
+    (GPTConfig(vocab=63, heads=4, hidden=32), 2, "vocab=63 is not divisible by the "
+     "tensor-parallel degree 2"),
+    (GPTConfig(), 0, "degree must be an int >= 1, got 0"),
+])
+def test_sizes_that_do_not_split_are_clear_errors_before_any_rank_starts(cfg, t, message):
+    with pytest.raises(ValueError, match=message):
+        check_tp_degree(cfg, t)
+
+
+def test_a_layer_that_does_not_split_is_a_clear_error_on_the_ranks():
+    def build(rank, world_size):
+        ColumnParallelLinear.from_dense(nn.Linear(4, 10))
+
+    with pytest.raises(Exception, match="out_features=10 is not divisible by the "
+                                        "tensor-parallel degree 4"):
+        run_ranks(build, 4)
