@@ -208,3 +208,16 @@ def test_a_layer_that_does_not_split_is_a_clear_error_on_the_ranks():
     with pytest.raises(Exception, match="out_features=10 is not divisible by the "
                                         "tensor-parallel degree 4"):
         run_ranks(build, 4)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tp_traffic_grows_with_tokens_and_zero3_traffic_with_parameters(world_size):
+    from engine.tp import crossover_tokens, layer_traffic
+
+    t, h = world_size, 32
+    layer_params = 12 * h * h + 13 * h  # qkv, proj, fc, out weights and biases; two LayerNorms
+    for batch, seq in ((1, 8), (16, 16)):
+        measured = run_ranks(layer_traffic, world_size, batch, seq)[0]
+        assert measured["tp"] == theory.tp_comm_elements_per_layer(batch, seq, h, t)
+        assert measured["zero3"] == pytest.approx(3 * (t - 1) / t * layer_params, rel=0.01)
+    assert 8 * crossover_tokens(h) * h == pytest.approx(3 * layer_params)

@@ -6,8 +6,9 @@ from engine.tp.blocks import (ParallelAttention, ParallelBlock, ParallelMLP, Ten
 from engine.tp.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                               vocab_parallel_cross_entropy)
 from engine.tp.mappings import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
+from engine.tp.compare import crossover_tokens, layer_traffic
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp",
            "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "vocab_parallel_cross_entropy", "ParallelMLP", "ParallelAttention", "ParallelBlock",
-           "TensorParallelGPT", "dense_state", "check_tp_degree"]
+           "TensorParallelGPT", "dense_state", "check_tp_degree", "layer_traffic", "crossover_tokens"]

@@ -93,6 +93,9 @@ class ZeroDataParallel(nn.Module):
             parameters directly).
         prefetch: start gathering the next unit before the current one runs.
         group: the data-parallel group (default: the world).
+
+    Call the wrapper, ``model(x)``: it gathers the root unit first. A method of
+    ``model.module`` that calls ``self(...)`` bypasses the wrapper and sees empty parameters.
     """
 
     def __init__(self, module: nn.Module, optimizer_cls, units=None, prefetch: bool = False,
