@@ -385,3 +385,38 @@ def test_memory_formula_check_catches_the_four_eight_sixteen_answer():
     report = run_checks("ch04.memory_formula", impl=types.SimpleNamespace(
         bytes_per_gpu=seed_answer))
     assert not report.results[0].passed
+
+
+def _parallel_linear_variant(skip_f=False, bias_before_g=False, gather_between=False):
+    import types
+
+    import torch.nn.functional as F
+
+    import solutions.ch05_parallel_linear as good
+    from engine.tp.mappings import gather_from_tp
+
+    class Column(good.ColumnParallel):
+        def forward(self, x):
+            y = F.linear(x if skip_f else good.f(x, self.group), self.weight, self.bias)
+            return gather_from_tp(y, self.group) if gather_between else y
+
+    class Row(good.RowParallel):
+        def forward(self, x_slice):
+            if gather_between:  # got the whole output: slice it again
+                x_slice = x_slice.chunk(dist.get_world_size(self.group), -1)[
+                    dist.get_rank(self.group)]
+            if bias_before_g:  # every rank adds the bias, then they are summed: t times
+                return good.g(F.linear(x_slice, self.weight) + self.bias, self.group)
+            return super().forward(x_slice)
+
+    return types.SimpleNamespace(f=good.f, g=good.g, ColumnParallel=Column, RowParallel=Row)
+
+
+@pytest.mark.parametrize("variant, failing", [
+    (dict(skip_f=True), {"matches_the_dense_mlp", "one_all_reduce_each_way"}),
+    (dict(bias_before_g=True), {"matches_the_dense_mlp"}),
+    (dict(gather_between=True), {"one_all_reduce_each_way"}),
+])
+def test_parallel_linear_checks_catch_wrong_answers(variant, failing):
+    report = run_checks("ch05.parallel_linear", impl=_parallel_linear_variant(**variant))
+    assert {r.name for r in report.results if not r.passed} == failing
