@@ -79,3 +79,12 @@ def test_activation_formula_is_korthikanti_equation_two():
     assert theory.transformer_activation_bytes(96, 12288, 96, 2048) == 96 * per_layer
     assert theory.transformer_activation_bytes(96, 12288, 96, 2048, checkpoint=True) == \
         96 * 2 * 2048 * 12288
+
+
+def test_tp_split_figure_draws_both_splits():
+    from engine.viz.tp import split_figure
+
+    fig = split_figure(4)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert any("Column-parallel" in t for t in titles) and any("Row-parallel" in t for t in titles)
+    assert len(fig.axes[0].patches) == 1 + 4 + 4  # X whole, W and Y in four slices

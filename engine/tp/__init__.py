@@ -11,4 +11,5 @@ from engine.tp.compare import crossover_tokens, layer_traffic
 __all__ = ["copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp",
            "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "vocab_parallel_cross_entropy", "ParallelMLP", "ParallelAttention", "ParallelBlock",
-           "TensorParallelGPT", "dense_state", "check_tp_degree", "layer_traffic", "crossover_tokens"]
+           "TensorParallelGPT", "dense_state", "check_tp_degree", "layer_traffic",
+           "crossover_tokens"]
