@@ -299,3 +299,27 @@ def zero3_comm_elements_per_layer(h: int, t: int) -> float:
     batch (Rajbhandari et al. 2020, section 7)."""
     _check_n(t)
     return 3 * (t - 1) / t * 12 * h * h
+
+
+# -- pipeline parallelism (chapter 06) ----------------------------------------------------------
+
+
+def bubble_fraction(p: int, m: int, v: int = 1, relative_to: str = "total") -> float:
+    """Pipeline bubble with ``p`` stages, ``m`` micro-batches and ``v`` chunks per stage,
+    uniform stages, no communication time. Two definitions, both in use:
+
+    * ``relative_to="total"``: idle share of the whole run, ``(p-1) / (v*m + p - 1)``
+      (GPipe, Huang et al. 2019, section 2.3, with v = 1);
+    * ``relative_to="ideal"``: idle time over the ideal (busy) time, ``(p-1) / (v*m)``
+      (Megatron-LM, Narayanan et al. 2021, section 2.2).
+
+    1F1B has the same bubble as GPipe; interleaving divides it by ``v``."""
+    _check_n(p)
+    for name, value in (("m", m), ("v", v)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if relative_to == "total":
+        return (p - 1) / (v * m + p - 1)
+    if relative_to == "ideal":
+        return (p - 1) / (v * m)
+    raise ValueError(f"relative_to must be 'total' or 'ideal', got {relative_to!r}")

@@ -97,29 +97,29 @@ def _p2p_event(kind: str, tensor: torch.Tensor, peer: int, group, start: float) 
     )
 
 
-def send(tensor: torch.Tensor, dst: int, group=None) -> None:
+def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
     event = _p2p_event("send", tensor, dst, group, time.perf_counter())
-    dist.send(tensor, dst, group=group)
+    dist.send(tensor, dst, group=group, tag=tag)
     event.end = time.perf_counter()
 
 
-def recv(tensor: torch.Tensor, src: int | None = None, group=None) -> int:
+def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0) -> int:
     """Receive into ``tensor`` from ``src`` (None: from whichever rank sends first); returns
-    the sender's rank."""
+    the sender's rank. ``tag`` tells apart messages between the same pair of ranks."""
     event = _p2p_event("recv", tensor, src, group, time.perf_counter())
-    sender = dist.recv(tensor, src, group=group)
+    sender = dist.recv(tensor, src, group=group, tag=tag)
     event.end, event.peer = time.perf_counter(), sender
     return sender
 
 
-def isend(tensor: torch.Tensor, dst: int, group=None) -> MeteredWork:
+def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> MeteredWork:
     event = _p2p_event("isend", tensor, dst, group, time.perf_counter())
-    return MeteredWork(dist.isend(tensor, dst, group=group), [event], has_future=False)
+    return MeteredWork(dist.isend(tensor, dst, group=group, tag=tag), [event], has_future=False)
 
 
-def irecv(tensor: torch.Tensor, src: int, group=None) -> MeteredWork:
+def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> MeteredWork:
     event = _p2p_event("irecv", tensor, src, group, time.perf_counter())
-    return MeteredWork(dist.irecv(tensor, src, group=group), [event], has_future=False)
+    return MeteredWork(dist.irecv(tensor, src, group=group, tag=tag), [event], has_future=False)
 
 
 def send_op(tensor: torch.Tensor, peer: int, group=None) -> P2POp:
