@@ -420,3 +420,30 @@ def _parallel_linear_variant(skip_f=False, bias_before_g=False, gather_between=F
 def test_parallel_linear_checks_catch_wrong_answers(variant, failing):
     report = run_checks("ch05.parallel_linear", impl=_parallel_linear_variant(**variant))
     assert {r.name for r in report.results if not r.passed} == failing
+
+
+def _gpipe_instead(p, m):
+    from engine.pp import gpipe
+
+    return gpipe(p, m)
+
+
+def _too_many_warmups(p, m):
+    import solutions.ch06_one_f_one_b as good
+
+    schedule = good.one_f_one_b(p + 1, m)  # warm-up of p - s forwards: one too many
+    return {s: schedule[s] for s in range(p)}
+
+
+def _no_warmup(p, m):
+    return {s: [a for i in range(m) for a in (("F", i), ("B", i))] for s in range(p)}
+
+
+@pytest.mark.parametrize("impl, failing", [
+    (_gpipe_instead, {"in_flight_at_most_p_minus_s"}),
+    (_too_many_warmups, {"in_flight_at_most_p_minus_s"}),
+    (_no_warmup, {"bubble_is_the_formula"}),
+])
+def test_one_f_one_b_checks_catch_wrong_answers(impl, failing):
+    report = run_checks("ch06.one_f_one_b", impl=impl)
+    assert {r.name for r in report.results if not r.passed} == failing

@@ -88,3 +88,16 @@ def test_tp_split_figure_draws_both_splits():
     titles = [ax.get_title() for ax in fig.axes]
     assert any("Column-parallel" in t for t in titles) and any("Row-parallel" in t for t in titles)
     assert len(fig.axes[0].patches) == 1 + 4 + 4  # X whole, W and Y in four slices
+
+
+def test_pipeline_gantt_and_explorer():
+    from engine.pp import interleaved_1f1b, simulate
+    from engine.trace import TraceEvent
+    from engine.viz.pipeline import gantt_figure, pipeline_explorer, timeline_rows
+
+    result = simulate(interleaved_1f1b(2, 4, 2))
+    fig = gantt_figure(result.timeline, "t")
+    assert len(fig.axes[0].patches) == len(result.timeline) == 2 * 2 * 4 * 2
+    events = [TraceEvent("F0", 1, 0.0, 1.0, args={"kind": "F", "mb": 0, "chunk": 0})]
+    assert timeline_rows(events) == [(1, "F", 0, 0, 0.0, 1.0)]
+    assert pipeline_explorer() is not None
