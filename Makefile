@@ -50,6 +50,7 @@ bench: setup
 	$(BIN)/python benchmarks/dp.py
 	$(BIN)/python benchmarks/compression.py
 	$(BIN)/python benchmarks/zero.py
+	$(BIN)/python benchmarks/pipeline.py
 
 clean:
 	rm -rf $(VENV) grade-report.xml

@@ -50,16 +50,17 @@ def pipeline_step(rank: int, p: int, kind: str, m: int, starts: list[int], width
 
 
 def profile_layers(widths: list[int], rows: int = 64, repeats: int = 5) -> list[float]:
-    """Forward + backward seconds of each layer on one process (median of ``repeats``)."""
+    """Forward + backward seconds of each layer on one process: the median of ``repeats``
+    rounds over all layers, after one untimed round (the first call of a layer pays for
+    allocation and warm-up, and would make whichever layer is profiled first look heavy)."""
     layers = mlp_layers(widths)
     x = torch.randn(rows, layers[0][0].in_features)
-    times = []
-    for layer in layers:
-        samples = []
-        for _ in range(repeats):
+    samples: list[list[float]] = [[] for _ in layers]
+    for round_ in range(repeats + 1):
+        for i, layer in enumerate(layers):
             inp = x.clone().requires_grad_()
             start = time.perf_counter()
             layer(inp).sum().backward()
-            samples.append(time.perf_counter() - start)
-        times.append(sorted(samples)[len(samples) // 2])
-    return times
+            if round_:
+                samples[i].append(time.perf_counter() - start)
+    return [sorted(s)[len(s) // 2] for s in samples]
