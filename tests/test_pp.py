@@ -242,3 +242,14 @@ def test_same_order_and_gradients_as_torch_distributed_pipelining(which, p, m):
     for same_order, grad_diff in run_ranks(_against_torch, p, m, which):
         assert same_order
         assert grad_diff <= 1e-6
+
+
+def test_a_deadlocking_schedule_is_refused_before_any_message():
+    def run(rank, world_size):
+        bad = {0: [("F", 0), ("B", 0), ("F", 1), ("B", 1)],
+               1: [("F", 1), ("B", 1), ("F", 0), ("B", 0)]}
+        chunk = nn.Linear(4, 4)
+        run_pipeline(rank, [chunk], bad, [torch.ones(1, 4)] * 2, [torch.ones(1, 4)] * 2)
+
+    with pytest.raises(Exception, match="deadlock"):
+        run_ranks(run, 2)

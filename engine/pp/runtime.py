@@ -26,7 +26,7 @@ from torch import nn
 
 from engine.comm import ops
 from engine.memory import ActivationTracker
-from engine.pp.schedules import _shape
+from engine.pp.schedules import _shape, validate
 from engine.trace import TraceEvent
 
 _MAX_DIMS = 8
@@ -125,6 +125,7 @@ def run_pipeline(rank: int, chunks: list[nn.Module], schedule, inputs: list[torc
     micro-batches). ``chunks[c]`` is virtual stage ``c*p + rank``; ``inputs``/``targets``
     are the micro-batches (used on the first and last virtual stage). Gradients land in the
     chunks' ``param.grad`` (call ``zero_grad`` between steps)."""
+    validate(schedule)  # a schedule that would deadlock is an error here, not a hang
     p, m, v = _shape(schedule)
     if len(chunks) != v:
         raise ValueError(f"the schedule has {v} chunk(s) per rank, got {len(chunks)} modules")
