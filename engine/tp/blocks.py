@@ -125,11 +125,37 @@ def _gather_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return gather_from_tp(x.detach().movedim(dim, -1).contiguous(), group).movedim(-1, dim)
 
 
+def block_dense_state(block: ParallelBlock, prefix: str, group, grads: bool = False
+                      ) -> dict[str, torch.Tensor]:
+    """One :class:`ParallelBlock`'s parameters (or gradients), gathered over the
+    tensor-parallel ``group`` and named like the dense block's, under ``prefix``."""
+    _, t = tp_rank_and_size(group)
+
+    def value(p):
+        return (p.grad if grads else p).detach()
+
+    state = {}
+    for ln in ("ln1", "ln2"):
+        for name, p in getattr(block, ln).named_parameters():
+            state[prefix + f"{ln}.{name}"] = value(p).clone()
+    for name in ("weight", "bias"):
+        gathered = _gather_dim(value(getattr(block.attn.qkv, name)), 0, group)
+        per_rank = gathered.chunk(t, dim=0)  # [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]
+        state[prefix + f"attn.qkv.{name}"] = torch.cat(
+            [torch.cat([r.chunk(3, dim=0)[j] for r in per_rank]) for j in range(3)])
+    state[prefix + "attn.proj.weight"] = _gather_dim(value(block.attn.proj.weight), 1, group)
+    state[prefix + "attn.proj.bias"] = value(block.attn.proj.bias).clone()
+    state[prefix + "fc.weight"] = _gather_dim(value(block.mlp.fc.weight), 0, group)
+    state[prefix + "fc.bias"] = _gather_dim(value(block.mlp.fc.bias), 0, group)
+    state[prefix + "out.weight"] = _gather_dim(value(block.mlp.out.weight), 1, group)
+    state[prefix + "out.bias"] = value(block.mlp.out.bias).clone()
+    return state
+
+
 def dense_state(model: TensorParallelGPT, grads: bool = False) -> dict[str, torch.Tensor]:
     """The whole model's parameters (or their gradients), gathered from every rank and laid
     out like the dense :class:`engine.models.TinyGPT`'s ``state_dict``. Call on every rank."""
     group = model.group
-    _, t = tp_rank_and_size(group)
 
     def value(p):
         return (p.grad if grads else p).detach()
@@ -137,22 +163,7 @@ def dense_state(model: TensorParallelGPT, grads: bool = False) -> dict[str, torc
     state = {"tok.weight": _gather_dim(value(model.tok.weight), 0, group),
              "pos.weight": value(model.pos.weight).clone()}
     for i, block in enumerate(model.blocks):
-        pre = f"blocks.{i}."
-        for ln in ("ln1", "ln2"):
-            for name, p in getattr(block, ln).named_parameters():
-                state[pre + f"{ln}.{name}"] = value(p).clone()
-        for name, dim in (("weight", 0), ("bias", 0)):
-            local = value(getattr(block.attn.qkv, name))
-            gathered = _gather_dim(local, dim, group)  # [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]
-            per_rank = gathered.chunk(t, dim=0)
-            state[pre + f"attn.qkv.{name}"] = torch.cat(
-                [torch.cat([r.chunk(3, dim=0)[j] for r in per_rank]) for j in range(3)])
-        state[pre + "attn.proj.weight"] = _gather_dim(value(block.attn.proj.weight), 1, group)
-        state[pre + "attn.proj.bias"] = value(block.attn.proj.bias).clone()
-        state[pre + "fc.weight"] = _gather_dim(value(block.mlp.fc.weight), 0, group)
-        state[pre + "fc.bias"] = _gather_dim(value(block.mlp.fc.bias), 0, group)
-        state[pre + "out.weight"] = _gather_dim(value(block.mlp.out.weight), 1, group)
-        state[pre + "out.bias"] = value(block.mlp.out.bias).clone()
+        state.update(block_dense_state(block, f"blocks.{i}.", group, grads))
     for name, p in model.ln_f.named_parameters():
         state[f"ln_f.{name}"] = value(p).clone()
     state["head.weight"] = state["tok.weight"]
