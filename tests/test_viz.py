@@ -101,3 +101,15 @@ def test_pipeline_gantt_and_explorer():
     events = [TraceEvent("F0", 1, 0.0, 1.0, args={"kind": "F", "mb": 0, "chunk": 0})]
     assert timeline_rows(events) == [(1, "F", 0, 0, 0.0, 1.0)]
     assert pipeline_explorer() is not None
+
+
+def test_planner_table_figure_and_explorer():
+    from engine.planner import MODELS, Cluster, plan
+    from engine.viz.planner import planner_explorer, plans_figure, plans_table
+
+    plans = plan(MODELS["GPT-3 175B"], Cluster(1024), 1536)
+    table = plans_table(plans, top=3)
+    assert table.count("\n") == 3 and "dp" in table
+    fig = plans_figure(plans, 80, top=4)
+    assert len(fig.axes[0].get_yticklabels()) == 4
+    assert planner_explorer() is not None

@@ -1,0 +1,170 @@
+"""Plan dp x tp x pp x ZeRO for a real model on a real cluster: memory per GPU and a step-time
+model, every configuration enumerated, the ones that fit ranked by predicted time.
+
+Memory per GPU (mixed-precision Adam, 2 + 2 + 12 bytes per parameter):
+    model states of psi / (tp * pp) parameters, sharded over dp by the ZeRO stage
+    (:func:`engine.theory.zero_model_state_bytes`), plus the activations of the first
+    pipeline stage, which under 1F1B holds min(pp, m) micro-batches of its L / pp layers
+    (Korthikanti et al. 2023, eq. 2 with tensor parallelism; 2sbh per layer with
+    recomputation).
+
+Step time (seconds), nothing overlapped (a conservative model; real systems hide part of the
+data-parallel all-reduce behind backward):
+    compute   = FLOPs per GPU / (MFU * peak)           (Megatron-LM eq. 3)
+    tp        = 4 (6 with recomputation) all-reduces of b*s*h fp16 values per layer per
+                micro-batch, over NVLink when tp fits in a node (alpha-beta ring model)
+    bubble    = (pp - 1) / m * (compute + tp)          (1F1B, relative to ideal time)
+    pp        = 2m point-to-point messages of b*s*h fp16 values between neighbour stages
+    dp        = gradient all-reduce, 2(d-1)/d * 2 bytes * psi/(tp*pp) (3(d-1)/d for ZeRO-3)
+
+The alpha, bandwidth and MFU figures are assumptions you can change (``Cluster``), not
+measurements: a plan is as good as its inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine import theory
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int = 51200
+    seq_len: int = 2048
+
+    @property
+    def params(self) -> float:
+        return theory.transformer_params(self.layers, self.hidden, self.vocab, self.seq_len)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """GPUs and links. Defaults: A100 80GB, 312 TFLOP/s bf16 dense, NVLink 3 at 300 GB/s per
+    direction per GPU, one 200 Gb/s HDR InfiniBand NIC per GPU (25 GB/s); latencies are
+    typical orders of magnitude."""
+
+    gpus: int
+    gpus_per_node: int = 8
+    memory_gb: float = 80
+    peak_tflops: float = 312
+    intra_gbps: float = 300
+    inter_gbps: float = 25
+    alpha_intra: float = 5e-6
+    alpha_inter: float = 1e-5
+
+
+MODELS = {
+    "GPT-2 1.5B": ModelSpec("GPT-2 1.5B", 48, 1600, 25, 50257, 1024),
+    "LLaMA 7B": ModelSpec("LLaMA 7B", 32, 4096, 32, 32000, 2048),
+    "LLaMA 13B": ModelSpec("LLaMA 13B", 40, 5120, 40, 32000, 2048),
+    "LLaMA 65B": ModelSpec("LLaMA 65B", 80, 8192, 64, 32000, 2048),
+    "GPT-3 175B": ModelSpec("GPT-3 175B", 96, 12288, 96, 51200, 2048),
+}
+GPUS = {
+    "A100 80GB": dict(memory_gb=80, peak_tflops=312, intra_gbps=300),
+    "H100 80GB": dict(memory_gb=80, peak_tflops=989, intra_gbps=450, inter_gbps=50),
+    "H200 141GB": dict(memory_gb=141, peak_tflops=989, intra_gbps=450, inter_gbps=50),
+}
+
+
+@dataclass
+class Plan:
+    dp: int
+    tp: int
+    pp: int
+    zero: int
+    micro_batch: int
+    micro_batches: int
+    memory: dict = field(default_factory=dict)  # bytes per GPU by part, and "total"
+    time: dict = field(default_factory=dict)  # seconds per step by part, and "total"
+
+    def label(self) -> str:
+        return (f"dp{self.dp} tp{self.tp} pp{self.pp} ZeRO-{self.zero} "
+                f"mb{self.micro_batch} x{self.micro_batches}")
+
+
+def memory_per_gpu(model: ModelSpec, dp: int, tp: int, pp: int, zero: int, micro_batch: int,
+                   micro_batches: int, recompute: bool = True) -> dict:
+    states = theory.zero_model_state_bytes(model.params / (tp * pp), dp, zero)
+    in_flight = min(pp, micro_batches)
+    per_layer = theory.tp_activation_bytes_per_layer(model.seq_len, micro_batch, model.hidden,
+                                                     model.heads, tp, recompute)
+    activations = in_flight * (model.layers / pp) * per_layer
+    out = {"params": states["params"], "grads": states["grads"],
+           "optimizer": states["optimizer"], "activations": activations}
+    out["total"] = sum(out.values())
+    return out
+
+
+def _ring(bytes_: float, n: int, alpha: float, gbps: float) -> float:
+    if n == 1:
+        return 0.0
+    return 2 * (n - 1) * alpha + 2 * (n - 1) / n * bytes_ / (gbps * 1e9)
+
+
+def step_time(model: ModelSpec, cluster: Cluster, dp: int, tp: int, pp: int, zero: int,
+              micro_batch: int, global_batch: int, mfu: float = 0.5,
+              recompute: bool = True) -> dict:
+    m = global_batch // (dp * micro_batch)
+    s, h, n = model.seq_len, model.hidden, cluster.gpus
+    flops = theory.transformer_flops(global_batch, s, model.layers, h, model.vocab,
+                                     recompute) / n
+    compute = flops / (mfu * cluster.peak_tflops * 1e12)
+    node = cluster.gpus_per_node
+    tp_link = (cluster.alpha_intra, cluster.intra_gbps) if tp <= node else \
+        (cluster.alpha_inter, cluster.inter_gbps)
+    activation = micro_batch * s * h * 2
+    tp_time = (6 if recompute else 4) * (model.layers / pp) * m * _ring(activation, tp, *tp_link)
+    pp_link = (cluster.alpha_intra, cluster.intra_gbps) if dp * tp * pp <= node else \
+        (cluster.alpha_inter, cluster.inter_gbps)
+    pp_time = 0.0 if pp == 1 else 2 * m * (pp_link[0] + activation / (pp_link[1] * 1e9))
+    dp_link = (cluster.alpha_intra, cluster.intra_gbps) if dp * tp <= node else \
+        (cluster.alpha_inter, cluster.inter_gbps)
+    grad_bytes = 2 * model.params / (tp * pp)
+    dp_time = _ring(grad_bytes, dp, *dp_link) * (1.5 if zero == 3 else 1.0)
+    bubble = (pp - 1) / m * (compute + tp_time)
+    out = {"compute": compute, "tp": tp_time, "bubble": bubble, "pp": pp_time, "dp": dp_time}
+    out["total"] = sum(out.values())
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan(model: ModelSpec, cluster: Cluster, global_batch: int, mfu: float = 0.5,
+         zero_stages=(0, 1, 2, 3), micro_batch_sizes=(1, 2, 4, 8), recompute: bool = True,
+         reserve: float = 0.1) -> list[Plan]:
+    """Every (dp, tp, pp, ZeRO stage, micro-batch) that fits in ``(1 - reserve)`` of a GPU's
+    memory, fastest first (ties: less memory first). tp stays within a node and divides the
+    heads; pp divides the layers; dp * tp * pp = the GPU count; the global batch splits into
+    whole micro-batches."""
+    if cluster.gpus < 1 or global_batch < 1:
+        raise ValueError(f"need gpus >= 1 and global_batch >= 1, got {cluster.gpus} and "
+                         f"{global_batch}")
+    budget = (1 - reserve) * cluster.memory_gb * 1e9
+    plans = []
+    for tp in _divisors(cluster.gpus):
+        if tp > cluster.gpus_per_node or model.heads % tp or model.hidden % tp:
+            continue
+        for pp in _divisors(cluster.gpus // tp):
+            if model.layers % pp:
+                continue
+            dp = cluster.gpus // (tp * pp)
+            for mb in micro_batch_sizes:
+                if global_batch % (dp * mb):
+                    continue
+                m = global_batch // (dp * mb)
+                for zero in zero_stages:
+                    memory = memory_per_gpu(model, dp, tp, pp, zero, mb, m, recompute)
+                    if memory["total"] > budget:
+                        continue
+                    time = step_time(model, cluster, dp, tp, pp, zero, mb, global_batch, mfu,
+                                     recompute)
+                    plans.append(Plan(dp, tp, pp, zero, mb, m, memory, time))
+    return sorted(plans, key=lambda p: (p.time["total"], p.memory["total"]))
