@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.comm import ops
+from engine.comm import CommMeter, ops
 from engine.models import TinyGPT
 from engine.pp import gpipe, one_f_one_b, run_pipeline, uniform_boundaries
 from engine.topology import Mesh
@@ -87,7 +87,8 @@ def train_3d(rank: int, world_size: int, dp: int, tp: int, pp: int, cfg, steps: 
     """Train :class:`TinyGPT` (``cfg``) for ``steps`` steps of momentum SGD on a
     ``dp x tp x pp`` mesh with ZeRO-1 over dp. Every dp rank takes ``micro_batches *
     rows`` sequences of one fixed global batch. Returns this rank's stage as a dense-layout
-    state, the last loss (last stage) and the rank's coordinates."""
+    state, the losses (last stage), the rank's coordinates, and the bytes it sent per step
+    through each kind of group."""
     from engine.models import token_data
 
     mesh = Mesh(dp=dp, tp=tp, pp=pp)
@@ -104,14 +105,27 @@ def train_3d(rank: int, world_size: int, dp: int, tp: int, pp: int, cfg, steps: 
         return vocab_parallel_cross_entropy(logits, y, mesh.tp_group).mean()
 
     losses = []
+    groups = {"tp": mesh.tp_group, "dp": mesh.dp_group, "pp": mesh.pp_group,
+              "embedding": mesh.embedding_group}
+    # collectives by their group (the pp and embedding groups can hold the same two ranks:
+    # point-to-point traffic is the pipeline's, collectives there are the embedding's)
+    kinds = {ops.group_ranks(g): kind for kind, g in groups.items()
+             if g is not None and kind != "pp"}
+    traffic = dict.fromkeys(groups, 0)
     for _ in range(steps):
         optimizer.zero_grad()
-        run = run_pipeline(mesh.coords.pp, [stage], plan, inputs, labels, loss_fn,
-                           group=mesh.pp_group)
-        stage.sync_tied_embedding()
-        optimizer.step()
+        with CommMeter() as meter:
+            run = run_pipeline(mesh.coords.pp, [stage], plan, inputs, labels, loss_fn,
+                               group=mesh.pp_group)
+            stage.sync_tied_embedding()
+            optimizer.step()
+        for event in meter.events:  # bytes this rank sent, by the group they went through
+            point_to_point = event.op in ("send", "recv", "isend", "irecv")
+            kind = "pp" if point_to_point else kinds.get(event.group, "other")
+            traffic[kind] = traffic.get(kind, 0) + event.bytes_sent
         losses.append(run.loss)
-    return {"state": stage.dense_state(), "losses": losses, "coords": mesh.coords}
+    return {"state": stage.dense_state(), "losses": losses, "coords": mesh.coords,
+            "traffic_per_step": {k: v / steps for k, v in traffic.items()}}
 
 
 def train_reference(cfg, dp: int, steps: int = 3, micro_batches: int = 2, rows: int = 2,

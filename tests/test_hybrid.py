@@ -62,3 +62,14 @@ def test_more_stages_than_blocks_is_a_clear_error():
     with pytest.raises(Exception, match="pp=4 pipeline stages need at least 4 transformer "
                                         "blocks, the model has 2"):
         run_ranks(train_3d, 4, 1, 1, 4, CFG, 1)
+
+
+@pytest.mark.parametrize("dp, tp, pp", [(2, 2, 1), (2, 1, 2), (1, 2, 2)])
+def test_traffic_goes_only_through_the_groups_that_exist(dp, tp, pp):
+    for result in run_ranks(train_3d, dp * tp * pp, dp, tp, pp, CFG, 1):
+        traffic = result["traffic_per_step"]
+        assert (traffic["tp"] > 0) == (tp > 1)
+        assert (traffic["dp"] > 0) == (dp > 1)
+        assert (traffic["pp"] > 0) == (pp > 1)
+        assert (traffic["embedding"] > 0) == (pp > 1)
+        assert traffic.get("other", 0) == 0
