@@ -1,0 +1,324 @@
+"""Numeric drill items: every answer comes from :mod:`engine.theory` at drawn parameters."""
+
+from __future__ import annotations
+
+from engine import theory
+from engine.drill.items import Numeric
+
+MB, GB = 2**20, 1e9
+
+
+def _ring_bytes(rng):
+    n, m = rng.choice([2, 4, 8, 16, 64]), rng.choice([25, 100, 400])
+    return (f"Ring all-reduce of a {m} MB gradient over {n} GPUs: how many MB does each GPU "
+            "send?", theory.ring_all_reduce_bytes(m, n), "2(N-1)/N x M, about 2M for large N.")
+
+
+def _ps_server(rng):
+    n, m = rng.choice([4, 8, 16]), rng.choice([100, 200])
+    return (f"Parameter server among {n} ranks, gradient {m} MB: how many MB does the server "
+            "receive per step?", theory.ps_all_reduce_bytes(m, n)["server_received"],
+            "(N-1) x M: every worker sends it the whole gradient; its link is the bottleneck.")
+
+
+def _ps_over_ring(rng):
+    n = rng.choice([4, 8, 16, 32])
+    ps = theory.ps_all_reduce_bytes(1.0, n)["server_received"]
+    return (f"{n} ranks: the parameter server's inbound traffic is how many times a ring rank's "
+            "outbound traffic?", ps / theory.ring_all_reduce_bytes(1.0, n),
+            "(N-1)M / (2(N-1)M/N) = N/2.")
+
+
+def _ring_rounds(rng):
+    n = rng.choice([4, 8, 16, 64])
+    return (f"How many sequential message rounds (the latency term's count) does a ring "
+            f"all-reduce take on {n} GPUs?", theory.all_reduce_steps("ring", n),
+            "2(N-1): N-1 for reduce-scatter, N-1 for all-gather.")
+
+
+def _tree_rounds(rng):
+    n = rng.choice([8, 16, 64, 256])
+    return (f"How many sequential message rounds does a binomial-tree all-reduce (reduce up, "
+            f"broadcast down) take on {n} GPUs?",
+            theory.all_reduce_steps("tree", n), "2 log2 N: why trees win for small messages.")
+
+
+def _alpha_beta(rng):
+    n, mb = rng.choice([4, 8]), rng.choice([16, 64])
+    alpha, beta = 1e-5, 1 / 10e9
+    t = theory.alpha_beta_time("ring", mb * MB, n, alpha, beta)
+    return (f"alpha = 10 us, bandwidth 10 GB/s, ring all-reduce of {mb} MiB on {n} GPUs: "
+            "predicted time in ms?", t * 1e3, "2(N-1) alpha + 2(N-1)/N S / bandwidth.")
+
+
+def _busbw(rng):
+    n, mb, ms = rng.choice([4, 8]), rng.choice([64, 256]), rng.choice([5, 10, 20])
+    bw = theory.bus_bandwidth("all_reduce", mb * 1e6, ms / 1e3, n)
+    return (f"nccl-tests reports an all-reduce of {mb} MB on {n} GPUs in {ms} ms. Bus bandwidth "
+            "in GB/s?", bw / 1e9, "algbw = S/t; busbw = algbw x 2(N-1)/N.")
+
+
+def _grad_accum(rng):
+    k, buckets = rng.choice([4, 8, 16]), rng.choice([1, 3, 5])
+    return (f"Gradient accumulation over {k} micro-batches with no_sync on all but the last, "
+            f"{buckets} buckets: all-reduces per optimizer step?", float(buckets),
+            "One per bucket, once: the other backward passes only accumulate.")
+
+
+def _effective_batch(rng):
+    micro, k, n = rng.choice([4, 8]), rng.choice([2, 4, 8]), rng.choice([8, 32])
+    return (f"Micro-batch {micro}, {k} accumulation steps, {n} data-parallel GPUs: the "
+            "effective global batch?", float(micro * k * n), "micro-batch x k x N.")
+
+
+def _amdahl(rng):
+    compute, n = rng.choice([0.1, 0.2, 0.5]), rng.choice([8, 64])
+    params = rng.choice([25e6, 100e6])
+    comm = theory.alpha_beta_time("ring", 4 * params, n, 1e-5, 1 / 10e9)
+    return (f"{params / 1e6:.0f} M fp32 gradients, {compute} s of compute per step, {n} GPUs, "
+            "alpha 10 us, 10 GB/s, no overlap: scaling efficiency in percent?",
+            100 * compute / (compute + comm), "compute / (compute + all-reduce time).")
+
+
+def _grad_mb(rng):
+    params = rng.choice([25.6e6, 110e6, 340e6])
+    return (f"A model with {params / 1e6:.1f} M parameters: MB of fp32 gradients?",
+            4 * params / 1e6, "4 bytes per parameter.")
+
+
+def _topk_bytes(rng):
+    n, ratio = rng.choice([4, 8, 16]), rng.choice([0.01, 0.001])
+    numel = 10_000_000
+    return (f"Top-K at ratio {ratio} of a 10 M-element fp32 gradient, int32 indices, gathered "
+            f"over {n} GPUs: MB each GPU sends?",
+            theory.topk_bytes_per_rank(numel, ratio, n) / 1e6, "(N-1) x k x (4 + 4) bytes.")
+
+
+def _topk_fraction(rng):
+    n, ratio = rng.choice([4, 8, 16]), rng.choice([0.01, 0.02, 0.05])
+    numel = 1_000_000
+    return (f"Top-K at {ratio:.0%} on {n} GPUs: its traffic per GPU as a percent of a dense "
+            "fp32 ring all-reduce?",
+            100 * theory.topk_bytes_per_rank(numel, ratio, n)
+            / theory.ring_all_reduce_bytes(4 * numel, n), "N x ratio: it grows with N.")
+
+
+def _topk_breakeven(rng):
+    n = rng.choice([4, 8, 16, 32])
+    return (f"{n} GPUs: above which ratio does Top-K (values + int32 indices, all-gather) send "
+            "more than a dense ring all-reduce?", 1 / n, "Equal at k/numel = 1/N.")
+
+
+def _powersgd_elements(rng):
+    n, m, r = rng.choice([1024, 4096]), rng.choice([1024, 4096]), rng.choice([1, 4])
+    return (f"PowerSGD rank {r} on a {n} x {m} gradient: elements sent instead of {n * m}?",
+            float(theory.powersgd_elements([(n, m)], r)[1]), "(n + m) x r.")
+
+
+def _powersgd_ratio(rng):
+    n, r = rng.choice([1024, 4096]), rng.choice([1, 2, 4, 8])
+    before, after = theory.powersgd_elements([(n, n)], r)
+    return (f"PowerSGD rank {r} on a square {n} x {n} matrix: compression factor?",
+            before / after, "n^2 / (2 n r) = n / 2r.")
+
+
+def _fp16_bytes(rng):
+    params = rng.choice([100e6, 1.3e9])
+    return (f"{params / 1e6:.0f} M gradients sent as fp16 instead of fp32: MB saved per "
+            "all-reduce payload?", 2 * params / 1e6, "2 bytes per element.")
+
+
+def _zero_bytes(rng):
+    psi, n, stage = rng.choice([7.5e9, 13e9, 70e9]), rng.choice([4, 8, 64]), rng.randint(0, 3)
+    return (f"{psi / 1e9:g} B parameters, mixed-precision Adam, {n} GPUs, ZeRO stage {stage}: "
+            "GB of model states per GPU?",
+            theory.zero_model_state_bytes(psi, n, stage)["total"] / GB,
+            "2 + 2 + 12 bytes per parameter; stage s shards the first s of optimizer, "
+            "gradients, parameters.")
+
+
+def _zero_saving(rng):
+    n, stage = rng.choice([2, 4, 8, 16]), rng.choice([1, 2])
+    total = theory.zero_model_state_bytes(1.0, n, stage)["total"]
+    return (f"ZeRO-{stage} on {n} GPUs: by what factor does it cut model-state memory "
+            "(16 psi)?", 16 / total, "Not 4x or 8x: those are limits as N grows.")
+
+
+def _zero_comm(rng):
+    n, stage = rng.choice([4, 8, 64]), rng.choice([1, 2, 3])
+    return (f"ZeRO stage {stage} on {n} GPUs: elements each GPU sends per step, as a multiple "
+            "of psi?", theory.zero_comm_elements(1.0, n, stage),
+            "2(N-1)/N for stages 0-2, 3(N-1)/N for stage 3.")
+
+
+def _plain_dp_states(rng):
+    psi = rng.choice([7e9, 70e9, 175e9])
+    return (f"Plain data parallelism, {psi / 1e9:g} B parameters, mixed-precision Adam: TB of "
+            "model states on every GPU?", 16 * psi / 1e12, "16 bytes per parameter.")
+
+
+def _offload(rng):
+    psi, n = rng.choice([7e9, 13e9]), rng.choice([8, 16])
+    return (f"ZeRO-Offload with {psi / 1e9:g} B parameters on {n} GPUs: GB moved over PCIe per "
+            "GPU per step (fp16 gradient shard down, parameter shard up)?", 2 * 2 * psi / n / GB,
+            "2 x 2 psi / N bytes.")
+
+
+def _tp_elements(rng):
+    b, s, h, t = rng.choice([1, 4]), rng.choice([1024, 2048]), rng.choice([4096, 8192]), \
+        rng.choice([2, 4, 8])
+    return (f"Megatron TP of degree {t}, micro-batch {b}, sequence {s}, hidden {h}: million "
+            "elements each GPU sends per layer (forward + backward)?",
+            theory.tp_comm_elements_per_layer(b, s, h, t) / 1e6,
+            "4 all-reduces of bsh: 8bsh(t-1)/t.")
+
+
+def _tp_allreduces(rng):
+    layers = rng.choice([24, 32, 96])
+    return (f"A {layers}-layer transformer under Megatron TP: all-reduces per micro-batch, "
+            "forward and backward (no recomputation)?", 4.0 * layers,
+            "2 forward and 2 backward per layer.")
+
+
+def _layer_params(rng):
+    h = rng.choice([4096, 8192, 12288])
+    return (f"Hidden size {h}: billions of parameters in one transformer layer (12 h^2)?",
+            12 * h * h / 1e9, "4h^2 attention + 8h^2 MLP.")
+
+
+def _activations(rng):
+    s, h, a, t = 2048, rng.choice([4096, 12288]), rng.choice([32, 96]), rng.choice([1, 8])
+    return (f"Sequence {s}, micro-batch 1, hidden {h}, {a} heads, TP {t}, no recomputation: MB "
+            "of activations per layer per GPU?",
+            theory.tp_activation_bytes_per_layer(s, 1, h, a, t) / 1e6,
+            "s b h (10 + 24/t + 5as/(ht)) (Korthikanti et al.).")
+
+
+def _crossover(rng):
+    h = rng.choice([1024, 4096, 8192])
+    return (f"Hidden size {h}: tokens per micro-batch (b x s) where TP and ZeRO-3 send the "
+            "same per layer?", 3 * (12 * h * h + 13 * h) / (8 * h),
+            "8bsh = 3 x (12h^2 + 13h): about 4.5 h.")
+
+
+def _bubble_total(rng):
+    p, m = rng.choice([2, 4, 8]), rng.choice([4, 8, 16, 32])
+    return (f"GPipe or 1F1B, {p} stages, {m} micro-batches: bubble as a fraction of total "
+            "time?", theory.bubble_fraction(p, m), "(p-1)/(m+p-1).")
+
+
+def _bubble_ideal(rng):
+    p, m = rng.choice([4, 8]), rng.choice([8, 32, 64])
+    return (f"The same bubble relative to the ideal (busy) time, {p} stages, {m} "
+            "micro-batches?", theory.bubble_fraction(p, m, relative_to="ideal"), "(p-1)/m.")
+
+
+def _bubble_interleaved(rng):
+    p, v, k = rng.choice([4, 8]), rng.choice([2, 4]), rng.choice([1, 2, 4])
+    m = p * k
+    return (f"Interleaved 1F1B, {p} stages, {v} chunks per GPU, {m} micro-batches: bubble as a "
+            "fraction of total time?", theory.bubble_fraction(p, m, v), "(p-1)/(vm+p-1).")
+
+
+def _choose_m(rng):
+    p, target = rng.choice([4, 8, 16]), rng.choice([0.1, 0.05])
+    return (f"{p} stages: smallest m keeping the bubble under {target:.0%} of the ideal time?",
+            float(int((p - 1) / target) + 1), "(p-1)/m < target: m > (p-1)/target.")
+
+
+def _inflight_1f1b(rng):
+    p, s = rng.choice([4, 8]), rng.randint(0, 3)
+    return (f"1F1B with {p} stages and many micro-batches: at most how many micro-batches' "
+            f"activations does stage {s} hold?", float(p - s), "p - s: the warm-up plus one.")
+
+
+def _inflight_gpipe(rng):
+    m = rng.choice([8, 16, 32])
+    return (f"GPipe with {m} micro-batches: micro-batches' activations held by the first stage "
+            "at the peak?", float(m), "All m: every forward runs before any backward.")
+
+
+def _params(rng):
+    layers, h = rng.choice([(96, 12288), (80, 8192), (32, 4096)])
+    return (f"{layers} layers, hidden {h}, vocabulary 51200, sequence 2048: billions of "
+            "parameters (Megatron-LM eq. 2)?", theory.transformer_params(layers, h) / 1e9,
+            "12 l h^2 (1 + 13/(12h) + (V+s)/(12lh)).")
+
+
+def _days(rng):
+    tokens, gpus, x = rng.choice([300e9, 1e12]), rng.choice([1024, 3072]), \
+        rng.choice([120e12, 140e12])
+    return (f"175 B parameters, {tokens / 1e9:g} B tokens, {gpus} GPUs at {x / 1e12:g} "
+            "TFLOP/s with activation recomputation: days?",
+            theory.training_days(tokens, 175e9, gpus, x), "8 T P / (n X) seconds.")
+
+
+def _flops(rng):
+    batch = rng.choice([512, 1536])
+    return (f"GPT-3 (96 layers, h 12288, V 51200), {batch} sequences of 2048 tokens, with "
+            "recomputation: exaFLOPs per step?",
+            theory.transformer_flops(batch, 2048, 96, 12288) / 1e18,
+            "96 B s l h^2 (1 + s/(6h) + V/(16lh)).")
+
+
+def _global_batch(rng):
+    dp, mb, m = rng.choice([8, 64]), rng.choice([1, 2]), rng.choice([8, 16])
+    return (f"dp {dp}, micro-batch {mb}, {m} micro-batches per pipeline: global batch in "
+            "sequences?", float(dp * mb * m), "dp x micro-batch x m.")
+
+
+def _states_3d(rng):
+    tp, pp, dp, stage = 8, rng.choice([4, 8, 16]), rng.choice([8, 16, 32]), rng.choice([1, 2])
+    psi = 175e9
+    return (f"GPT-3 on tp {tp} x pp {pp} x dp {dp}, ZeRO-{stage}, mixed precision: GB of model "
+            "states per GPU?",
+            theory.zero_model_state_bytes(psi / (tp * pp), dp, stage)["total"] / GB,
+            "psi/(tp pp) parameters per GPU, then the ZeRO formula over dp.")
+
+
+NUMERIC = [
+    Numeric("ring-bytes", "collectives", _ring_bytes,
+            zh="数据并行中，梯度同步的通信量具体是多少？"),
+    Numeric("ps-server-bytes", "collectives", _ps_server,
+            zh="Ring AllReduce和参数服务器模式有什么区别？"),
+    Numeric("ps-over-ring", "collectives", _ps_over_ring),
+    Numeric("ring-rounds", "collectives", _ring_rounds),
+    Numeric("tree-rounds", "collectives", _tree_rounds),
+    Numeric("alpha-beta-time", "collectives", _alpha_beta),
+    Numeric("bus-bandwidth", "collectives", _busbw),
+    Numeric("accumulation-all-reduces", "data parallel", _grad_accum),
+    Numeric("effective-batch", "data parallel", _effective_batch),
+    Numeric("scaling-efficiency", "data parallel", _amdahl),
+    Numeric("gradient-megabytes", "data parallel", _grad_mb),
+    Numeric("topk-bytes", "compression", _topk_bytes,
+            zh="梯度压缩（如Top-K稀疏化）如何影响收敛？如何选择压缩率？"),
+    Numeric("topk-fraction", "compression", _topk_fraction),
+    Numeric("topk-breakeven", "compression", _topk_breakeven),
+    Numeric("powersgd-elements", "compression", _powersgd_elements),
+    Numeric("powersgd-ratio", "compression", _powersgd_ratio),
+    Numeric("fp16-savings", "compression", _fp16_bytes),
+    Numeric("zero-bytes", "zero", _zero_bytes),
+    Numeric("zero-saving", "zero", _zero_saving),
+    Numeric("zero-comm", "zero", _zero_comm,
+            zh="ZeRO-2 和 ZeRO-3 在通信上的具体差异是什么？"),
+    Numeric("plain-dp-states", "zero", _plain_dp_states),
+    Numeric("offload-pcie", "zero", _offload),
+    Numeric("tp-elements", "tensor parallel", _tp_elements),
+    Numeric("tp-all-reduces", "tensor parallel", _tp_allreduces),
+    Numeric("layer-params", "tensor parallel", _layer_params),
+    Numeric("tp-activations", "tensor parallel", _activations),
+    Numeric("tp-zero3-crossover", "tensor parallel", _crossover,
+            zh="ZeRO-3 和模型并行（张量并行）有什么区别？什么时候该用哪个？"),
+    Numeric("bubble-total", "pipeline", _bubble_total),
+    Numeric("bubble-ideal", "pipeline", _bubble_ideal),
+    Numeric("bubble-interleaved", "pipeline", _bubble_interleaved),
+    Numeric("choose-m", "pipeline", _choose_m,
+            zh="流水线并行中，如何选择stage数量和微批次大小？"),
+    Numeric("inflight-1f1b", "pipeline", _inflight_1f1b),
+    Numeric("inflight-gpipe", "pipeline", _inflight_gpipe),
+    Numeric("transformer-params", "3d and scale", _params),
+    Numeric("training-days", "3d and scale", _days),
+    Numeric("step-flops", "3d and scale", _flops),
+    Numeric("global-batch", "3d and scale", _global_batch),
+    Numeric("states-3d", "3d and scale", _states_3d),
+]
