@@ -113,3 +113,24 @@ def test_planner_table_figure_and_explorer():
     fig = plans_figure(plans, 80, top=4)
     assert len(fig.axes[0].get_yticklabels()) == 4
     assert planner_explorer() is not None
+
+
+def test_drill_widget_checks_an_answer_and_saves_the_score(tmp_path):
+    import json
+
+    from engine.drill import draw
+    from engine.viz.drill import drill_widget
+
+    path = tmp_path / "drill.json"
+    box = drill_widget(count=2, seed=5, scores_path=path)
+    body, answer, buttons, result = box.children
+    check, nxt = buttons.children
+    q = draw(2, seed=5)[0]
+    answer.value = str(q.answer) if q.kind == "numeric" else (
+        chr(97 + q.answer) if q.kind == "choice" else "y")
+    check.click()
+    assert "right" in result.value
+    assert sum(e["right"] for e in json.loads(path.read_text()).values()) == 1
+    nxt.click()
+    nxt.click()
+    assert "Done: 1/2" in body.value
