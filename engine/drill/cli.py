@@ -19,6 +19,8 @@ def render(q: Question, index: int, total: int) -> str:
     lines = [f"\n[{index}/{total}] ({q.topic}) {q.text}"]
     if q.zh:
         lines.append(f"    原题: {q.zh}")
+    if q.kind == "numeric":
+        lines.append(f"    (a number; within {q.rel_tol:.0%} counts)")
     if q.kind == "choice":
         lines += [f"    {chr(ord('a') + i)}) {option}" for i, option in enumerate(q.options)]
     if q.kind == "outline":

@@ -10,6 +10,8 @@ def question_text(q) -> str:
     lines = [f"({q.topic}) {q.text}"]
     if q.zh:
         lines.append(f"原题: {q.zh}")
+    if q.kind == "numeric":
+        lines.append(f"(a number; within {q.rel_tol:.0%} counts)")
     if q.kind == "choice":
         lines += [f"{chr(ord('a') + i)}) {option}" for i, option in enumerate(q.options)]
     if q.kind == "outline":

@@ -51,11 +51,13 @@ def plans_figure(plans, memory_gb: float, top: int = 6):
 
 
 def planner_explorer():
-    """Widgets: model, GPU type, GPU count, global batch, MFU; the ranked table and figure."""
+    """Widgets: model, GPU type, GPU count, GPUs per node, NVLink and network bandwidth per
+    GPU, global batch, MFU; the ranked table and the figure."""
     import ipywidgets as widgets
 
-    def show(model, gpu, gpus, global_batch, mfu):
-        cluster = Cluster(gpus, **GPUS[gpu])
+    def show(model, gpu, gpus, gpus_per_node, nvlink_gbps, network_gbps, global_batch, mfu):
+        specs = dict(GPUS[gpu], intra_gbps=nvlink_gbps, inter_gbps=network_gbps)
+        cluster = Cluster(gpus, gpus_per_node=gpus_per_node, **specs)
         plans = plan(MODELS[model], cluster, global_batch, mfu)
         if not plans:
             print(f"nothing fits: {model} on {gpus} x {gpu} with a global batch of "
@@ -71,6 +73,12 @@ def planner_explorer():
         gpu=widgets.Dropdown(options=list(GPUS), value="A100 80GB"),
         gpus=widgets.SelectionSlider(options=[8, 16, 32, 64, 128, 256, 512, 1024, 2048],
                                      value=1024, description="GPUs"),
+        gpus_per_node=widgets.SelectionSlider(options=[1, 2, 4, 8, 16], value=8,
+                                              description="GPUs/node"),
+        nvlink_gbps=widgets.FloatSlider(value=300, min=25, max=900, step=25,
+                                        description="NVLink GB/s"),
+        network_gbps=widgets.FloatSlider(value=25, min=5, max=100, step=5,
+                                         description="network GB/s"),
         global_batch=widgets.SelectionSlider(options=[256, 512, 1024, 1536, 2048, 4096],
                                              value=1536, description="global batch"),
         mfu=widgets.FloatSlider(value=0.45, min=0.2, max=0.7, step=0.05, description="MFU"),
