@@ -1,0 +1,52 @@
+"""python -m engine train: runs on CPU ranks, prints the lab's numbers, refuses bad layouts."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.__main__ import main as engine_main
+
+
+def test_train_on_four_cpu_ranks_prints_throughput(capsys):
+    assert engine_main(["train", "--world-size", "4", "--dp", "2", "--tp", "2",
+                        "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and "step 3/3" in out
+    assert out.count("rank dp") == 4 and "optimizer" in out and "activations" in out
+
+
+def test_pipeline_run_reports_idle_time_and_writes_a_trace(capsys, tmp_path):
+    import json
+
+    trace = tmp_path / "trace.json"
+    assert engine_main(["train", "--world-size", "2", "--pp", "2", "--steps", "1",
+                        "--schedule", "gpipe", "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "bubble formula 33.3%" in out
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert sum(e.get("ph") == "X" for e in events) == 2 * 2 * 2  # 2 ranks x (2 F + 2 B)
+
+
+def test_engine_and_torch_side_by_side(capsys):
+    assert engine_main(["train", "--world-size", "2", "--dp", "2", "--zero", "1", "--impl",
+                        "both", "--steps", "2", "--peak-tflops", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "[engine]" in out and "[torch]" in out and "engine / torch tokens/s" in out
+    assert "MFU" in out and "n/a" not in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--world-size", "4", "--dp", "2"], "dp x tp x pp = 2 x 1 x 1 = 2 does not match the "
+                                         "world size 4"),
+    (["--world-size", "2", "--tp", "2", "--zero", "3"], "--zero 3 runs here with data "
+                                                         "parallelism only"),
+    (["--world-size", "2", "--tp", "2", "--impl", "torch"], "--impl torch/both compares "
+                                                            "data-parallel"),
+    (["--world-size", "4", "--pp", "4"], "--pp 4 needs at least 4 layers"),
+    (["--world-size", "3", "--tp", "3"], "hidden=32 is not divisible by the tensor-parallel "
+                                          "degree 3"),
+    (["--world-size", "1", "--model", "huge"], "--model must be one of tiny, small, medium"),
+])
+def test_bad_layouts_are_refused_before_any_rank_starts(args, message, capsys):
+    assert engine_main(["train", *args]) == 2
+    assert message in capsys.readouterr().err
