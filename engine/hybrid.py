@@ -91,11 +91,16 @@ def train_3d(rank: int, world_size: int, dp: int, tp: int, pp: int, cfg, steps: 
     through each kind of group."""
     from engine.models import token_data
 
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
     mesh = Mesh(dp=dp, tp=tp, pp=pp)
-    stage = GPTStage(TinyGPT(cfg, seed=seed), mesh)
+    stage = GPTStage(TinyGPT(cfg, seed=seed).to(device), mesh)
     optimizer = ZeroOptimizer(list(stage.parameters()), torch.optim.SGD, stage=1,
                               group=mesh.dp_group, lr=lr, momentum=0.9)
     ids, targets = token_data(dp * micro_batches * rows, cfg.seq_len, cfg.vocab, seed=seed + 1)
+    ids, targets = ids.to(device), targets.to(device)
     mine = slice(mesh.coords.dp * micro_batches * rows, (mesh.coords.dp + 1) * micro_batches
                  * rows)
     inputs, labels = list(ids[mine].chunk(micro_batches)), list(targets[mine].chunk(micro_batches))

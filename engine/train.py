@@ -127,21 +127,23 @@ def _engine_steps(rank, world_size, cfg: TrainConfig):
     from engine.zero import ZeroDataParallel, ZeroOptimizer
 
     model_cfg = MODELS[cfg.model]
+    device = _device()
     mesh = Mesh(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp)
     rows = cfg.microbatches * cfg.micro_batch
     ids, targets = token_data(cfg.dp * rows, model_cfg.seq_len, model_cfg.vocab, seed=1)
+    ids, targets = ids.to(device), targets.to(device)
     mine = slice(mesh.coords.dp * rows, (mesh.coords.dp + 1) * rows)
     inputs = list(ids[mine].chunk(cfg.microbatches))
     labels = list(targets[mine].chunk(cfg.microbatches))
     if cfg.zero == 3:
-        wrapped = ZeroDataParallel(TinyGPT(model_cfg, seed=0), torch.optim.AdamW,
+        wrapped = ZeroDataParallel(TinyGPT(model_cfg, seed=0).to(device), torch.optim.AdamW,
                                    group=mesh.dp_group, lr=cfg.lr)
         stage, optimizer = wrapped, wrapped.optimizer
 
         def loss_fn(logits, y):
             return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
     else:
-        stage = GPTStage(TinyGPT(model_cfg, seed=0), mesh)
+        stage = GPTStage(TinyGPT(model_cfg, seed=0).to(device), mesh)
         optimizer = ZeroOptimizer(list(stage.parameters()), torch.optim.AdamW, stage=cfg.zero,
                                   group=mesh.dp_group, lr=cfg.lr)
 
@@ -175,7 +177,9 @@ def _engine_steps(rank, world_size, cfg: TrainConfig):
     gathered = [None] * world_size
     dist.all_gather_object(gathered, [(e.name, e.rank, e.start, e.end, dict(e.args))
                                       for e in events])
+    cuda_peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     return {"step_s": statistics.median(steps), "losses": losses, "compute_s": compute,
+            "cuda_peak": cuda_peak,
             "state": held, "activations": last_run.peak_activation_bytes,
             "comm_bytes": comm_bytes, "coords": mesh.coords,
             "events": gathered if rank == 0 else None}
@@ -264,7 +268,8 @@ def report(cfg: TrainConfig, results: list[dict]) -> dict:
             print(f"  rank dp{c.dp} tp{c.tp} pp{c.pp}: params {s.params / 1e6:.2f} MB, grads "
                   f"{s.grads / 1e6:.2f} MB, optimizer {s.optimizer / 1e6:.2f} MB, activations "
                   f"{r['activations'] / 1e6:.2f} MB; computing {r['compute_s'] / step:.0%} "
-                  f"of the step; sent {r['comm_bytes'] / 1e6:.2f} MB")
+                  f"of the step; sent {r['comm_bytes'] / 1e6:.2f} MB"
+                  + (f"; CUDA peak {r['cuda_peak'] / 1e9:.2f} GB" if r["cuda_peak"] else ""))
         events = [TraceEvent(name, rank, start, end, "compute", args)
                   for per_rank in engine[0]["events"]
                   for name, rank, start, end, args in per_rank]

@@ -1,6 +1,6 @@
 """GPU paths: NCCL at world size 1 (NCCL needs one GPU per rank) and Gloo on CUDA tensors.
 
-Skipped, with the reason shown, on a machine without CUDA. `tests/gpu_check.sh` runs these.
+Skipped, with the reason shown, on a machine without CUDA. `scripts/gpu_check.sh` runs these.
 """
 
 from __future__ import annotations
@@ -41,3 +41,25 @@ def test_nccl_with_more_ranks_than_gpus_suggests_gloo():
     too_many = torch.cuda.device_count() + 1
     with pytest.raises(ValueError, match="one GPU per rank.*Use backend='gloo'"):
         launch(_cuda_all_reduce, too_many, backend="nccl")
+
+
+def test_engine_train_on_one_gpu_with_nccl(capsys):
+    from engine.__main__ import main
+
+    assert main(["train", "--world-size", "1", "--backend", "nccl", "--model", "small",
+                 "--steps", "3", "--impl", "both"]) == 0
+    out = capsys.readouterr().out
+    assert "MFU" in out and "CUDA peak" in out and "engine / torch tokens/s" in out
+
+
+def _tp_pp_on_cuda(rank, world_size):
+    from engine.hybrid import train_3d
+    from engine.models import GPTConfig
+
+    cfg = GPTConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32)
+    return train_3d(rank, world_size, 1, 1, 1, cfg, 2)["losses"]
+
+
+def test_3d_trainer_at_world_size_1_on_nccl():
+    [losses] = launch(_tp_pp_on_cuda, 1, backend="nccl", timeout=120, quiet=True)
+    assert len(losses) == 2 and losses[1] < losses[0]

@@ -102,18 +102,19 @@ def _tag(kind: str, mb: int, vs: int, stages: int) -> int:
 
 
 def _send(tensor, dst, tag, group, pending):
-    shape = torch.zeros(_MAX_DIMS + 1, dtype=torch.int64)
+    shape = torch.zeros(_MAX_DIMS + 1, dtype=torch.int64, device=tensor.device)
     shape[0] = tensor.dim()
-    shape[1:1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    shape[1:1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64,
+                                             device=tensor.device)
     data = tensor.detach().contiguous()
     pending += [(ops.isend(shape, dst, group, tag), shape),
                 (ops.isend(data, dst, group, tag + 1), data)]
 
 
-def _recv(src, tag, group, dtype):
-    shape = torch.empty(_MAX_DIMS + 1, dtype=torch.int64)
+def _recv(src, tag, group, dtype, device):
+    shape = torch.empty(_MAX_DIMS + 1, dtype=torch.int64, device=device)
     ops.recv(shape, src, group, tag)
-    out = torch.empty(tuple(shape[1:1 + int(shape[0])].tolist()), dtype=dtype)
+    out = torch.empty(tuple(shape[1:1 + int(shape[0])].tolist()), dtype=dtype, device=device)
     ops.recv(out, src, group, tag + 1)
     return out
 
@@ -139,7 +140,10 @@ def run_pipeline(rank: int, chunks: list[nn.Module], schedule, inputs: list[torc
     held = peak = in_flight = peak_flight = 0
     per_chunk: dict[int, int] = {}
     total_loss = 0.0
-    dtype = next(chunks[0].parameters()).dtype
+    first_param = next(chunks[0].parameters())
+    dtype, device = first_param.dtype, first_param.device
+    # on a GPU, kernels run asynchronously: synchronise so the timeline shows compute time
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     params = [q for c in chunks for q in c.parameters()]
     for action in schedule[rank]:
         kind, mb = action[0], action[1]
@@ -149,13 +153,16 @@ def run_pipeline(rank: int, chunks: list[nn.Module], schedule, inputs: list[torc
             if vs == 0:  # its own copy: a view would pin (and count) the whole batch
                 x = inputs[mb].detach().clone()
             else:
-                x = _recv(ranks[(vs - 1) % p], _tag("act", mb, vs - 1, stages), group, dtype)
+                x = _recv(ranks[(vs - 1) % p], _tag("act", mb, vs - 1, stages), group, dtype,
+                          device)
                 x.requires_grad_()
+            sync()
             start = time.perf_counter()
             with ActivationTracker(exclude=params) as acts:
                 out = chunks[c](x)
                 if vs == last:
                     out = loss_fn(out, targets[mb].detach().clone()) / m
+            sync()
             end = time.perf_counter()
             stored[mb, c] = (x, out, acts.bytes)
             per_chunk.setdefault(c, acts.bytes)
@@ -169,9 +176,12 @@ def run_pipeline(rank: int, chunks: list[nn.Module], schedule, inputs: list[torc
         else:
             x, out, nbytes = stored.pop((mb, c))
             grad = None if vs == last else _recv(ranks[(vs + 1) % p],
-                                                 _tag("grad", mb, vs + 1, stages), group, dtype)
+                                                 _tag("grad", mb, vs + 1, stages), group, dtype,
+                                                 device)
+            sync()
             start = time.perf_counter()
             out.backward(grad)
+            sync()
             end = time.perf_counter()
             held -= nbytes
             in_flight -= 1

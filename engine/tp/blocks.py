@@ -47,7 +47,8 @@ class ParallelAttention(nn.Module):
         rank, t = tp_rank_and_size(group)
         local_heads = check_divisible("heads", attn.heads, t)
         hidden = attn.proj.in_features
-        qkv = ColumnParallelLinear(hidden, 3 * hidden, gather_output=False, group=group)
+        qkv = ColumnParallelLinear(hidden, 3 * hidden, gather_output=False, group=group,
+                                   device=attn.qkv.weight.device, dtype=attn.qkv.weight.dtype)
         with torch.no_grad():  # rank r's heads of q, of k and of v, side by side
             qkv.weight.copy_(torch.cat([w.chunk(t, dim=0)[rank]
                                         for w in attn.qkv.weight.split(hidden, dim=0)]))

@@ -40,19 +40,20 @@ class ColumnParallelLinear(nn.Module):
     so every rank has the whole Y; ``False`` leaves ``Y_r`` for a row-parallel layer."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 gather_output: bool = True, group=None):
+                 gather_output: bool = True, group=None, device=None, dtype=None):
         super().__init__()
         rank, t = tp_rank_and_size(group)
         self.local_out = check_divisible("out_features", out_features, t)
         self.group, self.gather_output = group, gather_output
-        self.weight = nn.Parameter(torch.empty(self.local_out, in_features))
-        self.bias = nn.Parameter(torch.zeros(self.local_out)) if bias else None
+        like = dict(device=device, dtype=dtype)
+        self.weight = nn.Parameter(torch.empty(self.local_out, in_features, **like))
+        self.bias = nn.Parameter(torch.zeros(self.local_out, **like)) if bias else None
 
     @classmethod
     def from_dense(cls, layer: nn.Linear, group=None, gather_output: bool = True):
         rank, t = tp_rank_and_size(group)
         tp = cls(layer.in_features, layer.out_features, layer.bias is not None, gather_output,
-                 group)
+                 group, layer.weight.device, layer.weight.dtype)
         with torch.no_grad():
             tp.weight.copy_(layer.weight.chunk(t, dim=0)[rank])
             if layer.bias is not None:
@@ -70,19 +71,20 @@ class RowParallelLinear(nn.Module):
     ``X_r`` (from a column-parallel layer); ``False`` takes the whole X and slices it."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 input_is_parallel: bool = False, group=None):
+                 input_is_parallel: bool = False, group=None, device=None, dtype=None):
         super().__init__()
         rank, t = tp_rank_and_size(group)
         self.local_in = check_divisible("in_features", in_features, t)
         self.group, self.input_is_parallel = group, input_is_parallel
-        self.weight = nn.Parameter(torch.empty(out_features, self.local_in))
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        like = dict(device=device, dtype=dtype)
+        self.weight = nn.Parameter(torch.empty(out_features, self.local_in, **like))
+        self.bias = nn.Parameter(torch.zeros(out_features, **like)) if bias else None
 
     @classmethod
     def from_dense(cls, layer: nn.Linear, group=None, input_is_parallel: bool = False):
         rank, t = tp_rank_and_size(group)
         tp = cls(layer.in_features, layer.out_features, layer.bias is not None,
-                 input_is_parallel, group)
+                 input_is_parallel, group, layer.weight.device, layer.weight.dtype)
         with torch.no_grad():
             tp.weight.copy_(layer.weight.chunk(t, dim=1)[rank])
             if layer.bias is not None:
@@ -100,18 +102,20 @@ class VocabParallelEmbedding(nn.Module):
     """Keeps ``vocab / t`` rows of the embedding table. A token outside this rank's rows
     looks up zeros; the all-reduce (g) fills in every token from the rank that owns it."""
 
-    def __init__(self, vocab: int, hidden: int, group=None):
+    def __init__(self, vocab: int, hidden: int, group=None, device=None, dtype=None):
         super().__init__()
         rank, t = tp_rank_and_size(group)
         self.local_vocab = check_divisible("vocab", vocab, t)
         self.start = rank * self.local_vocab
         self.group = group
-        self.weight = nn.Parameter(torch.empty(self.local_vocab, hidden))
+        self.weight = nn.Parameter(torch.empty(self.local_vocab, hidden, device=device,
+                                               dtype=dtype))
 
     @classmethod
     def from_dense(cls, layer: nn.Embedding, group=None):
         rank, t = tp_rank_and_size(group)
-        tp = cls(layer.num_embeddings, layer.embedding_dim, group)
+        tp = cls(layer.num_embeddings, layer.embedding_dim, group, layer.weight.device,
+                 layer.weight.dtype)
         with torch.no_grad():
             tp.weight.copy_(layer.weight.chunk(t, dim=0)[rank])
         return tp
