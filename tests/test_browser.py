@@ -1,0 +1,177 @@
+"""The course as a learner sees it: real JupyterLab in headless Chromium, every chapter run
+from the Run menu, widgets rendered and redrawn, no errors in cells or in the console.
+
+Opt-in (``BROWSER_TEST=1``) until the two known failures named in the skip reason are fixed.
+
+Playwright drives Debian's Chromium (``/usr/bin/chromium``). Where it is missing, the test
+installs it with apt when it can (root, apt-get present); otherwise it is skipped with the
+reason. Screenshots go to ``test-artifacts/browser/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.browser, pytest.mark.timeout(900),
+    pytest.mark.skipif(not os.environ.get("BROWSER_TEST"), reason=(
+        "opt-in for now: BROWSER_TEST=1 runs it (about 10 minutes). Not yet in CI: "
+        "00_setup never finishes under Run All in the browser, and 04_zero logs 'widget "
+        "model not found' in the console (issue 11)")),
+]
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "test-artifacts" / "browser"
+CHAPTERS = sorted(p.name for p in (ROOT / "course").glob("0*.ipynb"))
+# notebooks with sliders whose figure must redraw, and the explorer to move
+WIDGETS = {"01_collectives.ipynb": 2, "02_data_parallel.ipynb": 1, "04_zero.ipynb": 1,
+           "06_pipeline.ipynb": 1, "07_3d_parallelism.ipynb": 1, "08_interview_drill.ipynb": 1}
+IGNORED_CONSOLE = ("favicon", "Failed to load resource: the server responded with a status of "
+                   "404")
+
+
+def _chromium() -> str:
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found:
+        return found
+    if os.name == "posix" and os.geteuid() == 0 and shutil.which("apt-get"):
+        subprocess.run(["apt-get", "install", "-y", "-q", "chromium"], capture_output=True,
+                       timeout=900)
+        found = shutil.which("chromium")
+        if found:
+            return found
+    pytest.skip("Chromium is not installed and cannot be installed here (needs root and "
+                "apt-get): the browser test needs Debian's chromium package")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A JupyterLab server on loopback, news and update checks off."""
+    settings = tmp_path_factory.mktemp("lab-settings")
+    workspaces = tmp_path_factory.mktemp("lab-workspaces")
+    notification = settings / "@jupyterlab" / "apputils-extension"
+    notification.mkdir(parents=True)
+    (notification / "notification.jupyterlab-settings").write_text(
+        json.dumps({"fetchNews": "false", "checkForUpdates": False}))
+    port, token = _free_port(), "browser-test"
+    jupyter = Path(sys.executable).with_name("jupyter")
+    log = open(tmp_path_factory.mktemp("lab-log") / "lab.log", "w")
+    process = subprocess.Popen(
+        [str(jupyter), "lab", "--no-browser", "--ServerApp.ip=127.0.0.1",
+         f"--ServerApp.port={port}", f"--IdentityProvider.token={token}",
+         f"--ServerApp.root_dir={ROOT}", f"--LabApp.user_settings_dir={settings}",
+         f"--LabApp.workspaces_dir={workspaces}",
+         "--allow-root"], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        for _ in range(120):
+            try:
+                socket.create_connection(("127.0.0.1", port), 1).close()
+                break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("JupyterLab did not start")
+        yield f"http://127.0.0.1:{port}", token
+    finally:
+        process.terminate()
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    executable = _chromium()
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        instance = p.chromium.launch(executable_path=executable, args=["--no-sandbox"])
+        yield instance
+        instance.close()
+
+
+ALL_RAN = """() => {
+    const cells = document.querySelectorAll(
+        '.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-CodeCell');
+    if (!cells.length) return false;
+    for (const cell of cells) {
+        const prompt = cell.querySelector('.jp-InputPrompt');
+        if (!prompt || !/\\[\\d+\\]/.test(prompt.textContent)) return false;
+    }
+    return true;
+}"""
+
+
+def _open_and_run(page, url, token, chapter):
+    # a workspace of its own, reset: only this notebook is open
+    page.goto(f"{url}/lab/workspaces/{chapter[:2]}/tree/course/{chapter}?reset&token={token}")
+    page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell",
+                           timeout=120_000)
+    page.wait_for_function("() => document.body.innerText.includes('Idle')", timeout=120_000)
+    page.click("div.lm-MenuBar-itemLabel:text-is('Run')")
+    page.click("text=Run All Cells")
+    page.wait_for_function(ALL_RAN, timeout=800_000, polling=1000)
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_every_chapter_runs_in_jupyterlab_and_its_widgets_work(lab, browser, chapter):
+    url, token = lab
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    console = []
+    page.on("console", lambda m: console.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: console.append(f"page error: {e}"))
+    try:
+        _open_and_run(page, url, token, chapter)
+        errors = [o.inner_text() for o in page.query_selector_all(
+            ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+            if "Traceback" in o.inner_text() or "Error" in o.inner_text().split("\n")[0]]
+        assert not errors, f"{chapter}: a cell raised:\n{errors[0][:2000]}"
+        expected = WIDGETS.get(chapter, 0)
+        widgets = page.query_selector_all(".jp-OutputArea-output .jupyter-widgets")
+        assert len(widgets) >= expected, f"{chapter}: {len(widgets)} widgets rendered"
+        if chapter in ("04_zero.ipynb", "06_pipeline.ipynb", "01_collectives.ipynb"):
+            _slider_redraws_its_figure(page, chapter)
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / f"{chapter[:-6]}.png"), full_page=False)
+        real = [m for m in console if not any(s in m for s in IGNORED_CONSOLE)]
+        assert not real, f"{chapter}: JavaScript console errors: {real[:5]}"
+    finally:
+        page.close()
+
+
+def _slider_redraws_its_figure(page, chapter):
+    """Move the last interactive widget's first slider; its figure must change."""
+    boxes = page.query_selector_all(".widget-interact")
+    assert boxes, f"{chapter}: no interactive widget"
+    box = boxes[-1]
+    box.scroll_into_view_if_needed()
+    image = box.query_selector(".jp-OutputArea-output img")
+    assert image is not None, f"{chapter}: the widget shows no figure"
+    before = image.get_attribute("src")
+    handle = box.query_selector(".widget-slider .noUi-handle")
+    assert handle is not None, f"{chapter}: the widget has no slider"
+    handle.focus()
+    page.keyboard.press("ArrowRight")
+    page.wait_for_function(
+        """([el, before]) => { const img = el.querySelector('.jp-OutputArea-output img');
+                               return img && img.getAttribute('src') !== before; }""",
+        arg=[box, before], timeout=60_000)
+    page.wait_for_timeout(1000)  # let the redraw settle before the screenshot
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    box.screenshot(path=str(ARTIFACTS / f"{chapter[:-6]}-widget.png"))
