@@ -61,7 +61,12 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    """A JupyterLab server on loopback, news and update checks off."""
+    """A JupyterLab server on loopback, news and update checks off, serving a copy of the
+    chapters: JupyterLab saves the notebooks it runs, and the repository's must stay
+    stripped."""
+    served = tmp_path_factory.mktemp("served")
+    shutil.copytree(ROOT / "course", served / "course",
+                    ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
     settings = tmp_path_factory.mktemp("lab-settings")
     workspaces = tmp_path_factory.mktemp("lab-workspaces")
     notification = settings / "@jupyterlab" / "apputils-extension"
@@ -74,9 +79,9 @@ def lab(tmp_path_factory):
     process = subprocess.Popen(
         [str(jupyter), "lab", "--no-browser", "--ServerApp.ip=127.0.0.1",
          f"--ServerApp.port={port}", f"--IdentityProvider.token={token}",
-         f"--ServerApp.root_dir={ROOT}", f"--LabApp.user_settings_dir={settings}",
+         f"--ServerApp.root_dir={served}", f"--LabApp.user_settings_dir={settings}",
          f"--LabApp.workspaces_dir={workspaces}",
-         "--allow-root"], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+         "--allow-root"], stdout=log, stderr=subprocess.STDOUT, cwd=served)
     try:
         for _ in range(120):
             try:
