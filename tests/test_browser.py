@@ -25,8 +25,8 @@ pytestmark = [
     pytest.mark.browser, pytest.mark.timeout(900),
     pytest.mark.skipif(not os.environ.get("BROWSER_TEST"), reason=(
         "opt-in for now: BROWSER_TEST=1 runs it (about 10 minutes). Not yet in CI: "
-        "00_setup never finishes under Run All in the browser, and 04_zero logs 'widget "
-        "model not found' in the console (issue 11)")),
+        "00_setup once timed out as the first chapter of a full run, and 04_zero logs "
+        "'widget model not found' in the console (issue 11)")),
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
