@@ -75,15 +75,23 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
     params = [p for p in model.parameters()]
     grads = [p.grad for p in params if p.grad is not None]
     opt = optimizer_tensors(optimizer) if optimizer is not None else []
-    seen_all: set = set()
-    total = sum(unique_storage_bytes(group, seen_all) for group in (params, grads, opt))
-    allocated = peak = None
+    counted = count_state_bytes(params, grads, opt)
     if any(p.is_cuda for p in params):
-        allocated = torch.cuda.memory_allocated()
-        peak = torch.cuda.max_memory_allocated()
-    return StateBytes(params=unique_storage_bytes(params), grads=unique_storage_bytes(grads),
-                      optimizer=unique_storage_bytes(opt), total=total,
-                      memory_allocated=allocated, max_memory_allocated=peak)
+        counted = StateBytes(counted.params, counted.grads, counted.optimizer, counted.total,
+                             torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated())
+    return counted
+
+
+def count_state_bytes(params: Iterable[torch.Tensor], grads: Iterable[torch.Tensor],
+                      optimizer: Iterable[torch.Tensor]) -> StateBytes:
+    """:class:`StateBytes` of three groups of tensors, each storage counted once per field
+    and once in ``total`` (a storage shared between two fields is not counted twice)."""
+    groups = [list(params), list(grads), list(optimizer)]
+    seen: set = set()
+    total = sum(unique_storage_bytes(group, seen) for group in groups)
+    return StateBytes(params=unique_storage_bytes(groups[0]),
+                      grads=unique_storage_bytes(groups[1]),
+                      optimizer=unique_storage_bytes(groups[2]), total=total)
 
 
 class ActivationTracker:

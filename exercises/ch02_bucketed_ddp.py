@@ -18,7 +18,7 @@ from torch import nn
 
 from engine.comm import ops  # noqa: F401  (and this)
 from engine.dp.buckets import assign_buckets
-from engine.dp.data_parallel import broadcast_module
+from engine.dp.data_parallel import EndOfBackward, broadcast_module
 
 
 class BucketedDataParallel(nn.Module):
@@ -39,7 +39,7 @@ class BucketedDataParallel(nn.Module):
         self.ready = [set() for _ in self.buckets]  # params of each bucket whose grad is in
         self.works = [None] * len(self.buckets)  # each bucket's async all-reduce, once launched
         self.next_bucket = 0  # launch buckets in order, so every rank's all-reduces pair up
-        self._finish_queued = False
+        self._end = EndOfBackward(self._finish)
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
@@ -48,13 +48,7 @@ class BucketedDataParallel(nn.Module):
 
     def queue_finish(self) -> None:
         """Ask autograd to call ``_finish`` once, when this backward pass is over."""
-        if not self._finish_queued:
-            self._finish_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._run_finish)
-
-    def _run_finish(self) -> None:
-        self._finish_queued = False
-        self._finish()
+        self._end.queue()
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         """Called during backward with ``p.grad`` complete. Call ``queue_finish()``, copy the

@@ -16,17 +16,7 @@ from engine.drill.items import TOPICS, Question
 
 
 def render(q: Question, index: int, total: int) -> str:
-    lines = [f"\n[{index}/{total}] ({q.topic}) {q.text}"]
-    if q.zh:
-        lines.append(f"    原题: {q.zh}")
-    if q.kind == "numeric":
-        lines.append(f"    (a number; within {q.rel_tol:.0%} counts)")
-    if q.kind == "choice":
-        lines += [f"    {chr(ord('a') + i)}) {option}" for i, option in enumerate(q.options)]
-    if q.kind == "outline":
-        lines.append("    Say your 30-second answer, then compare with the outline:")
-        lines += [f"    - {point}" for point in q.outline]
-    return "\n".join(lines)
+    return f"\n[{index}/{total}] " + q.as_text(indent="    ")
 
 
 def feedback(q: Question, correct: bool) -> str:

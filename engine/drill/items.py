@@ -29,6 +29,22 @@ class Question:
     evidence: tuple[str, str] | None = None  # (notebook, section heading)
     outline: tuple[str, ...] = ()
 
+    def as_text(self, indent: str = "") -> str:
+        """The question as plain text: the terminal drill, the widget and the static
+        fallback all show this."""
+        lines = [f"({self.topic}) {self.text}"]
+        if self.zh:
+            lines.append(f"{indent}原题: {self.zh}")
+        if self.kind == "numeric":
+            lines.append(f"{indent}(a number; within {self.rel_tol:.0%} counts)")
+        if self.kind == "choice":
+            lines += [f"{indent}{chr(ord('a') + i)}) {option}"
+                      for i, option in enumerate(self.options)]
+        if self.kind == "outline":
+            lines.append(f"{indent}Say your 30-second answer, then compare with the outline:")
+            lines += [f"{indent}- {point}" for point in self.outline]
+        return "\n".join(lines)
+
     def grade(self, response) -> bool:
         """Numeric: within ``rel_tol`` (relative) of the answer. Choice: the option's index
         (0-based) or its letter. Outline: the learner's own yes/no after reading the outline."""

@@ -7,17 +7,7 @@ from engine.drill.bank import Scores, draw
 
 def question_text(q) -> str:
     """The question as plain text (the static fallback, and the widget's body)."""
-    lines = [f"({q.topic}) {q.text}"]
-    if q.zh:
-        lines.append(f"原题: {q.zh}")
-    if q.kind == "numeric":
-        lines.append(f"(a number; within {q.rel_tol:.0%} counts)")
-    if q.kind == "choice":
-        lines += [f"{chr(ord('a') + i)}) {option}" for i, option in enumerate(q.options)]
-    if q.kind == "outline":
-        lines.append("Say your answer aloud, then compare:")
-        lines += [f"  - {point}" for point in q.outline]
-    return "\n".join(lines)
+    return q.as_text()
 
 
 def drill_widget(count: int = 10, topic: str | None = None, seed: int | None = None,

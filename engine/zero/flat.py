@@ -16,6 +16,7 @@ import math
 import torch
 from torch import nn
 
+from engine.comm import ops
 from engine.dp.buckets import assign_buckets
 
 
@@ -85,3 +86,27 @@ def make_buckets(params: list[nn.Parameter], bucket_cap_mb: float, rank: int,
         raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
     groups = assign_buckets(params, int(bucket_cap_mb * 2**20))
     return [FlatBucket(group, rank, world_size) for group in groups]
+
+
+# -- reduce-scattering gradients into shards (stages 2 and 3) ----------------------------------
+#
+# A "piece" is a FlatBucket (stage 2) or a stage-3 unit: it has ``padded``, ``shard``,
+# ``shard_grad`` (this rank's accumulated gradients), ``grad_buffer`` (the full flat gradient
+# being filled during backward), ``received``, ``work`` and ``ready``.
+
+
+def start_reduce_scatter(piece, group) -> None:
+    """Launch the async reduce-scatter of ``piece.grad_buffer`` (zeros if no gradient came)."""
+    if piece.grad_buffer is None:  # none of its parameters was used in this backward
+        piece.grad_buffer = piece.shard.new_zeros(piece.padded)
+    piece.received = torch.empty_like(piece.shard)
+    piece.work = ops.reduce_scatter_tensor(piece.received, piece.grad_buffer, group=group,
+                                           async_op=True)
+
+
+def finish_reduce_scatter(piece, world_size: int) -> None:
+    """Wait, add the average to ``piece.shard_grad``, and drop the full gradient."""
+    piece.work.wait()
+    piece.shard_grad.add_(piece.received.div_(world_size))
+    piece.grad_buffer = piece.received = piece.work = None
+    piece.ready.clear()

@@ -29,8 +29,10 @@ from torch import nn
 
 from engine.comm import ops
 from engine.dp.data_parallel import EndOfBackward
-from engine.memory import StateBytes, optimizer_tensors, unique_storage_bytes
-from engine.zero.flat import check_params, make_buckets
+from engine.memory import (StateBytes, count_state_bytes, optimizer_tensors,
+                           unique_storage_bytes)
+from engine.zero.flat import (check_params, finish_reduce_scatter, make_buckets,
+                              start_reduce_scatter)
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -109,21 +111,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._reduce_scatter(self.buckets[self._next])
 
     def _reduce_scatter(self, b) -> None:
-        if b.grad_buffer is None:  # no parameter of this bucket was used
-            b.grad_buffer = torch.zeros_like(b.flat)
-        b.received = torch.empty_like(b.shard)
-        b.work = ops.reduce_scatter_tensor(b.received, b.grad_buffer, group=self.group,
-                                           async_op=True)
+        start_reduce_scatter(b, self.group)
         self._next += 1
 
     def _finish_backward(self) -> None:
         for b in self.buckets[self._next:]:  # unused parameters: their gradient is zero
             self._reduce_scatter(b)
         for b in self.buckets:
-            b.work.wait()
-            b.shard_grad.add_(b.received.div_(self.world_size))
-            b.grad_buffer = b.received = b.work = None
-            b.ready.clear()
+            finish_reduce_scatter(b, self.world_size)
         self._next = 0
 
     # -- the step ----------------------------------------------------------------------------
@@ -187,7 +182,4 @@ class ZeroOptimizer(torch.optim.Optimizer):
             grads += [b.shard_grad for b in self.buckets]
         optim = [] if self.offload else \
             optimizer_tensors(self.inner) + (list(self.masters) if self.mixed else [])
-        seen: set = set()
-        total = sum(unique_storage_bytes(group, seen) for group in (params, grads, optim))
-        return StateBytes(params=unique_storage_bytes(params), grads=unique_storage_bytes(grads),
-                          optimizer=unique_storage_bytes(optim), total=total)
+        return count_state_bytes(params, grads, optim)

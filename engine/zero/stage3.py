@@ -30,8 +30,9 @@ from torch import nn
 
 from engine.comm import ops
 from engine.dp.data_parallel import EndOfBackward
-from engine.memory import StateBytes, optimizer_tensors, unique_storage_bytes
-from engine.zero.flat import FlatBucket, check_params
+from engine.memory import StateBytes, count_state_bytes, optimizer_tensors
+from engine.zero.flat import (FlatBucket, check_params, finish_reduce_scatter,
+                              start_reduce_scatter)
 
 _EMPTY = torch.empty(0)
 
@@ -222,12 +223,7 @@ class ZeroDataParallel(nn.Module):
             self._free(unit, "after backward")
 
     def _reduce_scatter(self, unit: _Unit) -> None:
-        if unit.grad_buffer is None:
-            unit.grad_buffer = torch.zeros(unit.padded, dtype=unit.shard.dtype,
-                                           device=unit.shard.device)
-        unit.received = torch.empty_like(unit.shard)
-        unit.work = ops.reduce_scatter_tensor(unit.received, unit.grad_buffer, group=self.group,
-                                              async_op=True)
+        start_reduce_scatter(unit, self.group)
 
     def _finish_backward(self) -> None:
         # units launch in the order their gradients complete, the same on every rank; units
@@ -236,10 +232,7 @@ class ZeroDataParallel(nn.Module):
             if unit.work is None:
                 self._reduce_scatter(unit)
         for unit in self.all_units:
-            unit.work.wait()
-            unit.shard_grad.add_(unit.received.div_(self.world_size))
-            unit.grad_buffer = unit.received = unit.work = None
-            unit.ready.clear()
+            finish_reduce_scatter(unit, self.world_size)
             if unit.pending is not None:  # prefetched, but its backward never came
                 unit.finish_gather()
             self._free(unit, "end of backward")
@@ -254,10 +247,7 @@ class ZeroDataParallel(nn.Module):
         grads = [u.shard_grad for u in self.all_units]
         optim = optimizer_tensors(self.optimizer.inner) + \
             [u.master for u in self.all_units if u.master.dtype != u.shard.dtype]
-        seen: set = set()
-        total = sum(unique_storage_bytes(g, seen) for g in (params, grads, optim))
-        return StateBytes(params=unique_storage_bytes(params), grads=unique_storage_bytes(grads),
-                          optimizer=unique_storage_bytes(optim), total=total)
+        return count_state_bytes(params, grads, optim)
 
 
 class _ShardOptimizer:
