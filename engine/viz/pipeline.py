@@ -16,12 +16,15 @@ def timeline_rows(events) -> list[tuple]:
             for e in events]
 
 
-def gantt_figure(timeline, title: str = "", ax=None, unit: str = "time"):
+def gantt_figure(timeline, title: str = "", ax=None, unit: str = "time", legend: bool = True):
     """One row per stage; forward boxes blue, backward green (lighter for later chunks),
     labelled with the micro-batch; white space is the bubble."""
+    from matplotlib.patches import Patch
+
     apply_style()
-    if ax is None:
-        _, ax = plt.subplots(figsize=(9, 0.5 * (1 + max(r[0] for r in timeline)) + 1.2))
+    own_figure = ax is None
+    if own_figure:
+        _, ax = plt.subplots(figsize=(9, 0.5 * (1 + max(r[0] for r in timeline)) + 1.5))
     t0 = min(r[4] for r in timeline)
     p = 1 + max(r[0] for r in timeline)
     width = max(r[5] for r in timeline) - t0
@@ -34,8 +37,19 @@ def gantt_figure(timeline, title: str = "", ax=None, unit: str = "time"):
                     va="center", fontsize=7, color="white")
     ax.set_yticks(range(p), [f"stage {s}" for s in reversed(range(p))])
     ax.set_xlabel(unit)
-    ax.set_title(title, fontsize=10)
+    ax.set_title(title, fontsize=10, pad=16 if legend else 6)
     ax.grid(axis="y", visible=False)
+    if legend:
+        handles = [Patch(color=KIND_COLORS["F"], label="forward (micro-batch)"),
+                   Patch(color=KIND_COLORS["B"], label="backward")]
+        if any(r[3] for r in timeline):
+            handles.append(Patch(color=KIND_COLORS["F"], alpha=0.65,
+                                 label="lighter: second model chunk"))
+        handles.append(Patch(facecolor="white", edgecolor="gray", label="idle (bubble)"))
+        ax.legend(handles=handles, fontsize=7, ncol=len(handles), loc="lower center",
+                  bbox_to_anchor=(0.5, 1.0), borderaxespad=0.1, handlelength=1.5)
+    if own_figure:
+        ax.figure.tight_layout()
     return ax.figure
 
 

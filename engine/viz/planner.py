@@ -23,8 +23,9 @@ def plans_table(plans, top: int = 10) -> str:
     return "\n".join(lines)
 
 
-def plans_figure(plans, memory_gb: float, top: int = 6):
-    """Left: memory per GPU by part; right: step time by part, for the ``top`` plans."""
+def plans_figure(plans, memory_gb: float, top: int = 6, title: str = ""):
+    """Left: memory per GPU by part; right: step time by part, for the ``top`` plans (fastest
+    first)."""
     apply_style()
     shown = plans[:top]
     labels = [p.label().replace(" ZeRO", "\nZeRO") for p in shown]
@@ -46,6 +47,8 @@ def plans_figure(plans, memory_gb: float, top: int = 6):
     tim.set_xlabel("seconds per step")
     for ax in (mem, tim):
         ax.legend(fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=5)
+    if title:
+        fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     return fig
 
@@ -65,7 +68,9 @@ def planner_explorer():
             return
         print(f"{len(plans)} configurations fit; the fastest:")
         print(plans_table(plans))
-        plt.show(plans_figure(plans, cluster.memory_gb))
+        plt.show(plans_figure(plans, cluster.memory_gb, title=(
+            f"{model} on {gpus} x {gpu}, global batch {global_batch}: the "
+            f"{min(6, len(plans))} fastest plans that fit")))
 
     return widgets.interactive(
         show,

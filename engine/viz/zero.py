@@ -76,7 +76,7 @@ def memory_figure(preset: str = "LLaMA 7B", gpus: int = 8, stage: int = 2,
         ax.set_ylim(0, max(top, max(DEVICES_GB.values())) * 1.12)
     ax.set_ylabel("GB per GPU")
     label = f"{psi / 1e9:g}B params" if psi else preset
-    ax.set_title(f"{label} on {gpus} GPUs, {precision}"
+    ax.set_title(f"{label} on {gpus} GPU{'s' if gpus != 1 else ''}, {precision}"
                  f"{', offload' if offload else ''}{', checkpointing' if checkpoint else ''}, "
                  f"micro-batch {micro_batch}")
     ax.legend(loc="upper center", fontsize=8, ncol=4)
