@@ -83,18 +83,21 @@ class GPTStage(nn.Module):
 
 def train_3d(rank: int, world_size: int, dp: int, tp: int, pp: int, cfg, steps: int = 3,
              micro_batches: int = 2, rows: int = 2, lr: float = 0.5, schedule: str = "1f1b",
-             seed: int = 0) -> dict:
+             seed: int = 0, device: str | None = None) -> dict:
     """Train :class:`TinyGPT` (``cfg``) for ``steps`` steps of momentum SGD on a
     ``dp x tp x pp`` mesh with ZeRO-1 over dp. Every dp rank takes ``micro_batches *
     rows`` sequences of one fixed global batch. Returns this rank's stage as a dense-layout
     state, the losses (last stage), the rank's coordinates, and the bytes it sent per step
-    through each kind of group."""
+    through each kind of group. ``device``: "cuda" or "cpu"; by default this rank's GPU under
+    NCCL, else the CPU ("cuda" on Gloo: CUDA tensors, see :mod:`engine.comm.ops`)."""
     from engine.models import token_data
 
     import torch.distributed as dist
 
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend() == "nccl" else torch.device("cpu")
+    if device is None:
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" \
+        else torch.device(device)
     mesh = Mesh(dp=dp, tp=tp, pp=pp)
     stage = GPTStage(TinyGPT(cfg, seed=seed).to(device), mesh)
     optimizer = ZeroOptimizer(list(stage.parameters()), torch.optim.SGD, stage=1,

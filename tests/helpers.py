@@ -6,14 +6,58 @@ import os
 from multiprocessing import resource_tracker
 from pathlib import Path
 
+import pytest
+import torch
+
 from engine import launch
 
 RANK_TIMEOUT_S = 30  # per launch; each test also has pytest-timeout's limit around it
+CUDA_TIMEOUT_S = 180  # spawned ranks initialise CUDA first
+
+# Where a strategy's equivalence test runs:
+#   "cpu"         Gloo, CPU tensors, forked ranks;
+#   "cpu-staged"  the same, with every op that Gloo cannot do on CUDA tensors sent through
+#                 host copies, exactly as it is for CUDA tensors on Gloo: this machine tests
+#                 the staging code that a one-GPU lab runs;
+#   "cuda"        NCCL, one GPU per rank, where there are enough GPUs; otherwise Gloo with
+#                 CUDA tensors, every rank on GPU 0. Spawned ranks. Marked gpu: skipped, with
+#                 the reason shown, where there is no GPU.
+DEVICES = ("cpu", "cpu-staged", pytest.param("cuda", marks=pytest.mark.gpu))
+BEYOND_CPU = DEVICES[1:]  # for a test whose CPU case a larger matrix already covers
+# world sizes for those: one rank (NCCL on any GPU), and an odd three (Gloo with CUDA tensors on
+# a one-GPU machine, NCCL on three GPUs or more)
+DEVICE_WORLD_SIZES = (1, 3)
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = RANK_TIMEOUT_S):
-    """``fn(rank, world_size, *args)`` on ``world_size`` Gloo ranks; the results in rank order."""
-    return launch(fn, world_size, *args, backend="gloo", timeout=timeout, quiet=True)
+def run_ranks(fn, world_size: int, *args, timeout: float = RANK_TIMEOUT_S,
+              device: str = "cpu"):
+    """``fn(rank, world_size, *args)`` on ``world_size`` ranks set up for ``device`` (see
+    ``DEVICES``); the results in rank order."""
+    if device == "cpu":
+        return launch(fn, world_size, *args, backend="gloo", timeout=timeout, quiet=True)
+    if device == "cpu-staged":
+        return launch(_with_host_staging, world_size, fn, *args, backend="gloo",
+                      timeout=timeout, quiet=True)
+    if device != "cuda":
+        raise ValueError(f"device={device!r}; expected one of 'cpu', 'cpu-staged', 'cuda'")
+    backend = "nccl" if world_size <= torch.cuda.device_count() else "gloo"
+    return launch(fn, world_size, *args, backend=backend, start_method="spawn",
+                  timeout=max(timeout, CUDA_TIMEOUT_S), quiet=True)
+
+
+def rank_device(device: str) -> torch.device:
+    """The device a rank computes on for ``device`` (see ``DEVICES``): under NCCL its own GPU,
+    under Gloo with CUDA tensors GPU 0 (the current device of a rank that did not pick one)."""
+    if device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _with_host_staging(rank, world_size, fn, *args):
+    from engine.comm import ops
+
+    ops.stages_through_host = lambda tensor, group=None: True
+    return fn(rank, world_size, *args)
 
 
 def descendants(pid: int | None = None) -> list[int]:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from engine import RankError, theory
 from engine.comm import (CommMeter, chunk_sizes, ps_all_reduce, ring_all_gather,
                          ring_all_reduce, ring_reduce_scatter, tree_all_reduce)
-from tests.helpers import run_ranks
+from tests.helpers import BEYOND_CPU, DEVICE_WORLD_SIZES, rank_device, run_ranks
 
 SIZES = [1, 2, 3, 7, 1000, 1001]  # fewer elements than ranks, and counts N does not divide
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64]
@@ -24,20 +24,24 @@ def _data(rank: int, numel: int, dtype) -> torch.Tensor:
     return ((torch.arange(numel) * 7 + rank * 3) % 11 - 5).to(dtype)  # small integers
 
 
-def _compare_all_reduces(rank, world_size):
+def _compare_all_reduces(rank, world_size, device="cpu"):
+    on = rank_device(device)
     mismatches = []
     for numel in SIZES:
         for dtype in DTYPES:
             ops_to_try = ["sum", "avg"] if dtype.is_floating_point else ["sum"]
             for op in ops_to_try:
                 expected = _data(rank, numel, dtype)
-                dist.all_reduce(expected)
+                if on.type == "cpu":
+                    dist.all_reduce(expected)
+                else:  # the built-in on NCCL takes no CPU tensor: add the ranks' data here
+                    expected = sum(_data(r, numel, dtype) for r in range(world_size))
                 if op == "avg":
                     expected = expected / world_size
                 for name, fn in ALL_REDUCES.items():
-                    got = _data(rank, numel, dtype)
+                    got = _data(rank, numel, dtype).to(on)
                     out = fn(got, op=op)
-                    if out is not got or not torch.equal(got, expected.to(dtype)):
+                    if out is not got or not torch.equal(got.cpu(), expected.to(dtype)):
                         mismatches.append((name, numel, str(dtype), op))
     return mismatches
 
@@ -45,6 +49,14 @@ def _compare_all_reduces(rank, world_size):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
 def test_all_reduces_match_the_built_in_exactly(world_size):
     for mismatches in run_ranks(_compare_all_reduces, world_size, timeout=60):
+        assert mismatches == []
+
+
+@pytest.mark.parametrize("device", BEYOND_CPU)
+@pytest.mark.parametrize("world_size", DEVICE_WORLD_SIZES)
+def test_all_reduces_are_exact_on_each_device(device, world_size):
+    for mismatches in run_ranks(_compare_all_reduces, world_size, device, timeout=60,
+                                device=device):
         assert mismatches == []
 
 
@@ -212,3 +224,41 @@ def test_pipelined_segments_keep_the_sum_exact_and_the_bytes_unchanged(world_siz
         assert abs(sent - theory.ring_all_reduce_bytes(numel * 4, world_size)) <= \
             2 * (world_size - 1) * 4
         assert events > 4 * (world_size - 1)  # more than one message per step: segmented
+
+
+def _every_staged_op(rank, world_size):
+    """With host staging forced, each op that stages gives what it gives without staging."""
+    from engine.comm import ops
+
+    n, right, left = world_size, (rank + 1) % world_size, (rank - 1) % world_size
+    got = {}
+    received = torch.zeros(5)
+    works = ops.batch_isend_irecv([ops.send_op(torch.full((5,), float(rank)), right),
+                                   ops.recv_op(received, left)])
+    for work in works:
+        work.wait()
+    got["batch_isend_irecv"] = torch.equal(received, torch.full((5,), float(left)))
+    t = torch.full((4,), float(rank + 1))
+    ops.reduce(t, 0)
+    got["reduce"] = rank != 0 or torch.equal(t, torch.full((4,), n * (n + 1) / 2))
+    out = torch.zeros(2)
+    ops.reduce_scatter_tensor(out, torch.arange(2.0 * n), async_op=True).wait()
+    got["reduce_scatter"] = torch.equal(out, n * torch.arange(2.0 * rank, 2.0 * rank + 2))
+    received = torch.zeros(3)
+    work = ops.irecv(received, left)
+    ops.isend(torch.full((3,), float(rank)), right).wait()
+    work.wait()
+    got["irecv"] = torch.equal(received, torch.full((3,), float(left)))
+    received.zero_()
+    work.wait()  # a second wait copies nothing again
+    got["copied back once"] = torch.equal(received, torch.zeros(3))
+    gathered = torch.zeros(n)
+    ops.all_gather_into_tensor(gathered, torch.tensor([float(rank)]))
+    got["all_gather"] = torch.equal(gathered, torch.arange(float(n)))
+    return got
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ops_staged_through_host_memory_give_the_same_results(world_size):
+    for got in run_ranks(_every_staged_op, world_size, device="cpu-staged"):
+        assert all(got.values()), got

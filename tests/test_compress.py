@@ -9,11 +9,11 @@ import torch.distributed as dist
 from torch import nn
 
 from engine import theory
-from engine.comm import CommMeter
+from engine.comm import CommMeter, ops
 from engine.compress import BF16, FP16, PowerSGD, RandomK, TopK
 from engine.dp import DataParallel
 from engine.models import MLP, regression_data, shard
-from tests.helpers import run_ranks
+from tests.helpers import BEYOND_CPU, DEVICE_WORLD_SIZES, rank_device, run_ranks
 
 SIZES = (16, 32, 32, 8)
 
@@ -129,6 +129,46 @@ def test_powersgd_at_full_rank_reproduces_the_average():
 def test_powersgd_at_low_rank_is_an_approximation():
     for result, average, _ in run_ranks(_powersgd_once, 2, lambda: PowerSGD(1), [(32, 32)]):
         assert not torch.allclose(result, average, atol=1e-2)
+
+
+# -- on each device ----------------------------------------------------------------------------
+
+COMPRESSORS = {"fp16": (FP16, 2**-10), "bf16": (BF16, 2**-7), "topk": (lambda: TopK(0.1), 0.0),
+               "powersgd": (lambda: PowerSGD(8), 1e-5)}
+
+
+def _compressors_on(rank, world_size, device):
+    """Each compressor once on a bucket living on ``device``: the result must be the average
+    of what the ranks sent (exact for Top-K, full-rank PowerSGD to round-off, the casts to
+    their precision), and stay on that device."""
+    on = rank_device(device)
+    worst = {}
+    for name, (make, rtol) in COMPRESSORS.items():
+        torch.manual_seed(20 + rank)
+        grads = [torch.randn(8, 8).to(on), torch.randn(40).to(on)]
+        bucket = FakeBucket(grads)
+        dense = bucket.buffer.clone()
+        compressor = make()
+        compressor(bucket).wait()
+        if name == "topk":  # the average of what was sent, values and indices
+            expected = compressor.last_sent[0].clone()
+        else:
+            expected = dense
+        ops.all_reduce(expected)  # Gloo and NCCL both take CUDA tensors here
+        expected /= world_size
+        scale = expected.abs().max().item()
+        worst[name] = ((bucket.buffer - expected).abs().max().item() / scale, rtol,
+                       bucket.buffer.device == on)
+    return worst
+
+
+@pytest.mark.parametrize("device", BEYOND_CPU)
+@pytest.mark.parametrize("world_size", DEVICE_WORLD_SIZES)
+def test_every_compressor_returns_the_average_on_each_device(device, world_size):
+    for worst in run_ranks(_compressors_on, world_size, device, device=device):
+        for name, (error, rtol, stayed) in worst.items():
+            assert stayed, f"{name}: the bucket left its device"
+            assert error <= 2 * rtol, f"{name}: relative error {error:.2e}"
 
 
 # -- against PyTorch's hooks ------------------------------------------------------------------

@@ -10,7 +10,7 @@ from torch import nn
 from engine.comm import CommMeter
 from engine.dp import DataParallel, NaiveDataParallel, assign_buckets
 from engine.models import MLP, regression_data, shard
-from tests.helpers import run_ranks
+from tests.helpers import BEYOND_CPU, DEVICE_WORLD_SIZES, rank_device, run_ranks
 
 SIZES = (16, 64, 64, 8)  # 6 parameter tensors, 5.7 K parameters: 23 KB of fp32 gradients
 STEPS = 3
@@ -31,12 +31,13 @@ def _train(model, opt, x, y, steps=STEPS):
         opt.step()
 
 
-def _equivalence(rank, world_size, wrapper, cap, overlap, opt_kind):
-    x, y = regression_data(12 * world_size, 16, 8, seed=1)
-    reference = MLP(SIZES, seed=3)
+def _equivalence(rank, world_size, wrapper, cap, overlap, opt_kind, device="cpu"):
+    on = rank_device(device)
+    x, y = (t.to(on) for t in regression_data(12 * world_size, 16, 8, seed=1))
+    reference = MLP(SIZES, seed=3).to(on)
     _train(reference, _optimizer(opt_kind, reference.parameters()), x, y)
 
-    local = MLP(SIZES, seed=100 + rank)  # every rank starts elsewhere...
+    local = MLP(SIZES, seed=100 + rank).to(on)  # every rank starts elsewhere...
     if rank == 0:
         local.load_state_dict(MLP(SIZES, seed=3).state_dict())  # ...the broadcast must fix it
     if wrapper == "engine":
@@ -63,6 +64,15 @@ def test_data_parallel_equals_single_process_full_batch(world_size, cap_name, ov
                                         overlap, opt_kind):
         assert worst <= 1e-6
         assert all_reduces == STEPS * expected_buckets
+
+
+@pytest.mark.parametrize("device", BEYOND_CPU)
+@pytest.mark.parametrize("world_size", DEVICE_WORLD_SIZES)
+def test_data_parallel_equals_single_process_on_each_device(device, world_size):
+    for worst, all_reduces in run_ranks(_equivalence, world_size, "engine", CAPS["2 buckets"],
+                                        True, "adamw", device, device=device):
+        assert worst <= 1e-6
+        assert all_reduces == STEPS * 2
 
 
 @pytest.mark.parametrize("wrapper", ["naive", "torch"])

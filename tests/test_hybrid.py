@@ -8,7 +8,7 @@ from engine.comm import ops
 from engine.hybrid import train_3d, train_reference
 from engine.models import GPTConfig
 from engine.topology import Mesh
-from tests.helpers import run_ranks
+from tests.helpers import BEYOND_CPU, run_ranks
 
 CFG = GPTConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32)
 
@@ -49,6 +49,17 @@ def test_3d_training_equals_one_process(dp, tp, pp):
             assert (value - reference["state"][name].detach()).abs().max() <= 1e-5, name
     stages = {r["coords"].pp for r in run_ranks(train_3d, dp * tp * pp, dp, tp, pp, CFG, 1)}
     assert stages == set(range(pp))
+
+
+@pytest.mark.parametrize("device", BEYOND_CPU)
+@pytest.mark.parametrize("dp, tp, pp", [(1, 1, 1), (1, 2, 2), (2, 1, 2)])
+def test_3d_training_equals_one_process_on_each_device(device, dp, tp, pp):
+    reference = train_reference(CFG, dp, steps=2)
+    on = "cuda" if device == "cuda" else "cpu"
+    for result in run_ranks(train_3d, dp * tp * pp, dp, tp, pp, CFG, 2, 2, 2, 0.5, "1f1b", 0,
+                            on, device=device):
+        for name, value in result["state"].items():
+            assert (value - reference["state"][name].detach()).abs().max() <= 1e-5, name
 
 
 def test_gpipe_schedule_gives_the_same_model():

@@ -11,7 +11,7 @@ from engine import theory
 from engine.pp import (balanced_boundaries, gpipe, interleaved_1f1b, measured_bubble,
                        one_f_one_b, run_pipeline, simulate, split_model, uniform_boundaries,
                        validate)
-from tests.helpers import run_ranks
+from tests.helpers import BEYOND_CPU, DEVICE_WORLD_SIZES, rank_device, run_ranks
 
 # -- schedules ------------------------------------------------------------------------------
 
@@ -146,11 +146,12 @@ def _schedule(kind, p, m, v):
             "interleaved": lambda: interleaved_1f1b(p, m, v)}[kind]()
 
 
-def _train(rank, p, kind, m, v, steps):
-    xs, ys = _data(m)
-    ref = _model()
+def _train(rank, p, kind, m, v, steps, device="cpu"):
+    on = rank_device(device)
+    xs, ys = ([t.to(on) for t in ts] for ts in _data(m))
+    ref = _model().to(on)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    pieces = split_model(_model(), uniform_boundaries(16, p * v))
+    pieces = split_model(_model().to(on), uniform_boundaries(16, p * v))
     ref_pieces = split_model(ref, uniform_boundaries(16, p * v))
     mine = [pieces[c * p + rank] for c in range(v)]
     opt = torch.optim.SGD([q for c in mine for q in c.parameters()], lr=0.1)
@@ -179,6 +180,16 @@ CASES = [(p, kind, m) for p in (2, 4) for kind in ("gpipe", "1f1b") for m in (1,
 def test_pipeline_gradients_and_training_equal_one_process(p, kind, m):
     v = 2 if kind == "interleaved" else 1
     for grad_diff, param_diff, run in run_ranks(_train, p, kind, m, v, 3):
+        assert grad_diff <= 1e-6 and param_diff <= 1e-6
+
+
+@pytest.mark.parametrize("device", BEYOND_CPU)
+@pytest.mark.parametrize("p", DEVICE_WORLD_SIZES)
+@pytest.mark.parametrize("kind", ["1f1b", "interleaved"])
+def test_pipeline_equals_one_process_on_each_device(device, p, kind):
+    v = 2 if kind == "interleaved" else 1
+    for grad_diff, param_diff, _ in run_ranks(_train, p, kind, 2 * p, v, 2, device,
+                                              device=device):
         assert grad_diff <= 1e-6 and param_diff <= 1e-6
 
 

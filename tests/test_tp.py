@@ -14,9 +14,10 @@ from engine.models import GPTConfig, TinyGPT, token_data
 from engine.tp import (ColumnParallelLinear, RowParallelLinear, TensorParallelGPT,
                        VocabParallelEmbedding, check_tp_degree, copy_to_tp, dense_state,
                        reduce_from_tp, vocab_parallel_cross_entropy)
-from tests.helpers import run_ranks
+from tests.helpers import BEYOND_CPU, DEVICE_WORLD_SIZES, rank_device, run_ranks
 
-CFG = {2: GPTConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32),
+CFG = {1: GPTConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32),
+       2: GPTConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32),
        3: GPTConfig(vocab=63, seq_len=16, layers=2, heads=3, hidden=48),
        4: GPTConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32)}
 
@@ -103,11 +104,12 @@ def test_vocab_parallel_embedding_and_loss_match_dense_without_gathering_logits(
         assert largest <= 4 * 5 * 4  # one number per token, never the 12-wide logits
 
 
-def _gpt(rank, world_size, steps):
+def _gpt(rank, world_size, steps, device="cpu"):
+    on = rank_device(device)
     cfg = CFG[world_size]
-    dense = TinyGPT(cfg, seed=0)
+    dense = TinyGPT(cfg, seed=0).to(on)
     tp = TensorParallelGPT.from_dense(dense)
-    x, y = token_data(3, cfg.seq_len, cfg.vocab, seed=1)
+    x, y = (t.to(on) for t in token_data(3, cfg.seq_len, cfg.vocab, seed=1))
     logits_diff = (tp(x, gather=True) - dense(x)).abs().max().item()
     loss_diff = (tp.loss(x, y) - dense.loss(x, y)).abs().item()
     tp.loss(x, y).backward()
@@ -135,6 +137,14 @@ def test_tiny_gpt_logits_loss_gradients_and_training_match_dense(world_size):
         assert logits_diff <= 1e-5 and loss_diff <= 1e-5
         assert grad_diff <= 1e-5  # every gradient, gathered into the dense layout
         assert param_diff <= 1e-5  # after 3 training steps
+
+
+@pytest.mark.parametrize("device", BEYOND_CPU)
+@pytest.mark.parametrize("world_size", DEVICE_WORLD_SIZES)
+def test_tiny_gpt_matches_dense_on_each_device(device, world_size):
+    for logits_diff, loss_diff, grad_diff, param_diff in run_ranks(_gpt, world_size, 3, device,
+                                                                   device=device):
+        assert max(logits_diff, loss_diff, grad_diff, param_diff) <= 1e-5
 
 
 def _count(rank, world_size, layers, b):

@@ -13,18 +13,19 @@ from engine.comm import CommMeter
 from engine.dp import DataParallel
 from engine.models import MLP, regression_data, shard
 from engine.zero import ZeroOptimizer
-from tests.helpers import run_ranks
+from tests.helpers import BEYOND_CPU, DEVICE_WORLD_SIZES, rank_device, run_ranks
 
 SIZES = (16, 33, 31, 8)  # 1871 parameters: no world size divides the buckets evenly
 CAPS = {1: 1.0, 3: 0.001}  # buckets -> bucket_cap_mb
 
 
-def _train(rank, world_size, stage, cap, steps=3, accumulate=1):
-    x, y = regression_data(8 * world_size * accumulate, 16, 8, seed=1)
+def _train(rank, world_size, stage, cap, steps=3, accumulate=1, device="cpu"):
+    on = rank_device(device)
+    x, y = (t.to(on) for t in regression_data(8 * world_size * accumulate, 16, 8, seed=1))
     xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
-    ref = DataParallel(MLP(SIZES, seed=2))
+    ref = DataParallel(MLP(SIZES, seed=2).to(on))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    model = MLP(SIZES, seed=2 + rank)  # differs until the optimizer broadcasts it
+    model = MLP(SIZES, seed=2 + rank).to(on)  # differs until the optimizer broadcasts it
     opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, bucket_cap_mb=cap,
                         lr=1e-2, weight_decay=0.1)
     for _ in range(steps):
@@ -45,6 +46,15 @@ def test_every_stage_equals_data_parallel_adamw(stage, world_size, buckets):
     for worst, count in run_ranks(_train, world_size, stage, CAPS[buckets]):
         assert count == buckets
         assert worst <= 1e-6
+
+
+@pytest.mark.parametrize("device", BEYOND_CPU)
+@pytest.mark.parametrize("world_size", DEVICE_WORLD_SIZES)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stages_one_and_two_equal_data_parallel_on_each_device(device, world_size, stage):
+    for worst, count in run_ranks(_train, world_size, stage, CAPS[3], 3, 1, device,
+                                  device=device):
+        assert count == 3 and worst <= 1e-6
 
 
 def test_stage_two_accumulates_micro_batches_like_data_parallel():

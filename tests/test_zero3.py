@@ -12,7 +12,7 @@ from engine.comm import CommMeter
 from engine.dp import DataParallel
 from engine.models import MLP, GPTConfig, TinyGPT, regression_data, shard, token_data
 from engine.zero import ZeroDataParallel, ZeroOptimizer
-from tests.helpers import run_ranks
+from tests.helpers import BEYOND_CPU, DEVICE_WORLD_SIZES, rank_device, run_ranks
 
 SIZES = (16, 33, 31, 8)
 
@@ -25,13 +25,14 @@ def _step(model, optimizer, x, y):
     return meter
 
 
-def _against_data_parallel(rank, world_size, prefetch, steps=3):
-    x, y = regression_data(8 * world_size, 16, 8, seed=1)
+def _against_data_parallel(rank, world_size, prefetch, steps=3, device="cpu"):
+    on = rank_device(device)
+    x, y = (t.to(on) for t in regression_data(8 * world_size, 16, 8, seed=1))
     xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
-    ref = DataParallel(MLP(SIZES, seed=2))
+    ref = DataParallel(MLP(SIZES, seed=2).to(on))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    model = ZeroDataParallel(MLP(SIZES, seed=2 + rank), torch.optim.AdamW, prefetch=prefetch,
-                             lr=1e-2)
+    model = ZeroDataParallel(MLP(SIZES, seed=2 + rank).to(on), torch.optim.AdamW,
+                             prefetch=prefetch, lr=1e-2)
     for _ in range(steps):
         _step(ref, ref_opt, xs, ys)
         meter = _step(model, model.optimizer, xs, ys)
@@ -51,6 +52,14 @@ def _against_data_parallel(rank, world_size, prefetch, steps=3):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_stage_three_equals_data_parallel_adamw(world_size, prefetch):
     for worst, *_ in run_ranks(_against_data_parallel, world_size, prefetch):
+        assert worst <= 1e-6
+
+
+@pytest.mark.parametrize("device", BEYOND_CPU)
+@pytest.mark.parametrize("world_size", DEVICE_WORLD_SIZES)
+def test_stage_three_equals_data_parallel_on_each_device(device, world_size):
+    for worst, *_ in run_ranks(_against_data_parallel, world_size, True, 3, device,
+                               device=device):
         assert worst <= 1e-6
 
 

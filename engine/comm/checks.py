@@ -45,9 +45,11 @@ def validate(t: torch.Tensor, op="sum", name: str = "tensor") -> str:
 def check_same_everywhere(t: torch.Tensor, group=None) -> None:
     """Raise on every rank if the ranks' tensors differ in element count or dtype."""
     n = dist.get_world_size(group)
+    # NCCL takes only CUDA tensors; Gloo's all_gather only CPU ones
+    device = t.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
     mine = torch.tensor([t.numel(), SUPPORTED_DTYPES.index(t.dtype)], dtype=torch.int64,
-                        device=t.device)  # NCCL takes only CUDA tensors
-    everyone = [torch.empty(2, dtype=torch.int64, device=t.device) for _ in range(n)]
+                        device=device)
+    everyone = [torch.empty(2, dtype=torch.int64, device=device) for _ in range(n)]
     dist.all_gather(everyone, mine, group=group)
     seen = [(int(e[0]), SUPPORTED_DTYPES[int(e[1])]) for e in everyone]
     if len(set(seen)) > 1:

@@ -3,12 +3,19 @@
 Same arguments and semantics as the ``torch.distributed`` functions of the same name (ranks are
 global ranks, as there). Point-to-point traffic is counted exactly; built-in collectives are
 recorded with modeled wire bytes (see :mod:`engine.comm.meter`).
+
+**Gloo with CUDA tensors.** Gloo takes CUDA tensors only in ``all_reduce`` and ``broadcast``
+(the backend table of PyTorch's ``torch.distributed`` documentation). For every other op these
+wrappers go through host memory: the data is copied to a CPU tensor, the op runs there, and the
+result is copied back (for an async op, when it is waited on or first seen completed). That is
+what lets a one-GPU machine run the multi-rank lessons on Gloo with CUDA tensors. On NCCL, and
+for CPU tensors, nothing is copied.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,12 +46,17 @@ class MeteredWork:
     moment the op completed, even if ``wait()`` comes much later, so overlapped communication
     shows its true duration. Point-to-point works are not asked (Gloo's have no future, and
     asking costs a C++ exception each time): they are stamped when ``wait()`` returns or
-    ``is_completed()`` first says True.
+    ``is_completed()`` first says True (on Gloo, measured here, a receive's ``is_completed()``
+    stays False until it is waited on, and so does an async reduce-scatter's).
+
+    A host-staged result (see the module docstring) is copied back at the same moment, once.
     """
 
-    def __init__(self, work, events: Sequence[CommEvent], has_future: bool = True):
+    def __init__(self, work, events: Sequence[CommEvent], has_future: bool = True,
+                 after: Callable[[], None] | None = None):
         self._work, self._events = work, list(events)
         self._waited, self._result = False, None
+        self._after = after  # copies a host-staged result back (see the module docstring)
         if has_future:
             try:
                 work.get_future().then(self._stamp)
@@ -57,6 +69,11 @@ class MeteredWork:
             if event.end is None:
                 event.end = now
 
+    def _copy_back(self) -> None:
+        if self._after is not None:
+            after, self._after = self._after, None
+            after()
+
     def wait(self, *args, **kwargs):
         # Waiting twice on a Gloo receive blocks until the timeout (measured here); waiting
         # twice on a MeteredWork returns at once, as it does on a collective.
@@ -64,16 +81,48 @@ class MeteredWork:
             self._result = self._work.wait(*args, **kwargs)
             self._waited = True
             self._stamp()
+            self._copy_back()
         return self._result
 
     def is_completed(self) -> bool:
         done = self._work.is_completed()
         if done:
             self._stamp()
+            self._copy_back()
         return done
 
     def __getattr__(self, name):  # exception(), get_future(), ...
         return getattr(self._work, name)
+
+
+# -- Gloo with CUDA tensors: through host memory ----------------------------------------------
+
+
+def stages_through_host(tensor: torch.Tensor, group=None) -> bool:
+    """True where an op other than all_reduce/broadcast on ``tensor`` must go through host
+    memory: a CUDA tensor on a Gloo group."""
+    return tensor.device.type != "cpu" and dist.get_backend(group) == "gloo"
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True)
+
+
+def _host_buffer(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tensor.shape, dtype=tensor.dtype)
+
+
+def _staged(out: torch.Tensor, inp: torch.Tensor | None, group):
+    """``(out', inp', copy_back)`` for an op writing ``out`` from ``inp`` (``None``: in place):
+    host tensors and the function that copies the result back, or the tensors themselves and
+    ``None`` when no staging is needed."""
+    if not stages_through_host(out if inp is None else inp, group):
+        return out, inp, None
+    if inp is None:
+        host = _host_copy(out)
+        return host, None, lambda: out.copy_(host)
+    host_out = _host_buffer(out)
+    return host_out, _host_copy(inp), lambda: out.copy_(host_out)
 
 
 # -- point to point: counted exactly ---------------------------------------------------------
@@ -99,7 +148,8 @@ def _p2p_event(kind: str, tensor: torch.Tensor, peer: int, group, start: float) 
 
 def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
     event = _p2p_event("send", tensor, dst, group, time.perf_counter())
-    dist.send(tensor, dst, group=group, tag=tag)
+    wire = _host_copy(tensor) if stages_through_host(tensor, group) else tensor
+    dist.send(wire, dst, group=group, tag=tag)
     event.end = time.perf_counter()
 
 
@@ -107,19 +157,30 @@ def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0)
     """Receive into ``tensor`` from ``src`` (None: from whichever rank sends first); returns
     the sender's rank. ``tag`` tells apart messages between the same pair of ranks."""
     event = _p2p_event("recv", tensor, src, group, time.perf_counter())
-    sender = dist.recv(tensor, src, group=group, tag=tag)
+    if stages_through_host(tensor, group):
+        wire = _host_buffer(tensor)
+        sender = dist.recv(wire, src, group=group, tag=tag)
+        tensor.copy_(wire)
+    else:
+        sender = dist.recv(tensor, src, group=group, tag=tag)
     event.end, event.peer = time.perf_counter(), sender
     return sender
 
 
 def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> MeteredWork:
     event = _p2p_event("isend", tensor, dst, group, time.perf_counter())
-    return MeteredWork(dist.isend(tensor, dst, group=group, tag=tag), [event], has_future=False)
+    wire = _host_copy(tensor) if stages_through_host(tensor, group) else tensor
+    return MeteredWork(dist.isend(wire, dst, group=group, tag=tag), [event], has_future=False)
 
 
 def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> MeteredWork:
     event = _p2p_event("irecv", tensor, src, group, time.perf_counter())
-    return MeteredWork(dist.irecv(tensor, src, group=group, tag=tag), [event], has_future=False)
+    if not stages_through_host(tensor, group):
+        return MeteredWork(dist.irecv(tensor, src, group=group, tag=tag), [event],
+                           has_future=False)
+    wire = _host_buffer(tensor)
+    return MeteredWork(dist.irecv(wire, src, group=group, tag=tag), [event], has_future=False,
+                       after=lambda: tensor.copy_(wire))
 
 
 def send_op(tensor: torch.Tensor, peer: int, group=None) -> P2POp:
@@ -139,18 +200,33 @@ def batch_isend_irecv(p2p_ops: Sequence[P2POp]) -> list[MeteredWork]:
         _p2p_event("isend" if op.op is dist.isend else "irecv", op.tensor, op.peer, op.group, start)
         for op in p2p_ops
     ]
-    works = dist.batch_isend_irecv(list(p2p_ops))
+    wire_ops, copy_backs = [], []
+    for op in p2p_ops:
+        if not stages_through_host(op.tensor, op.group):
+            wire_ops.append(op)
+            copy_backs.append(None)
+        elif op.op is dist.isend:
+            wire_ops.append(P2POp(op.op, _host_copy(op.tensor), op.peer, op.group, op.tag))
+            copy_backs.append(None)
+        else:
+            wire = _host_buffer(op.tensor)
+            wire_ops.append(P2POp(op.op, wire, op.peer, op.group, op.tag))
+            copy_backs.append(lambda t=op.tensor, w=wire: t.copy_(w))
+    works = dist.batch_isend_irecv(wire_ops)
     if len(works) != len(events):  # NCCL coalesces a batch into one work for all its ops
         return [MeteredWork(w, events) for w in works]
-    return [MeteredWork(w, [e]) for w, e in zip(works, events, strict=True)]
+    return [MeteredWork(w, [e], after=c)
+            for w, e, c in zip(works, events, copy_backs, strict=True)]
 
 
 # -- built-in collectives: wire bytes modeled ------------------------------------------------
 
 
 def _collective(
-    op: str, payload: torch.Tensor, full_bytes: int, group, root: int | None, run, async_op: bool
+    op: str, payload: torch.Tensor, full_bytes: int, group, root: int | None, run, async_op: bool,
+    after: Callable[[], None] | None = None,
 ):
+    """Record the event, run the op; ``after`` copies a host-staged result back."""
     if dist.get_rank(group) < 0:  # not a member: torch makes this a no-op, and so do we
         return run(async_op)
     ranks = group_ranks(group)
@@ -173,7 +249,9 @@ def _collective(
     )
     work = run(async_op)
     if async_op:
-        return MeteredWork(work, [event])
+        return MeteredWork(work, [event], after=after)
+    if after is not None:
+        after()
     event.end = time.perf_counter()
     return None
 
@@ -203,42 +281,48 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
 
 
 def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op: bool = False):
+    wire, _, after = _staged(tensor, None, group)
     return _collective(
         "reduce",
         tensor,
         nbytes(tensor),
         group,
         dst,
-        lambda a: dist.reduce(tensor, dst, op=op, group=group, async_op=a),
+        lambda a: dist.reduce(wire, dst, op=op, group=group, async_op=a),
         async_op,
+        after,
     )
 
 
 def reduce_scatter_tensor(
     output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False
 ):
+    out, inp, after = _staged(output, input, group)
     return _collective(
         "reduce_scatter",
         input,
         nbytes(input),
         group,
         None,
-        lambda a: _reduce_scatter(output, input, op=op, group=group, async_op=a),
+        lambda a: _reduce_scatter(out, inp, op=op, group=group, async_op=a),
         async_op,
+        after,
     )
 
 
 def all_gather_into_tensor(
     output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False
 ):
+    out, inp, after = _staged(output, input, group)
     return _collective(
         "all_gather",
         input,
         nbytes(output),
         group,
         None,
-        lambda a: _all_gather(output, input, group=group, async_op=a),
+        lambda a: _all_gather(out, inp, group=group, async_op=a),
         async_op,
+        after,
     )
 
 

@@ -145,6 +145,19 @@ def run_pipeline(rank: int, chunks: list[nn.Module], schedule, inputs: list[torc
     # on a GPU, kernels run asynchronously: synchronise so the timeline shows compute time
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     params = [q for c in chunks for q in c.parameters()]
+    here: dict[int, torch.Tensor] = {}  # p = 1: neighbouring chunks share this rank
+
+    def send(tensor, to_vs, tag):
+        if p == 1:  # a copy, detached, as a receiver would get; Gloo cannot send to itself
+            here[tag] = tensor.detach().clone()
+        else:
+            _send(tensor, ranks[to_vs % p], tag, group, pending)
+
+    def recv(from_vs, tag):
+        if p == 1:
+            return here.pop(tag)
+        return _recv(ranks[from_vs % p], tag, group, dtype, device)
+
     for action in schedule[rank]:
         kind, mb = action[0], action[1]
         c = action[2] if len(action) > 2 else 0
@@ -153,8 +166,7 @@ def run_pipeline(rank: int, chunks: list[nn.Module], schedule, inputs: list[torc
             if vs == 0:  # its own copy: a view would pin (and count) the whole batch
                 x = inputs[mb].detach().clone()
             else:
-                x = _recv(ranks[(vs - 1) % p], _tag("act", mb, vs - 1, stages), group, dtype,
-                          device)
+                x = recv(vs - 1, _tag("act", mb, vs - 1, stages))
                 x.requires_grad_()
             sync()
             start = time.perf_counter()
@@ -172,12 +184,10 @@ def run_pipeline(rank: int, chunks: list[nn.Module], schedule, inputs: list[torc
             if vs == last:
                 total_loss += out.item()
             else:
-                _send(out, ranks[(vs + 1) % p], _tag("act", mb, vs, stages), group, pending)
+                send(out, vs + 1, _tag("act", mb, vs, stages))
         else:
             x, out, nbytes = stored.pop((mb, c))
-            grad = None if vs == last else _recv(ranks[(vs + 1) % p],
-                                                 _tag("grad", mb, vs + 1, stages), group, dtype,
-                                                 device)
+            grad = None if vs == last else recv(vs + 1, _tag("grad", mb, vs + 1, stages))
             sync()
             start = time.perf_counter()
             out.backward(grad)
@@ -186,7 +196,7 @@ def run_pipeline(rank: int, chunks: list[nn.Module], schedule, inputs: list[torc
             held -= nbytes
             in_flight -= 1
             if vs != 0:
-                _send(x.grad, ranks[(vs - 1) % p], _tag("grad", mb, vs, stages), group, pending)
+                send(x.grad, vs - 1, _tag("grad", mb, vs, stages))
         events.append(TraceEvent(f"{kind}{mb}", rank, start, end, lane="compute",
                                  args={"kind": kind, "mb": mb, "chunk": c}))
     for work, _ in pending:
