@@ -5,6 +5,7 @@ the pipeline bubble.
     python -m engine train --world-size 4 --dp 2 --tp 2 --steps 3          # CPU ranks, Gloo
     torchrun --nproc-per-node 8 -m engine train --dp 2 --tp 4 --pp 1        # one GPU node
     python -m engine train --world-size 2 --dp 2 --impl both               # vs torch DDP
+    python -m engine train --world-size 2 --dp 2 --zero 0 --compress fp16 --impl both
 
 Each rank builds its pipeline stage of a tensor-parallel TinyGPT (:mod:`engine.hybrid`), runs
 the schedule (:mod:`engine.pp`), sums the tied embedding's gradient and steps a
@@ -12,6 +13,14 @@ the schedule (:mod:`engine.pp`), sums the tied embedding's gradient and steps a
 parallel configuration on PyTorch's own DDP / ZeroRedundancyOptimizer / FSDP instead, and
 ``--impl both`` runs the two one after the other in the same launch for a side-by-side
 tokens/s.
+
+``--compress SPEC`` (``fp16``, ``bf16``, ``topk:0.01``, ``randomk:0.01``, ``powersgd:2``, as in
+chapter 03) trains data-parallel without ZeRO through :class:`engine.dp.DataParallel` with that
+compressor on its bucket all-reduce; with ``--impl torch|both`` the torch side registers
+PyTorch's own DDP communication hook for fp16 or bf16 (``fp16_compress_hook``,
+``bf16_compress_hook``). PyTorch has no hook for Top-K or Random-K, and its ``powerSGD_hook``
+desynchronised the ranks inside this trainer, so those compare with ``--impl engine`` only
+(chapter 03 checks our PowerSGD against that hook step by step).
 
 MFU = model FLOPs per step (Megatron-LM eq. 3 without recomputation, ``72 B s l h^2 (...)``)
 / (step time x GPUs x peak FLOP/s). The peak comes from the GPU's name (A100 312, H100/H200
@@ -58,6 +67,7 @@ class TrainConfig:
     impl: str = "engine"  # "engine" | "torch" | "both"
     trace: str | None = None
     peak_tflops: float | None = None
+    compress: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -87,6 +97,25 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     if cfg.impl != "engine" and (cfg.tp > 1 or cfg.pp > 1):
         raise ValueError("--impl torch/both compares data-parallel configurations (--tp 1 "
                          "--pp 1): DDP, ZeroRedundancyOptimizer or FSDP by --zero")
+    if cfg.compress is not None:
+        from engine.compress.experiment import make_compressor
+
+        make_compressor(cfg.compress)  # a bad spec is a clear ValueError naming it
+        if cfg.tp > 1 or cfg.pp > 1 or cfg.zero != 0:
+            raise ValueError(f"--compress {cfg.compress} runs on data parallelism without ZeRO "
+                             "(--tp 1 --pp 1 --zero 0): the compressor plugs into "
+                             "DataParallel's bucket all-reduce")
+        if cfg.impl != "engine" and cfg.compress.split(":")[0] in ("topk", "randomk"):
+            raise ValueError(f"--impl {cfg.impl} --compress {cfg.compress}: PyTorch has no "
+                             "DDP hook for Top-K or Random-K; use --impl engine")
+        if cfg.impl != "engine" and cfg.compress.startswith("powersgd"):
+            # measured with torch 2.13 on Gloo, --model small: with no_sync accumulation, or
+            # after the engine's run in the same launch, the ranks' collectives stopped
+            # matching ("Received data size doesn't match expected size") and a rank aborted
+            raise ValueError(f"--impl {cfg.impl} --compress {cfg.compress}: PyTorch's "
+                             "powerSGD_hook desynchronised the ranks in this trainer (torch "
+                             "2.13, Gloo); compare PowerSGD with --impl engine, or fp16/bf16 "
+                             "with --impl both")
     model = MODELS[cfg.model]
     from engine.tp.blocks import check_tp_degree
 
@@ -135,7 +164,17 @@ def _engine_steps(rank, world_size, cfg: TrainConfig):
     mine = slice(mesh.coords.dp * rows, (mesh.coords.dp + 1) * rows)
     inputs = list(ids[mine].chunk(cfg.microbatches))
     labels = list(targets[mine].chunk(cfg.microbatches))
-    if cfg.zero == 3:
+    if cfg.compress is not None:
+        from engine.compress.experiment import make_compressor
+        from engine.dp import DataParallel
+
+        stage = DataParallel(TinyGPT(model_cfg, seed=0).to(device),
+                             compressor=make_compressor(cfg.compress))
+        optimizer = torch.optim.AdamW(stage.parameters(), lr=cfg.lr)
+
+        def loss_fn(logits, y):
+            return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+    elif cfg.zero == 3:
         wrapped = ZeroDataParallel(TinyGPT(model_cfg, seed=0).to(device), torch.optim.AdamW,
                                    group=mesh.dp_group, lr=cfg.lr)
         stage, optimizer = wrapped, wrapped.optimizer
@@ -156,10 +195,13 @@ def _engine_steps(rank, world_size, cfg: TrainConfig):
         start = time.perf_counter()
         optimizer.zero_grad()
         with CommMeter() as meter:
-            run = run_pipeline(mesh.coords.pp, [stage], plan, inputs, labels, loss_fn,
-                               group=mesh.pp_group)
-            if cfg.zero != 3:
-                stage.sync_tied_embedding()
+            if cfg.compress is not None:
+                run = _accumulate(stage, inputs, labels, loss_fn, rank)
+            else:
+                run = run_pipeline(mesh.coords.pp, [stage], plan, inputs, labels, loss_fn,
+                                   group=mesh.pp_group)
+                if cfg.zero != 3:
+                    stage.sync_tied_embedding()
             optimizer.step()
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
@@ -172,7 +214,13 @@ def _engine_steps(rank, world_size, cfg: TrainConfig):
             if rank == 0:
                 print(f"  step {step}/{cfg.steps}: {elapsed.item() * 1e3:.1f} ms", flush=True)
         last_run = run
-    held = optimizer.state_bytes() if hasattr(optimizer, "state_bytes") else stage.state_bytes()
+    if cfg.compress is not None:
+        from engine.memory import model_state_bytes
+
+        held = model_state_bytes(stage, optimizer)
+    else:
+        held = optimizer.state_bytes() if hasattr(optimizer, "state_bytes") \
+            else stage.state_bytes()
     compute = sum(e.end - e.start for e in events)
     gathered = [None] * world_size
     dist.all_gather_object(gathered, [(e.name, e.rank, e.start, e.end, dict(e.args))
@@ -183,6 +231,31 @@ def _engine_steps(rank, world_size, cfg: TrainConfig):
             "state": held, "activations": last_run.peak_activation_bytes,
             "comm_bytes": comm_bytes, "coords": mesh.coords,
             "events": gathered if rank == 0 else None}
+
+
+def _accumulate(model, inputs, labels, loss_fn, rank):
+    """One data-parallel step over the micro-batches: gradients accumulate locally
+    (``no_sync``) and are all-reduced, through the compressor, in the last backward only. The
+    same :class:`engine.pp.PipelineRun` as a one-stage pipeline reports."""
+    from engine.memory import ActivationTracker
+    from engine.pp import PipelineRun
+    from engine.trace import TraceEvent
+
+    m, events, total, peak = len(inputs), [], 0.0, 0
+    params = list(model.parameters())
+    for mb, (x, y) in enumerate(zip(inputs, labels, strict=True)):
+        sync = contextlib.nullcontext() if mb == m - 1 else model.no_sync()
+        with sync:
+            start = time.perf_counter()
+            with ActivationTracker(exclude=params) as acts:
+                loss = loss_fn(model(x), y) / m
+            loss.backward()
+            end = time.perf_counter()
+        peak = max(peak, acts.bytes)
+        total += loss.item()
+        events.append(TraceEvent(f"FB{mb}", rank, start, end, lane="compute",
+                                 args={"kind": "FB", "mb": mb, "chunk": 0}))
+    return PipelineRun(total, events, peak, {0: peak}, 1)
 
 
 def _torch_steps(rank, world_size, cfg: TrainConfig):
@@ -204,6 +277,8 @@ def _torch_steps(rank, world_size, cfg: TrainConfig):
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     else:
         model = nn.parallel.DistributedDataParallel(gpt)
+        if cfg.compress is not None:
+            _register_torch_hook(model, cfg.compress)
         optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=cfg.lr) \
             if cfg.zero == 1 else torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     steps = []
@@ -226,6 +301,22 @@ def _torch_steps(rank, world_size, cfg: TrainConfig):
     return {"step_s": statistics.median(steps)}
 
 
+def _register_torch_hook(model, spec: str) -> None:
+    """PyTorch's own DDP communication hook for the compressor ``spec`` names."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    kind = spec.split(":")[0]
+    if kind == "fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif kind == "bf16":
+        if dist.get_backend() != "nccl":
+            raise ValueError("PyTorch's bf16_compress_hook needs NCCL; on Gloo compare "
+                             "--compress fp16, or run bf16 with --impl engine")
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif kind != "dense":  # refused by check_config before any rank starts
+        raise ValueError(f"no PyTorch DDP hook for --compress {spec}")
+
+
 def _both(rank, world_size, cfg: TrainConfig):
     out = {}
     if cfg.impl in ("engine", "both"):
@@ -244,7 +335,8 @@ def report(cfg: TrainConfig, results: list[dict]) -> dict:
     summary = {}
     print(f"\n{cfg.model} GPT ({sum(p.numel() for p in TinyGPT(model_cfg).parameters()):,} "
           f"parameters) on dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp}, ZeRO-{cfg.zero}, "
-          f"{cfg.schedule}, {cfg.microbatches} micro-batches of {cfg.micro_batch}")
+          f"{cfg.schedule}, {cfg.microbatches} micro-batches of {cfg.micro_batch}"
+          + (f", gradients compressed with {cfg.compress}" if cfg.compress else ""))
     for impl in ("engine", "torch"):
         if impl not in results[0]:
             continue
@@ -268,7 +360,7 @@ def report(cfg: TrainConfig, results: list[dict]) -> dict:
             print(f"  rank dp{c.dp} tp{c.tp} pp{c.pp}: params {s.params / 1e6:.2f} MB, grads "
                   f"{s.grads / 1e6:.2f} MB, optimizer {s.optimizer / 1e6:.2f} MB, activations "
                   f"{r['activations'] / 1e6:.2f} MB; computing {r['compute_s'] / step:.0%} "
-                  f"of the step; sent {r['comm_bytes'] / 1e6:.2f} MB"
+                  f"of the step; sent {_bytes(r['comm_bytes'])}"
                   + (f"; CUDA peak {r['cuda_peak'] / 1e9:.2f} GB" if r["cuda_peak"] else ""))
         events = [TraceEvent(name, rank, start, end, "compute", args)
                   for per_rank in engine[0]["events"]
@@ -293,6 +385,10 @@ def report(cfg: TrainConfig, results: list[dict]) -> dict:
     return summary
 
 
+def _bytes(n: float) -> str:
+    return f"{n / 1e6:.2f} MB" if n >= 1e5 else f"{n / 1e3:.2f} KB"
+
+
 def _first_pipeline(cfg: TrainConfig) -> set[int]:
     return {p * cfg.dp * cfg.tp for p in range(cfg.pp)}  # dp 0, tp 0 of every stage
 
@@ -310,20 +406,17 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--impl", default="engine")
-    parser.add_argument("--compress", help="gradient compression is in DataParallel "
-                        "(chapter 03); not available in the 3D trainer")
+    parser.add_argument("--compress", help="gradient compression on data parallelism "
+                        "(--zero 0): fp16, bf16, topk:RATIO, randomk:RATIO, powersgd:RANK")
     parser.add_argument("--trace", help="write a Chrome trace of the last step")
     parser.add_argument("--peak-tflops", type=float)
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     args = parser.parse_args(argv)
-    if args.compress:
-        print("--compress: gradient compression plugs into engine.dp.DataParallel "
-              "(see chapter 03); the 3D trainer averages gradients with ZeRO", file=sys.stderr)
-        return 2
     cfg = TrainConfig(dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
                       schedule=args.schedule, microbatches=args.microbatches,
                       micro_batch=args.micro_batch, model=args.model, steps=args.steps,
-                      impl=args.impl, trace=args.trace, peak_tflops=args.peak_tflops)
+                      impl=args.impl, trace=args.trace, peak_tflops=args.peak_tflops,
+                      compress=args.compress)
     from engine.launch import _under_torchrun, launch
 
     world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else (args.world_size or

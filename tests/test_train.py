@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from engine.__main__ import main as engine_main
@@ -35,6 +37,31 @@ def test_engine_and_torch_side_by_side(capsys):
     assert "MFU" in out and "n/a" not in out
 
 
+def _sent(out: str) -> float:
+    """Bytes rank dp0 sent per step, from the report."""
+    value, unit = re.search(r"rank dp0 .*; sent ([\d.]+) (KB|MB)", out).groups()
+    return float(value) * (1e3 if unit == "KB" else 1e6)
+
+
+def test_compressed_data_parallel_sends_what_the_compressor_keeps(capsys):
+    common = ["train", "--world-size", "2", "--dp", "2", "--zero", "0", "--steps", "2"]
+    assert engine_main(common) == 0
+    dense = _sent(capsys.readouterr().out)
+    assert engine_main(common + ["--compress", "topk:0.01"]) == 0
+    out = capsys.readouterr().out
+    assert "gradients compressed with topk:0.01" in out
+    # dense: a ring all-reduce sends 2(N-1)/N S = S at N = 2. Top-K: all-gathers of k fp32
+    # values and k int32 indices, (N-1)/N x N x 4k bytes each = 8k = 2% of S (k = 1%)
+    assert _sent(out) == pytest.approx(0.02 * dense, rel=0.05)
+
+
+def test_compression_side_by_side_with_pytorchs_fp16_hook(capsys):
+    assert engine_main(["train", "--world-size", "2", "--dp", "2", "--zero", "0", "--steps",
+                        "2", "--compress", "fp16", "--impl", "both"]) == 0
+    out = capsys.readouterr().out
+    assert "[engine]" in out and "[torch]" in out and "engine / torch tokens/s" in out
+
+
 @pytest.mark.parametrize("args, message", [
     (["--world-size", "4", "--dp", "2"], "dp x tp x pp = 2 x 1 x 1 = 2 does not match the "
                                          "world size 4"),
@@ -46,6 +73,14 @@ def test_engine_and_torch_side_by_side(capsys):
     (["--world-size", "3", "--tp", "3"], "hidden=32 is not divisible by the tensor-parallel "
                                           "degree 3"),
     (["--world-size", "1", "--model", "huge"], "--model must be one of tiny, small, medium"),
+    (["--world-size", "2", "--dp", "2", "--compress", "fp16"], "--compress fp16 runs on data "
+                                                               "parallelism without ZeRO"),
+    (["--world-size", "2", "--dp", "2", "--zero", "0", "--compress", "zip"],
+     "unknown compressor spec 'zip'"),
+    (["--world-size", "2", "--dp", "2", "--zero", "0", "--compress", "topk:0.01", "--impl",
+      "both"], "PyTorch has no DDP hook for Top-K"),
+    (["--world-size", "2", "--dp", "2", "--zero", "0", "--compress", "powersgd:2", "--impl",
+      "torch"], "powerSGD_hook desynchronised the ranks"),
 ])
 def test_bad_layouts_are_refused_before_any_rank_starts(args, message, capsys):
     assert engine_main(["train", *args]) == 2
