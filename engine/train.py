@@ -393,7 +393,24 @@ def _first_pipeline(cfg: TrainConfig) -> set[int]:
     return {p * cfg.dp * cfg.tp for p in range(cfg.pp)}  # dp 0, tp 0 of every stage
 
 
-def main(argv=None) -> int:
+def run_on_gpus(args: list[str], gpus_needed: int) -> int | None:
+    """For the notebooks' GPU-lab cells: with at least ``gpus_needed`` CUDA GPUs here, run
+    ``python -m engine train ARGS --backend nccl`` now (one GPU per rank) and return its exit
+    code; otherwise print the commands to run in the GPU lab and return None."""
+    cfg, parsed = _parse(args)
+    check_config(cfg, parsed.world_size or cfg.world_size)  # a wrong cell fails on a CPU too
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have >= gpus_needed:
+        return main([*args, "--backend", "nccl"])
+    options = " ".join(a for i, a in enumerate(args)  # torchrun sets the world size
+                       if a != "--world-size" and (i == 0 or args[i - 1] != "--world-size"))
+    print(f"{have} GPU(s) here; this cell needs {gpus_needed}. In the GPU lab:\n"
+          f"  python -m engine train {' '.join(args)} --backend nccl\n"
+          f"  torchrun --nproc-per-node {gpus_needed} -m engine train {options}")
+    return None
+
+
+def _parse(argv) -> tuple[TrainConfig, argparse.Namespace]:
     parser = argparse.ArgumentParser(prog="python -m engine train", description=__doc__.split(
         "\n\n")[0])
     parser.add_argument("--world-size", type=int, help="ranks to launch (not under torchrun)")
@@ -417,6 +434,11 @@ def main(argv=None) -> int:
                       micro_batch=args.micro_batch, model=args.model, steps=args.steps,
                       impl=args.impl, trace=args.trace, peak_tflops=args.peak_tflops,
                       compress=args.compress)
+    return cfg, args
+
+
+def main(argv=None) -> int:
+    cfg, args = _parse(argv)
     from engine.launch import _under_torchrun, launch
 
     world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else (args.world_size or

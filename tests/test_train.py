@@ -85,3 +85,16 @@ def test_compression_side_by_side_with_pytorchs_fp16_hook(capsys):
 def test_bad_layouts_are_refused_before_any_rank_starts(args, message, capsys):
     assert engine_main(["train", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_gpu_lab_cells_check_their_configuration_and_print_the_commands_on_a_cpu(capsys):
+    from engine.train import run_on_gpus
+
+    args = ["--world-size", "2", "--dp", "2", "--zero", "3", "--impl", "both"]
+    assert run_on_gpus(args, gpus_needed=10**6) is None
+    out = capsys.readouterr().out
+    assert "python -m engine train --world-size 2 --dp 2 --zero 3 --impl both --backend nccl" \
+        in out
+    assert "torchrun --nproc-per-node 1000000 -m engine train --dp 2 --zero 3" in out
+    with pytest.raises(ValueError, match="does not match the world size 4"):
+        run_on_gpus(["--world-size", "4", "--dp", "2"], gpus_needed=10**6)
