@@ -8,6 +8,7 @@ process row, each lane (``"comm"``, ``"compute"``, a pipeline stage...) a thread
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -33,6 +34,42 @@ class TraceEvent:
     @property
     def seconds(self) -> float:
         return self.end - self.start
+
+
+class Clock:
+    """Timestamps for a compute timeline, in ``time.perf_counter`` seconds.
+
+    On the CPU a mark is ``perf_counter()``. On a GPU kernels run asynchronously, so the host's
+    clock would time their launch, not their execution: a mark is a CUDA event recorded on the
+    current stream, and :meth:`seconds` converts it, after the fact, against a reference event
+    recorded (and waited for) together with a host timestamp. No synchronisation between marks,
+    so the timeline does not change what it measures.
+    """
+
+    def __init__(self, device) -> None:
+        import torch
+
+        self.cuda = torch.device(device).type == "cuda"
+        if self.cuda:
+            self._reference = torch.cuda.Event(enable_timing=True)
+            self._reference.record()
+            self._reference.synchronize()
+            self._host = time.perf_counter()
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, mark) -> float:
+        if not self.cuda:
+            return mark
+        mark.synchronize()
+        return self._host + self._reference.elapsed_time(mark) / 1e3
 
 
 def events_from_meter(meter: CommMeter, rank: int, lane: str = "comm") -> list[TraceEvent]:

@@ -50,3 +50,33 @@ def test_lanes_become_threads_and_bad_events_are_rejected():
         ("F0", "stage0", 1.0), ("send", "comm", pytest.approx(0.1)), ("B0", "stage0", 2.0)]
     with pytest.raises(ValueError, match="ends \\(1.0\\) before it starts \\(2.0\\)"):
         TraceEvent("x", 0, 2.0, 1.0)
+
+
+def test_the_cpu_clock_is_perf_counter_and_marks_are_ordered():
+    import time
+
+    from engine.trace import Clock
+
+    clock = Clock("cpu")
+    before = time.perf_counter()
+    first, second = clock.mark(), clock.mark()
+    assert before <= clock.seconds(first) <= clock.seconds(second) <= time.perf_counter()
+
+
+@pytest.mark.gpu
+def test_the_cuda_clock_times_execution_not_launch():
+    import time
+
+    import torch
+
+    from engine.trace import Clock
+
+    clock = Clock("cuda")
+    a = torch.randn(4096, 4096, device="cuda")
+    start = clock.mark()
+    for _ in range(20):
+        a = a @ a / 64
+    end = clock.mark()
+    launched = time.perf_counter()  # the host got here long before the GPU finished
+    assert clock.seconds(end) - clock.seconds(start) > 0
+    assert clock.seconds(end) > launched

@@ -18,7 +18,6 @@ messages between the same two ranks never mix. Gradients accumulate across micro
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +26,7 @@ from torch import nn
 from engine.comm import ops
 from engine.memory import ActivationTracker
 from engine.pp.schedules import _shape, validate
-from engine.trace import TraceEvent
+from engine.trace import Clock, TraceEvent
 
 _MAX_DIMS = 8
 
@@ -142,8 +141,8 @@ def run_pipeline(rank: int, chunks: list[nn.Module], schedule, inputs: list[torc
     total_loss = 0.0
     first_param = next(chunks[0].parameters())
     dtype, device = first_param.dtype, first_param.device
-    # on a GPU, kernels run asynchronously: synchronise so the timeline shows compute time
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    clock = Clock(device)  # CUDA events on a GPU: the timeline shows execution, not launch
+    marks = []
     params = [q for c in chunks for q in c.parameters()]
     here: dict[int, torch.Tensor] = {}  # p = 1: neighbouring chunks share this rank
 
@@ -168,14 +167,12 @@ def run_pipeline(rank: int, chunks: list[nn.Module], schedule, inputs: list[torc
             else:
                 x = recv(vs - 1, _tag("act", mb, vs - 1, stages))
                 x.requires_grad_()
-            sync()
-            start = time.perf_counter()
+            start = clock.mark()
             with ActivationTracker(exclude=params) as acts:
                 out = chunks[c](x)
                 if vs == last:
                     out = loss_fn(out, targets[mb].detach().clone()) / m
-            sync()
-            end = time.perf_counter()
+            end = clock.mark()
             stored[mb, c] = (x, out, acts.bytes)
             per_chunk.setdefault(c, acts.bytes)
             held += acts.bytes
@@ -188,19 +185,19 @@ def run_pipeline(rank: int, chunks: list[nn.Module], schedule, inputs: list[torc
         else:
             x, out, nbytes = stored.pop((mb, c))
             grad = None if vs == last else recv(vs + 1, _tag("grad", mb, vs + 1, stages))
-            sync()
-            start = time.perf_counter()
+            start = clock.mark()
             out.backward(grad)
-            sync()
-            end = time.perf_counter()
+            end = clock.mark()
             held -= nbytes
             in_flight -= 1
             if vs != 0:
                 send(x.grad, vs - 1, _tag("grad", mb, vs, stages))
-        events.append(TraceEvent(f"{kind}{mb}", rank, start, end, lane="compute",
-                                 args={"kind": kind, "mb": mb, "chunk": c}))
+        marks.append((kind, mb, c, start, end))
     for work, _ in pending:
         work.wait()
+    for kind, mb, c, start, end in marks:
+        events.append(TraceEvent(f"{kind}{mb}", rank, clock.seconds(start), clock.seconds(end),
+                                 lane="compute", args={"kind": kind, "mb": mb, "chunk": c}))
     return PipelineRun(total_loss if last % p == rank else None, events, peak, per_chunk,
                        peak_flight)
 
