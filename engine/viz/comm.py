@@ -5,7 +5,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 
 from engine import theory
-from engine.viz.style import COLORS, apply_style
+from engine.viz.style import COLORS, apply_style, full_labels
 
 
 def bytes_per_rank_figure(measured_sent, expected_sent, title: str = "", unit: float = 1e3):
@@ -46,8 +46,10 @@ def all_reduce_explorer():
     """A slider over the tensor size and the largest N for :func:`all_reduce_figure`."""
     import ipywidgets as widgets
 
-    return widgets.interactive(lambda size_mb, max_n: plt.show(all_reduce_figure(size_mb, max_n)),
-                               size_mb=widgets.FloatLogSlider(value=100, base=10, min=0, max=4,
-                                                              description="S (MB)"),
-                               max_n=widgets.IntSlider(value=16, min=2, max=64,
-                                                       description="max N"))
+    def show(size_mb, max_n):
+        plt.show(all_reduce_figure(size_mb, max_n))
+
+    return full_labels(widgets.interactive(
+        show,
+        size_mb=widgets.FloatLogSlider(value=100, base=10, min=0, max=4, description="S (MB)"),
+        max_n=widgets.IntSlider(value=16, min=2, max=64, description="max N")))

@@ -6,7 +6,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from engine.dp.buckets import assign_buckets
-from engine.viz.style import apply_style
+from engine.viz.style import apply_style, full_labels
 
 
 def buckets_figure(module: torch.nn.Module, bucket_cap_mb: float):
@@ -38,7 +38,7 @@ def buckets_explorer(module: torch.nn.Module):
     """A slider over ``bucket_cap_mb`` for :func:`buckets_figure`."""
     import ipywidgets as widgets
 
-    return widgets.interactive(
+    return full_labels(widgets.interactive(
         lambda bucket_cap_mb: plt.show(buckets_figure(module, bucket_cap_mb)),
         bucket_cap_mb=widgets.FloatLogSlider(value=1, base=10, min=-2, max=2, step=0.1,
-                                             description="cap (MB)"))
+                                             description="cap (MB)")))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from engine.viz.style import apply_style
+from engine.viz.style import apply_style, full_labels
 
 KIND_COLORS = {"F": "#1f77b4", "B": "#2ca02c"}
 
@@ -81,7 +81,7 @@ def pipeline_explorer():
         print("peak micro-batches in flight per stage (activations held): "
               + ", ".join(f"{s}: {n}" for s, n in result.peak_in_flight.items()))
 
-    return widgets.interactive(
+    return full_labels(widgets.interactive(
         show,
         schedule=widgets.ToggleButtons(options=["GPipe", "1F1B", "interleaved 1F1B"],
                                        value="1F1B"),
@@ -92,4 +92,4 @@ def pipeline_explorer():
                                        description="t_b / t_f"),
         t_comm=widgets.FloatSlider(value=0.0, min=0.0, max=1.0, step=0.1,
                                    description="comm time"),
-    )
+    ))

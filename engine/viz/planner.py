@@ -5,7 +5,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 
 from engine.planner import GPUS, MODELS, Cluster, plan
-from engine.viz.style import apply_style
+from engine.viz.style import apply_style, full_labels
 from engine.viz.zero import PART_COLORS
 
 TIME_COLORS = {"compute": "#1f77b4", "tp": "#ff7f0e", "bubble": "#d62728", "pp": "#9467bd",
@@ -72,7 +72,7 @@ def planner_explorer():
             f"{model} on {gpus} x {gpu}, global batch {global_batch}: the "
             f"{min(6, len(plans))} fastest plans that fit")))
 
-    return widgets.interactive(
+    return full_labels(widgets.interactive(
         show,
         model=widgets.Dropdown(options=list(MODELS), value="GPT-3 175B"),
         gpu=widgets.Dropdown(options=list(GPUS), value="A100 80GB"),
@@ -87,4 +87,4 @@ def planner_explorer():
         global_batch=widgets.SelectionSlider(options=[256, 512, 1024, 1536, 2048, 4096],
                                              value=1536, description="global batch"),
         mfu=widgets.FloatSlider(value=0.45, min=0.2, max=0.7, step=0.05, description="MFU"),
-    )
+    ))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.patches import Rectangle
 
-from engine.viz.style import apply_style
+from engine.viz.style import apply_style, full_labels
 
 
 def ring_states(n: int) -> list[list[list[frozenset]]]:
@@ -94,5 +94,5 @@ def ring_stepper():
         step.max = 2 * (change["new"] - 1)
 
     n.observe(_limit, names="value")
-    return widgets.interactive(lambda n, step: plt.show(ring_step_figure(n, step)), n=n,
-                               step=step)
+    return full_labels(widgets.interactive(
+        lambda n, step: plt.show(ring_step_figure(n, step)), n=n, step=step))

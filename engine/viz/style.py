@@ -13,3 +13,13 @@ def apply_style() -> None:
         "axes.spines.top": False, "axes.spines.right": False, "font.size": 10,
         "axes.titlesize": 11, "legend.frameon": False,
     })
+
+
+def full_labels(box):
+    """Let every control of an ``ipywidgets.interactive`` box show its whole description
+    (the default width cuts "micro-batches m" to "micro-bat..."); returns the box."""
+    for child in box.children:
+        if getattr(child, "description", "") and hasattr(child, "style") \
+                and hasattr(child.style, "description_width"):
+            child.style.description_width = "initial"
+    return box

@@ -6,7 +6,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 
 from engine import theory
-from engine.viz.style import apply_style
+from engine.viz.style import apply_style, full_labels
 
 # name: (parameters, layers, hidden, heads, sequence length), from each model's paper
 PRESETS = {
@@ -98,7 +98,7 @@ def memory_explorer():
         print("  ".join(f"{k} {v / 1e9:,.2f} GB" for k, v in parts.items()),
               f"| total {sum(parts.values()) / 1e9:,.2f} GB per GPU")
 
-    return widgets.interactive(
+    return full_labels(widgets.interactive(
         show,
         preset=widgets.Dropdown(options=list(PRESETS), value="LLaMA 7B"),
         custom_billions=widgets.FloatText(value=0, description="custom B (0: preset)"),
@@ -109,7 +109,7 @@ def memory_explorer():
         offload=widgets.Checkbox(value=False, description="offload optimizer"),
         checkpoint=widgets.Checkbox(value=True, description="activation checkpointing"),
         micro_batch=widgets.IntSlider(value=1, min=1, max=16, description="micro-batch"),
-    )
+    ))
 
 
 def measured_vs_theory_figure(rows):
