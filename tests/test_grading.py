@@ -287,14 +287,11 @@ def _bucketed_variant(launch_in_finish=False, divide=True, per_parameter=False):
             if launch_in_finish:  # correct sums, but no overlap with backward
                 for i, buffer in enumerate(self.buffers):
                     self.works[i] = ops.all_reduce(buffer, group=self.group, async_op=True)
-            n = dist.get_world_size(self.group) if divide else 1
-            for i, bucket in enumerate(self.buckets):
-                self.works[i].wait()
-                self.buffers[i].div_(n)
-                for p in bucket:
-                    p.grad.copy_(self.views[p])
-                self.ready[i].clear()
-            self.next_bucket = 0
+            if not divide:  # undo the reference's division: sums reach p.grad, not averages
+                for work, buffer in zip(self.works, self.buffers, strict=True):
+                    work.wait()  # the reference's own wait then returns at once
+                    buffer.mul_(dist.get_world_size(self.group))
+            super()._finish()
 
     return Variant
 

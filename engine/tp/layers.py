@@ -42,7 +42,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  gather_output: bool = True, group=None, device=None, dtype=None):
         super().__init__()
-        rank, t = tp_rank_and_size(group)
+        _, t = tp_rank_and_size(group)
         self.local_out = check_divisible("out_features", out_features, t)
         self.group, self.gather_output = group, gather_output
         like = dict(device=device, dtype=dtype)
@@ -73,7 +73,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  input_is_parallel: bool = False, group=None, device=None, dtype=None):
         super().__init__()
-        rank, t = tp_rank_and_size(group)
+        _, t = tp_rank_and_size(group)
         self.local_in = check_divisible("in_features", in_features, t)
         self.group, self.input_is_parallel = group, input_is_parallel
         like = dict(device=device, dtype=dtype)
