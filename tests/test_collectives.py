@@ -128,6 +128,31 @@ def test_collectives_run_inside_a_subgroup():
     assert run_ranks(_in_a_subgroup, 4) == [(2.0,) * 3, (4.0,) * 3, (2.0,) * 3, (4.0,) * 3]
 
 
+def _point_to_point_on_a_pair(rank, world_size, what):
+    from engine.comm import ops
+
+    pair = dist.new_group([0, 1])
+    if what == "complex" and rank < 2:  # travels as its real view, as through dist.isend
+        got = torch.zeros(3, dtype=torch.complex64)
+        receive = ops.irecv(got, 1 - rank, group=pair)
+        ops.isend(torch.full((3,), complex(rank, -rank)), 1 - rank, group=pair).wait()
+        receive.wait()
+        return torch.equal(got, torch.full((3,), complex(1 - rank, rank - 1)))
+    if what == "outsider" and rank == 2:
+        ops.isend(torch.ones(2), 0, group=pair)
+    if what == "peer outside" and rank == 0:
+        ops.irecv(torch.ones(2), 2, group=pair)
+    return True
+
+
+def test_point_to_point_ops_call_the_process_group_with_its_checks():
+    assert run_ranks(_point_to_point_on_a_pair, 3, "complex") == [True] * 3
+    with pytest.raises(RankError, match=r"rank 2.*this rank \(2\) is not in the group \(0, 1\)"):
+        run_ranks(_point_to_point_on_a_pair, 3, "outsider")
+    with pytest.raises(RankError, match="Global rank 2 is not part of group"):
+        run_ranks(_point_to_point_on_a_pair, 3, "peer outside")
+
+
 def _mismatched(rank, world_size):
     ring_all_reduce(torch.ones(10 + 2 * rank))
 

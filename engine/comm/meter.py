@@ -102,6 +102,11 @@ class CommMeter:
         self.events.clear()
 
 
+def recording() -> bool:
+    """Whether any meter is open on this rank (the wrappers skip building events otherwise)."""
+    return bool(_OPEN_METERS)
+
+
 def record(event: CommEvent) -> CommEvent:
     """Hand ``event`` to every open meter (called by the wrappers in :mod:`engine.comm.ops`)."""
     for meter in _OPEN_METERS:

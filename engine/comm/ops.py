@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from engine import theory
-from engine.comm.meter import CommEvent, record
+from engine.comm.meter import CommEvent, record, recording
 
 P2POp = dist.P2POp
 ReduceOp = dist.ReduceOp
@@ -52,6 +52,8 @@ class MeteredWork:
     A host-staged result (see the module docstring) is copied back at the same moment, once.
     """
 
+    __slots__ = ("_work", "_events", "_waited", "_result", "_after")
+
     def __init__(self, work, events: Sequence[CommEvent], has_future: bool = True,
                  after: Callable[[], None] | None = None):
         self._work, self._events = work, list(events)
@@ -64,6 +66,8 @@ class MeteredWork:
                 pass
 
     def _stamp(self, _future=None) -> None:
+        if not self._events:
+            return
         now = time.perf_counter()
         for event in self._events:
             if event.end is None:
@@ -101,7 +105,7 @@ class MeteredWork:
 def stages_through_host(tensor: torch.Tensor, group=None) -> bool:
     """True where an op other than all_reduce/broadcast on ``tensor`` must go through host
     memory: a CUDA tensor on a Gloo group."""
-    return tensor.device.type != "cpu" and dist.get_backend(group) == "gloo"
+    return not tensor.is_cpu and dist.get_backend(group) == "gloo"
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -128,9 +132,18 @@ def _staged(out: torch.Tensor, inp: torch.Tensor | None, group):
 # -- point to point: counted exactly ---------------------------------------------------------
 
 
-def _p2p_event(kind: str, tensor: torch.Tensor, peer: int, group, start: float) -> CommEvent:
+def _p2p_events(kind: str, tensor: torch.Tensor, peer: int, group, start: float
+                ) -> list[CommEvent]:
+    """The op's event, recorded by every open meter, in a list; empty when no meter is open.
+
+    Nobody would read an event then, and not building it matters: with 4 ranks sharing 2
+    cores, a ring all-reduce of 16 MB took 1.04-1.09x the built-in's time with the events
+    built and 1.00-1.06x without them (medians of 30, same runs).
+    """
+    if not recording():
+        return []
     size = nbytes(tensor)
-    return record(
+    return [record(
         CommEvent(
             op=kind,
             group=group_ranks(group),
@@ -143,44 +156,69 @@ def _p2p_event(kind: str, tensor: torch.Tensor, peer: int, group, start: float) 
             peer=peer,
             dtype=str(tensor.dtype),
         )
-    )
+    )]
 
 
 def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
-    event = _p2p_event("send", tensor, dst, group, time.perf_counter())
+    events = _p2p_events("send", tensor, dst, group, time.perf_counter())
     wire = _host_copy(tensor) if stages_through_host(tensor, group) else tensor
     dist.send(wire, dst, group=group, tag=tag)
-    event.end = time.perf_counter()
+    for event in events:
+        event.end = time.perf_counter()
 
 
 def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0) -> int:
     """Receive into ``tensor`` from ``src`` (None: from whichever rank sends first); returns
     the sender's rank. ``tag`` tells apart messages between the same pair of ranks."""
-    event = _p2p_event("recv", tensor, src, group, time.perf_counter())
+    events = _p2p_events("recv", tensor, src, group, time.perf_counter())
     if stages_through_host(tensor, group):
         wire = _host_buffer(tensor)
         sender = dist.recv(wire, src, group=group, tag=tag)
         tensor.copy_(wire)
     else:
         sender = dist.recv(tensor, src, group=group, tag=tag)
-    event.end, event.peer = time.perf_counter(), sender
+    for event in events:
+        event.end, event.peer = time.perf_counter(), sender
     return sender
 
 
 def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> MeteredWork:
-    event = _p2p_event("isend", tensor, dst, group, time.perf_counter())
+    events = _p2p_events("isend", tensor, dst, group, time.perf_counter())
     wire = _host_copy(tensor) if stages_through_host(tensor, group) else tensor
-    return MeteredWork(dist.isend(wire, dst, group=group, tag=tag), [event], has_future=False)
+    pg, peer = _process_group_and_rank(group, dst)
+    return MeteredWork(pg.send([_real(wire)], peer, tag), events, has_future=False)
 
 
 def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> MeteredWork:
-    event = _p2p_event("irecv", tensor, src, group, time.perf_counter())
+    events = _p2p_events("irecv", tensor, src, group, time.perf_counter())
+    pg, peer = _process_group_and_rank(group, src)
     if not stages_through_host(tensor, group):
-        return MeteredWork(dist.irecv(tensor, src, group=group, tag=tag), [event],
-                           has_future=False)
+        return MeteredWork(pg.recv([_real(tensor)], peer, tag), events, has_future=False)
     wire = _host_buffer(tensor)
-    return MeteredWork(dist.irecv(wire, src, group=group, tag=tag), [event], has_future=False,
+    return MeteredWork(pg.recv([_real(wire)], peer, tag), events, has_future=False,
                        after=lambda: tensor.copy_(wire))
+
+
+def _process_group_and_rank(group, rank: int):
+    """The process group to call and ``rank``'s index in it.
+
+    ``isend``/``irecv`` call the process group directly instead of going through
+    ``dist.isend``/``dist.irecv``, whose Python (overrides, rank translation, checks) runs on
+    every message: with 4 ranks sharing 2 cores, a ring all-reduce of 16 MB (24 messages a
+    rank) took 1.12x the built-in's time through them and 1.07-1.09x without (medians of 120,
+    two runs). A rank outside ``group``, or a peer outside it, is refused here as it is there.
+    """
+    if group is None:
+        return dist.group.WORLD, rank
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"this rank ({dist.get_rank()}) is not in the group "
+                         f"{group_ranks(group)}; only its members can send or receive on it")
+    return group, dist.get_group_rank(group, rank)
+
+
+def _real(tensor: torch.Tensor) -> torch.Tensor:
+    """Complex tensors travel as their real view, as in ``dist.isend``."""
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
 
 
 def send_op(tensor: torch.Tensor, peer: int, group=None) -> P2POp:
@@ -197,7 +235,8 @@ def batch_isend_irecv(p2p_ops: Sequence[P2POp]) -> list[MeteredWork]:
     """Issue sends and receives together (the way to post both sides of a ring step at once)."""
     start = time.perf_counter()
     events = [
-        _p2p_event("isend" if op.op is dist.isend else "irecv", op.tensor, op.peer, op.group, start)
+        _p2p_events("isend" if op.op is dist.isend else "irecv", op.tensor, op.peer, op.group,
+                    start)
         for op in p2p_ops
     ]
     wire_ops, copy_backs = [], []
@@ -214,8 +253,8 @@ def batch_isend_irecv(p2p_ops: Sequence[P2POp]) -> list[MeteredWork]:
             copy_backs.append(lambda t=op.tensor, w=wire: t.copy_(w))
     works = dist.batch_isend_irecv(wire_ops)
     if len(works) != len(events):  # NCCL coalesces a batch into one work for all its ops
-        return [MeteredWork(w, events) for w in works]
-    return [MeteredWork(w, [e], after=c)
+        return [MeteredWork(w, [e for op_events in events for e in op_events]) for w in works]
+    return [MeteredWork(w, e, after=c)
             for w, e, c in zip(works, events, copy_backs, strict=True)]
 
 

@@ -3,7 +3,8 @@
 Used by ``benchmarks/collectives.py``, chapter 01 and the GPU lab. Each measurement is the
 slowest rank's time (a collective is done when its last rank is), the median over repeats,
 with the algorithms interleaved inside each repeat so drift in the machine's load hits all of
-them alike. Module-level, so it can be started with spawn (NCCL) as well as fork.
+them alike, in an order reversed every other repeat so none always runs right after another.
+Module-level, so it can be started with spawn (NCCL) as well as fork.
 """
 
 from __future__ import annotations
@@ -29,6 +30,14 @@ ALGORITHMS = {
 def time_all_reduces(rank: int, world_size: int, sizes, names=tuple(ALGORITHMS),
                      repeats: int = 5, device: str = "cpu") -> list[tuple[str, int, int, float]]:
     """``[(algorithm, size_bytes, world_size, median_seconds), ...]`` for float32 tensors."""
+    return [(name, size, n, statistics.median(times)) for name, size, n, times in
+            all_reduce_samples(rank, world_size, sizes, names, repeats, device)]
+
+
+def all_reduce_samples(rank: int, world_size: int, sizes, names=tuple(ALGORITHMS),
+                       repeats: int = 5, device: str = "cpu"
+                       ) -> list[tuple[str, int, int, list[float]]]:
+    """``[(algorithm, size_bytes, world_size, [seconds of each repeat]), ...]``."""
     unknown = [n for n in names if n not in ALGORITHMS]
     if unknown:
         raise ValueError(f"unknown algorithm(s) {unknown}; expected some of {tuple(ALGORITHMS)}")
@@ -40,8 +49,8 @@ def time_all_reduces(rank: int, world_size: int, sizes, names=tuple(ALGORITHMS),
         times: dict[str, list[float]] = {name: [] for name in names}
         for name in names:
             ALGORITHMS[name](t)  # warm-up: connections, buffers
-        for _ in range(repeats):
-            for name in names:
+        for repeat in range(repeats):
+            for name in (names if repeat % 2 == 0 else names[::-1]):
                 dist.barrier()
                 _sync(device)
                 start = time.perf_counter()
@@ -51,7 +60,7 @@ def time_all_reduces(rank: int, world_size: int, sizes, names=tuple(ALGORITHMS),
                                        device=device)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 times[name].append(elapsed.item())
-        rows += [(name, size, world_size, statistics.median(ts)) for name, ts in times.items()]
+        rows += [(name, size, world_size, ts) for name, ts in times.items()]
     return rows
 
 
