@@ -9,7 +9,7 @@ on small messages.
 Each time is the median of --repeats x --launches samples: --launches independent launches
 of --repeats each. One launch is not enough where ranks share cores. The operating system
 places each launch's threads anew, and that placement moves the built-in's time. On the 2-core
-machine this was written on, 16 MB on 4 ranks took 29.8 ms in one launch and 34.3 ms in the
+machine this was written on, 16 MB on 4 ranks took 29.9 ms in one launch and 34.3 ms in the
 next, with medians of 150. The ring held at 34-36 ms. Per-launch ratios at >= 16 MB are printed
 too.
 
