@@ -71,17 +71,16 @@ def segment_count(chunk_bytes: int) -> int:
 
 
 class _Ring(NamedTuple):
-    """One call's ring: its neighbours, and the tensor cut into chunks and each chunk into
-    segments, as views of the caller's tensor made once per call. (Python work per message is
-    what a ring built from sends pays over the built-in; on 4 ranks sharing 2 cores, making
-    the views once instead of at every step took the 16 MB all-reduce from 1.08-1.20x the
-    built-in's time to 1.04-1.09x, medians of 30, same runs.)"""
+    """One call's ring: how to reach its neighbours, and the tensor cut into chunks and each
+    chunk into segments, as views of the caller's tensor made once per call.
+
+    Python work per message is what a ring built from sends pays over the built-in. On 4 ranks
+    sharing 2 cores, making the views once instead of at every step took the 16 MB all-reduce
+    from 1.08-1.20x the built-in's time to 1.04-1.09x (medians of 30, same runs).
+    """
 
     me: int
     n: int
-    right: int
-    left: int
-    group: object
     sizes: list[int]  # chunk sizes (chunk_sizes)
     chunks: list[torch.Tensor]
     segments: list[tuple[torch.Tensor, ...]]  # segments[c]: chunk c's segments
@@ -95,8 +94,7 @@ def _plan(t: torch.Tensor, group) -> _Ring:
     chunks = list(t.view(-1).split(sizes))
     k = segment_count(max(sizes) * t.element_size())
     send, recv = _links(t, group, right, left)
-    return _Ring(me, n, right, left, group, sizes, chunks, [c.tensor_split(k) for c in chunks],
-                 send, recv)
+    return _Ring(me, n, sizes, chunks, [c.tensor_split(k) for c in chunks], send, recv)
 
 
 def _links(t: torch.Tensor, group, right: int, left: int):
