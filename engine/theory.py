@@ -52,6 +52,14 @@ def chain_broadcast_bytes(
     return sent, received
 
 
+def all_to_all_bytes(size_bytes: float, n: int) -> float:
+    """Bytes each rank sends (and receives) in an all-to-all of ``size_bytes`` split evenly:
+    (n-1)/n·S. A rank keeps the 1/n addressed to itself and sends every other piece once
+    (pairwise exchange; the collective of expert and Ulysses parallelism)."""
+    _check_n(n)
+    return (n - 1) / n * size_bytes
+
+
 def flat_broadcast_bytes(
     size_bytes: float, n: int, rank: int, root: int = 0
 ) -> tuple[float, float]:

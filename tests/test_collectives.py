@@ -229,14 +229,14 @@ def test_alpha_beta_fit_never_returns_a_negative_latency():
 
 
 def _segmented(rank, world_size, numel, segment_bytes):
-    import engine.comm.ring as ring
+    import engine.comm.ring_pipelined as ring
 
     ring.SEGMENT_BYTES = segment_bytes  # every rank the same: chunks split into many segments
     t = _data(rank, numel, torch.float32)
     expected = t.clone()
     dist.all_reduce(expected)
     with CommMeter() as meter:
-        ring_all_reduce(t)
+        ring.ring_all_reduce_pipelined(t)
     return torch.equal(t, expected), meter.bytes_sent, len(meter.events)
 
 

@@ -3,18 +3,28 @@
 Every communication the engine issues goes through the wrappers in :mod:`engine.comm.ops`,
 and each wrapper reports one :class:`CommEvent` to every meter that is open on this rank::
 
-    with CommMeter() as meter:
+    with CommMeter(count="wire") as meter:
         ops.all_reduce(grad)
     meter.bytes_sent, meter.bytes_received, meter.events
 
-Two kinds of numbers, and each event says which it holds (``measured``):
+A meter counts in one of two ways, chosen when it is opened, and every event says which way
+its numbers were obtained (``measured``):
 
-* **Point-to-point** ops (``send``, ``recv``, ``isend``, ``irecv``, ``batch_isend_irecv``) are
-  counted exactly: a send of a tensor of ``S`` bytes puts ``S`` bytes on the wire. Collectives
-  the engine builds from them (the ring, the parameter server, ...) are therefore *measured*.
-* **Built-in collectives** (``dist.all_reduce`` and friends) hide their algorithm inside Gloo or
-  NCCL, so their wire bytes are *modeled*: the bandwidth-optimal ring/chain algorithm NCCL uses
-  (:func:`engine.theory.collective_wire_bytes`), the same model behind nccl-tests' bus bandwidth.
+* ``count="wire"``: **counted**. While the meter is open, every collective the engine issues
+  (all-reduce, reduce-scatter, all-gather, broadcast, reduce, all-to-all) runs on the engine's
+  own point-to-point implementations (the ring, the chain, the pairwise exchange of
+  :mod:`engine.comm.counted`), and its bytes are the sum of the messages it actually sent and
+  received. Results are the same as the built-in's (the tests check every strategy); an
+  ``async_op=True`` call runs to completion before it returns, so overlap is not shown.
+  Open the meter on *every* rank of a group: ranks that disagree on the mode would run two
+  different algorithms against each other.
+* ``count="model"`` (the default): the built-in collectives of Gloo or NCCL run, fast and
+  overlapped, and their wire bytes are **modeled** by the bandwidth-optimal ring/chain algorithm
+  (:func:`engine.theory.collective_wire_bytes`, the model behind nccl-tests' bus bandwidth).
+  Use it to time; use ``"wire"`` for any number the course calls measured.
+
+Point-to-point ops (``send``, ``recv``, ``isend``, ``irecv``, ``batch_isend_irecv``) are
+counted exactly in both modes: a send of ``S`` bytes puts ``S`` bytes on the wire.
 
 Each rank is its own process, so a meter sees only its own rank; gather per-rank numbers with
 the return value of :func:`engine.launch`.
@@ -26,24 +36,25 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-_OPEN_METERS: list["CommMeter"] = []
+COUNT_MODES = ("model", "wire")
 
 
 @dataclass
 class CommEvent:
     """One communication op as seen by this rank."""
 
-    op: str  # "send", "recv", "all_reduce", "broadcast", ...
+    op: str  # "send", "recv", "all_reduce", "broadcast", "all_to_all", ...
     group: tuple[int, ...]  # global ranks of the group the op ran on
     payload_bytes: int  # size of the tensor handed to the op on this rank
     bytes_sent: int  # bytes this rank put on the wire
     bytes_received: int  # bytes this rank took off the wire
-    measured: bool  # True: counted p2p traffic. False: modeled (built-in collective)
-    algorithm: str  # "p2p" for counted traffic, else the model used ("ring", "chain")
+    measured: bool  # True: counted message by message. False: modeled (built-in collective)
+    algorithm: str  # "p2p", or the collective's algorithm ("ring", "chain", "pairwise")
     start: float  # time.perf_counter() when the op was issued
     end: float | None = None  # when it completed (async ops: when waited on)
-    peer: int | None = None  # the other rank of a point-to-point op
+    peer: int | None = None  # the other rank of a point-to-point op (the root of a broadcast)
     dtype: str = ""
+    messages: int = 0  # counted collectives: the point-to-point messages it was made of
 
     @property
     def seconds(self) -> float | None:
@@ -54,19 +65,27 @@ class CommEvent:
 class CommMeter:
     """Context manager recording every op the engine issues on this rank while it is open.
 
-    Meters nest: an op is recorded by every open meter.
+    ``count``: ``"wire"`` to run collectives on the engine's point-to-point algorithms and
+    count their bytes, ``"model"`` (default) to run the built-ins and model their bytes (see the
+    module docstring). Meters nest: an op is recorded by every open meter, and collectives are
+    counted while any open meter counts the wire.
     """
 
+    count: str = "model"
     events: list[CommEvent] = field(default_factory=list)
     started_at: float | None = None
 
+    def __post_init__(self):
+        if self.count not in COUNT_MODES:
+            raise ValueError(f"count must be one of {COUNT_MODES}, got {self.count!r}")
+
     def __enter__(self) -> "CommMeter":
         self.started_at = time.perf_counter()
-        _OPEN_METERS.append(self)
+        OPEN.meters.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        _OPEN_METERS.remove(self)
+        OPEN.meters.remove(self)
 
     @property
     def bytes_sent(self) -> int:
@@ -75,6 +94,11 @@ class CommMeter:
     @property
     def bytes_received(self) -> int:
         return sum(e.bytes_received for e in self.events)
+
+    @property
+    def all_counted(self) -> bool:
+        """True when every event's bytes were counted, none modeled."""
+        return all(e.measured for e in self.events)
 
     def by_op(self) -> dict[str, dict[str, int]]:
         """``{op: {"count", "payload_bytes", "bytes_sent", "bytes_received"}}``."""
@@ -88,6 +112,17 @@ class CommMeter:
             row["bytes_received"] += e.bytes_received
         return dict(table)
 
+    def by_group(self) -> dict[tuple[int, ...], dict[str, int]]:
+        """``{group ranks: {"count", "bytes_sent", "bytes_received"}}``: traffic per group."""
+        table: dict[tuple[int, ...], dict[str, int]] = defaultdict(
+            lambda: dict(count=0, bytes_sent=0, bytes_received=0))
+        for e in self.events:
+            row = table[e.group]
+            row["count"] += 1
+            row["bytes_sent"] += e.bytes_sent
+            row["bytes_received"] += e.bytes_received
+        return dict(table)
+
     def summary(self) -> str:
         """A small fixed-width table of :meth:`by_op`, for printing from a rank."""
         lines = [f"{'op':<22}{'count':>6}{'payload B':>12}{'sent B':>12}{'recv B':>12}"]
@@ -96,19 +131,69 @@ class CommMeter:
                          f"{row['bytes_sent']:>12}{row['bytes_received']:>12}")
         lines.append(f"{'total':<22}{len(self.events):>6}{'':>12}"
                      f"{self.bytes_sent:>12}{self.bytes_received:>12}")
+        lines.append("bytes: " + ("counted on the wire" if self.all_counted else
+                                  "built-in collectives modeled (open CommMeter(count='wire') "
+                                  "to count them)"))
         return "\n".join(lines)
 
     def clear(self) -> None:
         self.events.clear()
 
 
+class _OpenMeters:
+    """This process's open meters, and the counted collective being assembled, if any.
+
+    One per process (each rank is a process); the wrappers in :mod:`engine.comm.ops` report to
+    it. It is module state on purpose, the one piece the engine keeps: a meter must see ops
+    issued from anywhere (gradient hooks, autograd's threads) without being passed down.
+    """
+
+    def __init__(self):
+        self.meters: list[CommMeter] = []
+        self.parts: list[list[CommEvent]] = []  # stack: messages of counted collectives
+
+    def recording(self) -> bool:
+        return bool(self.meters)
+
+    def counting_wire(self) -> bool:
+        return any(m.count == "wire" for m in self.meters)
+
+
+OPEN = _OpenMeters()
+
+
 def recording() -> bool:
     """Whether any meter is open on this rank (the wrappers skip building events otherwise)."""
-    return bool(_OPEN_METERS)
+    return OPEN.recording()
+
+
+def counting_wire() -> bool:
+    """Whether collectives must run on the engine's point-to-point algorithms, to be counted."""
+    return OPEN.counting_wire()
 
 
 def record(event: CommEvent) -> CommEvent:
-    """Hand ``event`` to every open meter (called by the wrappers in :mod:`engine.comm.ops`)."""
-    for meter in _OPEN_METERS:
+    """Hand ``event`` to every open meter (called by the wrappers in :mod:`engine.comm.ops`).
+
+    A message sent inside a counted collective goes to that collective instead, which reports
+    one event with the sum of its messages (:func:`collecting_messages`).
+    """
+    if OPEN.parts:
+        OPEN.parts[-1].append(event)
+        return event
+    for meter in OPEN.meters:
         meter.events.append(event)
     return event
+
+
+class collecting_messages:
+    """``with collecting_messages() as parts:`` gathers the point-to-point events issued inside
+    it into ``parts`` instead of reporting them, so that a counted collective can report one
+    event made of them."""
+
+    def __enter__(self) -> list[CommEvent]:
+        OPEN.parts.append([])
+        return OPEN.parts[-1]
+
+    def __exit__(self, *exc) -> None:
+        OPEN.parts.pop()

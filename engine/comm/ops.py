@@ -1,8 +1,10 @@
 """Thin wrappers over ``torch.distributed`` that report every op to the open meters.
 
 Same arguments and semantics as the ``torch.distributed`` functions of the same name (ranks are
-global ranks, as there). Point-to-point traffic is counted exactly; built-in collectives are
-recorded with modeled wire bytes (see :mod:`engine.comm.meter`).
+global ranks, as there). Point-to-point traffic is counted exactly. Collectives run the built-in
+and record modeled wire bytes, except inside ``CommMeter(count="wire")``, where they run on the
+engine's own point-to-point algorithms (:mod:`engine.comm.counted`) and their bytes are counted
+(see :mod:`engine.comm.meter`).
 
 **Gloo with CUDA tensors.** Gloo takes CUDA tensors only in ``all_reduce`` and ``broadcast``
 (the backend table of PyTorch's ``torch.distributed`` documentation). For every other op these
@@ -21,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from engine import theory
-from engine.comm.meter import CommEvent, record, recording
+from engine.comm.meter import CommEvent, collecting_messages, counting_wire, record, recording
 
 P2POp = dist.P2POp
 ReduceOp = dist.ReduceOp
@@ -260,20 +262,51 @@ def batch_isend_irecv(p2p_ops: Sequence[P2POp]) -> list[MeteredWork]:
             for w, e, c in zip(works, events, copy_backs, strict=True)]
 
 
-# -- built-in collectives: wire bytes modeled ------------------------------------------------
+# -- collectives: built-in (bytes modeled) or the engine's own (bytes counted) -------------
+
+
+class CompletedWork:
+    """The work of a counted collective, which ran to completion before it was returned."""
+
+    def __init__(self, result):
+        self._result = result
+
+    def wait(self, *args, **kwargs) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def get_future(self):
+        future = torch.futures.Future()
+        future.set_result(self._result)
+        return future
+
+    def exception(self):
+        return None
 
 
 def _collective(
     op: str, payload: torch.Tensor, full_bytes: int, group, root: int | None, run, async_op: bool,
-    after: Callable[[], None] | None = None,
+    after: Callable[[], None] | None = None, counted: Callable[[], None] | None = None,
+    modeled_bytes: tuple[int, int] | None = None,
 ):
-    """Record the event, run the op; ``after`` copies a host-staged result back."""
+    """Run one collective and record its event.
+
+    Inside ``CommMeter(count="wire")``, ``counted()`` runs the engine's point-to-point version
+    and the event holds the bytes of its messages. Otherwise ``run(async_op)`` runs the built-in
+    (``after`` copies a host-staged result back) and the event holds the wire model's bytes
+    (``modeled_bytes``, or :func:`engine.theory.collective_wire_bytes`).
+    """
     if dist.get_rank(group) < 0:  # not a member: torch makes this a no-op, and so do we
         return run(async_op)
     ranks = group_ranks(group)
     me = ranks.index(dist.get_rank())
+    if counted is not None and counting_wire():
+        return _run_counted(op, payload, ranks, root, counted, async_op)
     root_index = ranks.index(root) if root is not None else 0
-    sent, received = theory.collective_wire_bytes(op, full_bytes, len(ranks), me, root_index)
+    sent, received = modeled_bytes or theory.collective_wire_bytes(
+        op, full_bytes, len(ranks), me, root_index)
     event = record(
         CommEvent(
             op=op,
@@ -282,7 +315,8 @@ def _collective(
             bytes_sent=sent,
             bytes_received=received,
             measured=False,
-            algorithm="chain" if op in ("broadcast", "reduce") else "ring",
+            algorithm="chain" if op in ("broadcast", "reduce") else
+            "pairwise" if op == "all_to_all" else "ring",
             start=time.perf_counter(),
             peer=root,
             dtype=str(payload.dtype),
@@ -297,42 +331,43 @@ def _collective(
     return None
 
 
+_ALGORITHM = {"broadcast": "chain", "reduce": "chain", "all_to_all": "pairwise"}
+
+
+def _run_counted(op: str, payload: torch.Tensor, ranks, root, counted, async_op: bool):
+    """Run ``counted()`` and record one event made of the messages it sent and received."""
+    start = time.perf_counter()
+    with collecting_messages() as messages:
+        counted()
+    record(CommEvent(
+        op=op, group=ranks, payload_bytes=nbytes(payload),
+        bytes_sent=sum(m.bytes_sent for m in messages),
+        bytes_received=sum(m.bytes_received for m in messages),
+        measured=True, algorithm=_ALGORITHM.get(op, "ring"), start=start,
+        end=time.perf_counter(), peer=root, dtype=str(payload.dtype), messages=len(messages)))
+    return CompletedWork([payload]) if async_op else None
+
+
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
     return _collective(
-        "all_reduce",
-        tensor,
-        nbytes(tensor),
-        group,
-        None,
-        lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a),
-        async_op,
-    )
+        "all_reduce", tensor, nbytes(tensor), group, None,
+        lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a), async_op,
+        counted=lambda: counted.all_reduce(tensor, op, group))
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
     return _collective(
-        "broadcast",
-        tensor,
-        nbytes(tensor),
-        group,
-        src,
-        lambda a: dist.broadcast(tensor, src, group=group, async_op=a),
-        async_op,
-    )
+        "broadcast", tensor, nbytes(tensor), group, src,
+        lambda a: dist.broadcast(tensor, src, group=group, async_op=a), async_op,
+        counted=lambda: counted.broadcast(tensor, src, group))
 
 
 def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op: bool = False):
     wire, _, after = _staged(tensor, None, group)
     return _collective(
-        "reduce",
-        tensor,
-        nbytes(tensor),
-        group,
-        dst,
-        lambda a: dist.reduce(wire, dst, op=op, group=group, async_op=a),
-        async_op,
-        after,
-    )
+        "reduce", tensor, nbytes(tensor), group, dst,
+        lambda a: dist.reduce(wire, dst, op=op, group=group, async_op=a), async_op, after,
+        counted=lambda: counted.reduce(tensor, dst, op, group))
 
 
 def reduce_scatter_tensor(
@@ -340,15 +375,9 @@ def reduce_scatter_tensor(
 ):
     out, inp, after = _staged(output, input, group)
     return _collective(
-        "reduce_scatter",
-        input,
-        nbytes(input),
-        group,
-        None,
-        lambda a: _reduce_scatter(out, inp, op=op, group=group, async_op=a),
-        async_op,
-        after,
-    )
+        "reduce_scatter", input, nbytes(input), group, None,
+        lambda a: _reduce_scatter(out, inp, op=op, group=group, async_op=a), async_op, after,
+        counted=lambda: counted.reduce_scatter(output, input, op, group))
 
 
 def all_gather_into_tensor(
@@ -356,24 +385,43 @@ def all_gather_into_tensor(
 ):
     out, inp, after = _staged(output, input, group)
     return _collective(
-        "all_gather",
-        input,
-        nbytes(output),
-        group,
-        None,
-        lambda a: _all_gather(out, inp, group=group, async_op=a),
-        async_op,
-        after,
-    )
+        "all_gather", input, nbytes(output), group, None,
+        lambda a: _all_gather(out, inp, group=group, async_op=a), async_op, after,
+        counted=lambda: counted.all_gather(output, input, group))
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
+                      output_split_sizes: list[int] | None = None,
+                      input_split_sizes: list[int] | None = None, group=None,
+                      async_op: bool = False):
+    """Rank i's input piece j (along dim 0) lands in rank j's output, piece i.
+
+    The modeled bytes are the pairwise exchange's: a rank sends its input less the piece it
+    keeps, and receives its output less that piece (``theory.all_to_all_bytes``).
+    """
+    ranks = group_ranks(group)
+    if dist.get_rank() in ranks:
+        n, me = len(ranks), ranks.index(dist.get_rank())
+        row_bytes = nbytes(input) // max(input.shape[0], 1)
+        kept_in = (input_split_sizes[me] if input_split_sizes else input.shape[0] // n)
+        kept_out = (output_split_sizes[me] if output_split_sizes else output.shape[0] // n)
+        modeled = (nbytes(input) - kept_in * row_bytes, nbytes(output) - kept_out * row_bytes)
+    else:
+        modeled = (0, 0)
+    out, inp, after = _staged(output, input, group)
+    return _collective(
+        "all_to_all", input, nbytes(input), group, None,
+        lambda a: dist.all_to_all_single(out, inp, output_split_sizes, input_split_sizes,
+                                         group=group, async_op=a),
+        async_op, after,
+        counted=lambda: counted.all_to_all(output, input, output_split_sizes,
+                                           input_split_sizes, group),
+        modeled_bytes=modeled)
 
 
 def barrier(group=None) -> None:
-    _collective(
-        "barrier",
-        torch.empty(0),
-        0,
-        group,
-        None,
-        lambda a: dist.barrier(group=group, async_op=a),
-        False,
-    )
+    _collective("barrier", torch.empty(0), 0, group, None,
+                lambda a: dist.barrier(group=group, async_op=a), False)
+
+
+from engine.comm import counted  # noqa: E402  (counted's algorithms are built on these ops)

@@ -17,13 +17,17 @@ import torch.distributed as dist
 
 from engine.comm.ps import ps_all_reduce
 from engine.comm.ring import ring_all_reduce
+from engine.comm.ring_pipelined import RingBuffers, ring_all_reduce_pipelined
 from engine.comm.tree import tree_all_reduce
 
+# name -> fn(tensor, buffers): ``buffers`` is one RingBuffers per timing call, which the tuned
+# ring reuses between repeats as a long-running job would.
 ALGORITHMS = {
-    "built-in": lambda t: dist.all_reduce(t),
-    "ring": lambda t: ring_all_reduce(t, check=False),
-    "tree": lambda t: tree_all_reduce(t, check=False),
-    "ps": lambda t: ps_all_reduce(t, check=False),
+    "built-in": lambda t, buffers: dist.all_reduce(t),
+    "ring": lambda t, buffers: ring_all_reduce(t, check=False),
+    "ring-tuned": lambda t, buffers: ring_all_reduce_pipelined(t, check=False, buffers=buffers),
+    "tree": lambda t, buffers: tree_all_reduce(t, check=False),
+    "ps": lambda t, buffers: ps_all_reduce(t, check=False),
 }
 
 
@@ -43,18 +47,18 @@ def all_reduce_samples(rank: int, world_size: int, sizes, names=tuple(ALGORITHMS
         raise ValueError(f"unknown algorithm(s) {unknown}; expected some of {tuple(ALGORITHMS)}")
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
-    rows = []
+    rows, buffers = [], RingBuffers()
     for size in sizes:
         t = torch.ones(size // 4, device=device)
         times: dict[str, list[float]] = {name: [] for name in names}
         for name in names:
-            ALGORITHMS[name](t)  # warm-up: connections, buffers
+            ALGORITHMS[name](t, buffers)  # warm-up: connections, buffers
         for repeat in range(repeats):
             for name in (names if repeat % 2 == 0 else names[::-1]):
                 dist.barrier()
                 _sync(device)
                 start = time.perf_counter()
-                ALGORITHMS[name](t)
+                ALGORITHMS[name](t, buffers)
                 _sync(device)
                 elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64,
                                        device=device)
