@@ -1,13 +1,45 @@
-"""Sharded checkpoints for ZeRO: every rank saves only what it owns; one offline step turns the
-shards back into a plain ``state_dict``.
+"""Sharded checkpoints for ZeRO inside a dp x tp x pp mesh: every rank saves only what it owns,
+and one offline step turns a part's shards back into a plain ``state_dict``.
 
-``save_sharded(directory, model, optimizer)`` writes ``rank{r}-of{N}.pt`` per rank (its
-parameter shards, fp32 masters and inner optimizer state) and a ``manifest.json`` with the
-world size, the stage, the layout and a SHA-256 of every file. ``load_sharded`` resumes the
-same run on the same number of ranks, bit for bit. ``consolidate(directory)`` needs no
-process group: it concatenates the shards of every bucket, drops the padding and returns
-``{name: tensor}`` that ``load_state_dict`` of the unwrapped model accepts, on any world size
-(PyTorch's distributed checkpoint does the same with ``dcp_to_torch_save``).
+Tensor and pipeline parallelism cut the model into ``tp x pp`` *parts*
+(:class:`engine.topology.Mesh`). Each part is held by one data-parallel group, and ZeRO
+shards each of the part's flat buckets over that group (Rajbhandari et al., ZeRO, SC 2020,
+section 5). So each dp group saves its own part: rank ``d`` of the dp group at
+tensor-parallel index ``t`` and pipeline stage ``p`` writes
+
+    tp{t}-pp{p}-rank{d}-of{dp}.pt    (``rank{d}-of{dp}.pt`` when tp = pp = 1)
+
+with its parameter shards, fp32 masters, inner optimizer state and buffers. Global rank 0
+then writes ``manifest.json``: the layout (dp, tp, pp), the stage, where every parameter
+sits in its bucket (per part), and the SHA-256 of every file.
+
+* ``save_sharded(directory, model, optimizer, mesh=None)``: call on every rank.
+* ``load_sharded(directory, model, optimizer, mesh=None)`` resumes the same run on the same
+  layout, bit for bit. A checkpoint of another layout or model, a missing file or a
+  corrupted one is a :class:`CheckpointError` that names the file and what was expected.
+  The ranks of a dp group agree on it before any of them waits on a collective.
+* ``consolidate(directory, tp=None, pp=None)`` needs no process group. It joins the dp
+  shards of one part, drops the padding and returns ``{name: tensor}`` for that part's
+  module. PyTorch's distributed checkpoint has the same step, ``dcp_to_torch_save``.
+
+``mesh`` is required when the dp group is not the whole world: only the mesh knows which
+part a dp group holds.
+
+**Collectives.** Shards only move inside their dp group, the ``group`` the optimizer or
+``ZeroDataParallel`` was built with. Only the manifest, one file for the whole mesh, involves
+every rank: a barrier once any old manifest is gone, and a gather of file names and digests
+to global rank 0.
+
+**Crashes.** Every file is written under a temporary name and renamed into place
+(``os.replace`` is atomic). Rank 0 removes an old manifest before anyone writes, and writes
+the new one last, once every shard is in place. So a directory with a manifest is a complete
+checkpoint, and a save that dies midway leaves none.
+
+**Devices.** ``torch.save`` records the device each tensor came from (``cuda:3``), and
+``torch.load`` goes back there unless it gets a ``map_location``. ``consolidate`` maps
+everything to the CPU, so eight GPUs' checkpoint opens on a laptop. ``load_sharded`` maps
+what was saved on an accelerator to this rank's device (the one its shards live on), and
+leaves what was saved on the CPU there (offloaded state, Adam's step counters).
 """
 
 from __future__ import annotations
@@ -15,137 +47,326 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.serialization import default_restore_location
 
 from engine.comm import ops
+from engine.validation import non_negative_int
 from engine.zero.optimizer import ZeroOptimizer
 from engine.zero.stage3 import ZeroDataParallel
 
+MANIFEST = "manifest.json"
+FORMAT = 2  # manifest version: 2 records the mesh and one bucket layout per part
+
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used: wrong world size, missing or corrupted file."""
+    """A checkpoint that cannot be used: another layout or model, a missing or corrupted file,
+    or a save that did not finish."""
 
 
-def _parts(model: nn.Module, optimizer):
-    """``(module, stage, parts, inner optimizer, sharded)``; a part is one flat bucket:
-    ``(params, offsets, shapes, padded, shard, master)``."""
+class MeshShape(NamedTuple):
+    """The sizes of the mesh a checkpoint was cut for."""
+
+    dp: int
+    tp: int
+    pp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def __str__(self) -> str:
+        return f"dp x tp x pp = {self.dp} x {self.tp} x {self.pp}"
+
+
+class Place(NamedTuple):
+    """One shard file's place: the model part (``tp``, ``pp``) and the rank in its dp group."""
+
+    tp: int
+    pp: int
+    dp: int
+
+
+def part_key(tp: int, pp: int) -> str:
+    return f"tp{tp}-pp{pp}"
+
+
+def file_name(shape: MeshShape, place: Place) -> str:
+    part = "" if shape.tp == shape.pp == 1 else part_key(place.tp, place.pp) + "-"
+    return f"{part}rank{place.dp}-of{shape.dp}.pt"
+
+
+# -- what a ZeRO model holds ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    """One flat bucket as a checkpoint reads it. ``offsets``/``shapes`` place each parameter,
+    ``padded`` is the flat length, ``shard`` this rank's slice (the model's precision),
+    ``master`` what the optimizer updates (the shard itself in fp32, or an fp32 copy)."""
+
+    params: list[nn.Parameter]
+    offsets: dict[nn.Parameter, int]
+    shapes: dict[nn.Parameter, torch.Size]
+    padded: int
+    shard: torch.Tensor
+    master: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _Sharded:
+    """A ZeRO model's checkpointable state, and the data-parallel group it is sharded over.
+    ``to_gather``: ZeRO-1/2 buckets whose full ``flat`` is rebuilt from shards after a load."""
+
+    module: nn.Module
+    stage: int
+    buckets: list[_Bucket]
+    inner: torch.optim.Optimizer
+    group: dist.ProcessGroup | None
+    to_gather: list
+
+    @property
+    def sharded(self) -> bool:
+        return self.stage >= 1
+
+
+def _sharded(model: nn.Module, optimizer) -> _Sharded:
     if isinstance(model, ZeroDataParallel):
-        units = [(u.params, u.offsets, u.shapes, u.padded, u.shard, u.master)
+        units = [_Bucket(u.params, u.offsets, u.shapes, u.padded, u.shard, u.master)
                  for u in model.all_units]
-        return model.module, 3, units, model.optimizer.inner, True
+        return _Sharded(model.module, 3, units, model.optimizer.inner, model.group, [])
     if isinstance(optimizer, ZeroOptimizer):
-        buckets = [(b.params, b.offsets, {p: p.shape for p in b.params}, b.padded, b.shard, m)
-                   for b, m in zip(optimizer.buckets, optimizer.masters, strict=True)]
-        return model, optimizer.stage, buckets, optimizer.inner, optimizer.stage >= 1
+        buckets = [_Bucket(b.params, b.offsets, {p: p.shape for p in b.params}, b.padded,
+                           b.shard, master)
+                   for b, master in zip(optimizer.buckets, optimizer.masters, strict=True)]
+        gather = optimizer.buckets if optimizer.stage >= 1 else []
+        return _Sharded(model, optimizer.stage, buckets, optimizer.inner, optimizer.group,
+                        gather)
     raise TypeError("save a ZeroDataParallel model, or a model with its ZeroOptimizer; got "
                     f"{type(model).__name__} and {type(optimizer).__name__}")
 
 
-def _layout(module: nn.Module, parts) -> list[dict]:
-    """Where every parameter sits in its bucket, under all its names (tied ones have two)."""
+def _place(state: _Sharded, mesh) -> tuple[MeshShape, Place]:
+    """This rank's mesh shape and place, from ``mesh`` or, without one, the dp group alone."""
+    dp_ranks = ops.group_ranks(state.group)
+    if mesh is None:
+        if len(dp_ranks) != dist.get_world_size():
+            raise ValueError(
+                f"the optimizer's data-parallel group holds ranks {dp_ranks} of "
+                f"{dist.get_world_size()}: pass mesh= (the engine.topology.Mesh it was taken "
+                "from) so the checkpoint knows which tensor/pipeline part this rank saves")
+        return MeshShape(len(dp_ranks), 1, 1), Place(0, 0, dist.get_rank(state.group))
+    if ops.group_ranks(mesh.dp_group) != dp_ranks:
+        raise ValueError(f"the mesh's data-parallel group {ops.group_ranks(mesh.dp_group)} is "
+                         f"not the optimizer's {dp_ranks}: build the optimizer (or "
+                         "ZeroDataParallel) with group=mesh.dp_group")
+    c = mesh.coords
+    return MeshShape(mesh.dp, mesh.tp, mesh.pp), Place(c.tp, c.pp, c.dp)
+
+
+def _part_layout(state: _Sharded) -> dict:
+    """Where every parameter sits in its bucket, under all its names (tied ones have two),
+    and the buffers' shapes: what a checkpoint and a model must agree on."""
     names: dict[nn.Parameter, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
+    for name, p in state.module.named_parameters(remove_duplicate=False):
         names.setdefault(p, []).append(name)
-    return [{"padded": padded,
-             "params": [{"names": names[p], "offset": offsets[p], "shape": list(shapes[p])}
-                        for p in params]}
-            for params, offsets, shapes, padded, _, _ in parts]
+    buckets = [{"padded": b.padded,
+                "params": [{"names": names[p], "offset": b.offsets[p],
+                            "shape": list(b.shapes[p])} for p in b.params]}
+               for b in state.buckets]
+    buffers = {name: list(v.shape) for name, v in state.module.named_buffers()}
+    return {"buckets": buckets, "buffers": buffers}
 
 
-def save_sharded(directory, model: nn.Module, optimizer=None) -> Path:
-    """Every rank writes its shard; rank 0 writes the manifest. Call on every rank."""
-    directory = Path(directory)
-    module, stage, parts, inner, sharded = _parts(model, optimizer)
-    rank, n = dist.get_rank(), dist.get_world_size()
-    payload = {"shards": [part[4].detach().clone() for part in parts],
-               "masters": [master.detach().clone() for *_, master in parts],
-               "optimizer": inner.state_dict(),
-               "buffers": {k: v.clone() for k, v in module.named_buffers()}}
-    buffer = io.BytesIO()
-    torch.save(payload, buffer)
-    data = buffer.getvalue()
-    name = f"rank{rank}-of{n}.pt"
-    if rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    (directory / name).write_bytes(data)
-    digests = [None] * n
-    dist.all_gather_object(digests, (name, hashlib.sha256(data).hexdigest()))
-    if rank == 0:
-        manifest = {"world_size": n, "stage": stage, "sharded": sharded,
-                    "layout": _layout(module, parts), "files": dict(digests)}
-        (directory / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    dist.barrier()
-    return directory
+# -- files ----------------------------------------------------------------------------------
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """A temporary file in the same directory, then a rename: whoever looks (or crashes) sees
+    the old file or the whole new one, never part of one."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(temporary, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+
+
+def _onto(device: torch.device):
+    """``map_location`` for a load: tensors saved from an accelerator onto ``device``; those
+    saved on the CPU stay there."""
+    def restore(storage, location: str):
+        return default_restore_location(storage, "cpu" if location == "cpu" else str(device))
+    return restore
 
 
 def _manifest(directory: Path) -> dict:
-    path = directory / "manifest.json"
+    path = directory / MANIFEST
     if not path.exists():
-        raise CheckpointError(f"{path} does not exist: not a sharded checkpoint directory")
+        raise CheckpointError(f"{path} does not exist: not a sharded checkpoint directory, or "
+                              "a save that did not finish (the manifest is written last)")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is corrupted: {e}") from None
+    missing = {"format", "mesh", "stage", "parts", "files"} - set(manifest)
+    if missing or manifest["format"] != FORMAT:
+        raise CheckpointError(f"{path} is not a format-{FORMAT} manifest (missing "
+                              f"{sorted(missing)}, format {manifest.get('format')}): save the "
+                              "checkpoint again with this version")
+    return manifest
 
 
-def _read(directory: Path, manifest: dict, rank: int) -> dict:
-    name = f"rank{rank}-of{manifest['world_size']}.pt"
-    path = directory / name
+def _read(directory: Path, manifest: dict, name: str, map_location) -> dict:
+    path, shape = directory / name, MeshShape(**manifest["mesh"])
+    expected = f"the manifest lists {len(manifest['files'])} shard files ({shape})"
+    if name not in manifest["files"]:
+        raise CheckpointError(f"{path} is not in the manifest: {expected}")
     if not path.exists():
-        raise CheckpointError(f"{path} is missing: the checkpoint has {manifest['world_size']} "
-                              "shard files")
+        raise CheckpointError(f"{path} is missing: {expected}")
     data = path.read_bytes()
     if hashlib.sha256(data).hexdigest() != manifest["files"][name]:
         raise CheckpointError(f"{path} is corrupted: its SHA-256 does not match the manifest")
-    return torch.load(io.BytesIO(data), weights_only=True)
+    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
 
 
-def load_sharded(directory, model: nn.Module, optimizer=None) -> None:
-    """Resume from ``save_sharded`` on the same number of ranks. Call on every rank."""
+# -- save, load, consolidate ------------------------------------------------------------------
+
+
+def save_sharded(directory, model: nn.Module, optimizer=None, mesh=None) -> Path:
+    """Every rank writes its shard file; global rank 0 writes the manifest last. Call on every
+    rank. ``mesh``: the :class:`engine.topology.Mesh`, needed when dp is not the world."""
     directory = Path(directory)
-    manifest = _manifest(directory)
-    n = dist.get_world_size()
-    module, stage, parts, inner, _ = _parts(model, optimizer)
-    if manifest["world_size"] != n:
+    state = _sharded(model, optimizer)
+    shape, place = _place(state, mesh)
+    payload = {"shards": [b.shard.detach().clone() for b in state.buckets],
+               "masters": [b.master.detach().clone() for b in state.buckets],
+               "optimizer": state.inner.state_dict(),
+               "buffers": {k: v.clone() for k, v in state.module.named_buffers()}}
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    data = buffer.getvalue()
+    name = file_name(shape, place)
+    first = dist.get_rank() == 0
+    if first:  # from here until the new manifest is in place, the directory is incomplete
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / MANIFEST).unlink(missing_ok=True)
+    ops.barrier()  # the whole mesh: nobody writes while an old manifest could vouch for it
+    _write_atomically(directory / name, data)
+    entry = (part_key(place.tp, place.pp), name, hashlib.sha256(data).hexdigest(),
+             _part_layout(state) if place.dp == 0 else None)
+    entries = [None] * dist.get_world_size() if first else None
+    dist.gather_object(entry, entries, dst=0)
+    if first:
+        manifest = {"format": FORMAT, "mesh": shape._asdict(), "stage": state.stage,
+                    "sharded": state.sharded,
+                    "parts": {key: layout for key, _, _, layout in entries if layout},
+                    "files": {file: digest for _, file, digest, _ in entries}}
+        _write_atomically(directory / MANIFEST, json.dumps(manifest, indent=1).encode())
+    ops.barrier()  # every rank returns once the checkpoint is complete
+    return directory
+
+
+def _check_fits(directory: Path, manifest: dict, shape: MeshShape, key: str,
+                state: _Sharded) -> None:
+    saved = MeshShape(**manifest["mesh"])
+    if saved != shape:
         raise CheckpointError(
-            f"the checkpoint in {directory} was saved by {manifest['world_size']} ranks and "
-            f"this run has {n}; shards only fit the world size they were cut for. Use "
-            "consolidate() for a plain state_dict and start from it")
-    if manifest["stage"] != stage:
+            f"the checkpoint in {directory} was saved by {saved.world_size} ranks and this run "
+            f"has {shape.world_size}, laid out {saved} then and {shape.dp} x {shape.tp} x "
+            f"{shape.pp} now; shards only fit the layout they were cut for. Use "
+            "consolidate() for a plain state_dict of each part and start from it")
+    if manifest["stage"] != state.stage:
         raise CheckpointError(f"the checkpoint was saved at stage {manifest['stage']}, this "
-                              f"run is at stage {stage}")
-    payload = _read(directory, manifest, dist.get_rank())
+                              f"run is at stage {state.stage}")
+    ours, theirs = _part_layout(state), manifest["parts"][key]
+    if ours != theirs:
+        raise CheckpointError(f"part {key} does not match this model: "
+                              f"{_difference(theirs, ours)} ({directory / MANIFEST})")
+
+
+def _difference(saved: dict, ours: dict) -> str:
+    if len(saved["buckets"]) != len(ours["buckets"]):
+        return (f"{len(saved['buckets'])} buckets in the checkpoint, {len(ours['buckets'])} "
+                "here (another model, or another bucket_cap_mb)")
+    for i, (a, b) in enumerate(zip(saved["buckets"], ours["buckets"])):
+        if a != b:
+            return f"bucket {i} holds {_describe(a)} in the checkpoint, {_describe(b)} here"
+    return f"buffers {saved['buffers']} in the checkpoint, {ours['buffers']} here"
+
+
+def _describe(bucket: dict) -> str:
+    params = ", ".join(f"{p['names'][0]} {tuple(p['shape'])} at {p['offset']}"
+                       for p in bucket["params"])
+    return f"[{params}] padded to {bucket['padded']}"
+
+
+def load_sharded(directory, model: nn.Module, optimizer=None, mesh=None) -> None:
+    """Resume from ``save_sharded`` on the same layout. Call on every rank (with the same
+    ``mesh`` as the save)."""
+    directory = Path(directory)
+    state = _sharded(model, optimizer)
+    shape, place = _place(state, mesh)
+    payload, error = None, None
+    try:
+        manifest = _manifest(directory)
+        _check_fits(directory, manifest, shape, part_key(place.tp, place.pp), state)
+        payload = _read(directory, manifest, file_name(shape, place),
+                        _onto(state.buckets[0].shard.device))
+    except CheckpointError as e:
+        error = e
+    # the dp group agrees before its collectives, so no rank waits on one that gave up
+    errors = [None] * dist.get_world_size(state.group)
+    dist.all_gather_object(errors, None if error is None else str(error), group=state.group)
+    if error is not None:
+        raise error
+    if any(errors):
+        rank, message = next((r, m) for r, m in enumerate(errors) if m)
+        raise CheckpointError(f"rank {rank} of this data-parallel group cannot load: {message}")
     with torch.no_grad():
-        for (*_, shard, master), saved, saved_master in zip(
-                parts, payload["shards"], payload["masters"], strict=True):
-            shard.copy_(saved)
-            master.copy_(saved_master)
-        for name, value in module.named_buffers():
+        for bucket, shard, master in zip(state.buckets, payload["shards"], payload["masters"],
+                                         strict=True):
+            bucket.shard.copy_(shard)
+            bucket.master.copy_(master)
+        for name, value in state.module.named_buffers():
             value.copy_(payload["buffers"][name])
-    inner.load_state_dict(payload["optimizer"])
-    if isinstance(optimizer, ZeroOptimizer) and stage >= 1:
-        for b in optimizer.buckets:  # every rank's full parameters from the loaded shards
-            ops.all_gather_into_tensor(b.flat, b.shard.clone())
+    state.inner.load_state_dict(payload["optimizer"])
+    for b in state.to_gather:  # every rank's full parameters, from the loaded shards
+        ops.all_gather_into_tensor(b.flat, b.shard.clone(), group=state.group)
 
 
-def consolidate(directory) -> dict[str, torch.Tensor]:
-    """A plain ``state_dict`` (parameters and buffers) from a sharded checkpoint. Offline: no
-    process group needed, any number of ranks saved it."""
+def consolidate(directory, tp: int | None = None, pp: int | None = None
+                ) -> dict[str, torch.Tensor]:
+    """A plain ``state_dict`` (parameters and buffers, on the CPU) of one model part: the
+    part at tensor-parallel index ``tp`` and pipeline stage ``pp`` (both may be left out
+    when the model is whole). Offline: no process group, any number of ranks saved it."""
     directory = Path(directory)
     manifest = _manifest(directory)
-    ranks = range(manifest["world_size"]) if manifest["sharded"] else [0]
-    payloads = [_read(directory, manifest, r) for r in ranks]
+    shape = MeshShape(**manifest["mesh"])
+    if tp is None and pp is None and shape.tp * shape.pp > 1:
+        raise CheckpointError(f"{directory} holds {shape.tp * shape.pp} model parts (tp = "
+                              f"{shape.tp}, pp = {shape.pp}): pass tp= and pp= to choose one")
+    tp, pp = (0 if tp is None else tp), (0 if pp is None else pp)
+    for name, value, size in (("tp", tp, shape.tp), ("pp", pp, shape.pp)):
+        if non_negative_int(name, value) >= size:
+            raise ValueError(f"{name}={value} is outside this checkpoint's {name} = {size}")
+    ranks = range(shape.dp) if manifest["sharded"] else [0]  # unsharded: every rank has all
+    payloads = [_read(directory, manifest, file_name(shape, Place(tp, pp, d)), "cpu")
+                for d in ranks]
     state: dict[str, torch.Tensor] = {}
-    for i, bucket in enumerate(manifest["layout"]):
+    for i, bucket in enumerate(manifest["parts"][part_key(tp, pp)]["buckets"]):
         flat = torch.cat([payload["shards"][i] for payload in payloads])
         if flat.numel() != bucket["padded"]:
-            raise CheckpointError(f"bucket {i} has {flat.numel()} elements in the shards and "
-                                  f"{bucket['padded']} in the manifest")
+            raise CheckpointError(f"bucket {i} of part {part_key(tp, pp)} has {flat.numel()} "
+                                  f"elements in the shards and {bucket['padded']} in the "
+                                  "manifest")
         for param in bucket["params"]:
             numel = torch.Size(param["shape"]).numel()
             value = flat[param["offset"]:param["offset"] + numel].view(param["shape"]).clone()
