@@ -19,10 +19,13 @@ CUDA_TIMEOUT_S = 180  # spawned ranks initialise CUDA first
 #   "cpu-staged"  the same, with every op that Gloo cannot do on CUDA tensors sent through
 #                 host copies, exactly as it is for CUDA tensors on Gloo: this machine tests
 #                 the staging code that a one-GPU lab runs;
+#   "cpu-nccl-rules" Gloo, CPU tensors, every op checked against NCCL's rules
+#                 (engine.comm.nccl_rules): a tensor made without a device and handed to a
+#                 collective, an any-source receive or a tag fails here as it would on NCCL;
 #   "cuda"        NCCL, one GPU per rank, where there are enough GPUs; otherwise Gloo with
 #                 CUDA tensors, every rank on GPU 0. Spawned ranks. Marked gpu: skipped, with
 #                 the reason shown, where there is no GPU.
-DEVICES = ("cpu", "cpu-staged", pytest.param("cuda", marks=pytest.mark.gpu))
+DEVICES = ("cpu", "cpu-staged", "cpu-nccl-rules", pytest.param("cuda", marks=pytest.mark.gpu))
 BEYOND_CPU = DEVICES[1:]  # for a test whose CPU case a larger matrix already covers
 # world sizes for those: one rank (NCCL on any GPU), and an odd three (Gloo with CUDA tensors on
 # a one-GPU machine, NCCL on three GPUs or more)
@@ -38,8 +41,12 @@ def run_ranks(fn, world_size: int, *args, timeout: float = RANK_TIMEOUT_S,
     if device == "cpu-staged":
         return launch(_with_host_staging, world_size, fn, *args, backend="gloo",
                       timeout=timeout, quiet=True)
+    if device == "cpu-nccl-rules":
+        return launch(_under_nccl_rules, world_size, fn, *args, backend="gloo",
+                      timeout=timeout, quiet=True)
     if device != "cuda":
-        raise ValueError(f"device={device!r}; expected one of 'cpu', 'cpu-staged', 'cuda'")
+        raise ValueError(f"device={device!r}; expected one of 'cpu', 'cpu-staged', "
+                         "'cpu-nccl-rules', 'cuda'")
     backend = "nccl" if world_size <= torch.cuda.device_count() else "gloo"
     return launch(fn, world_size, *args, backend=backend, start_method="spawn",
                   timeout=max(timeout, CUDA_TIMEOUT_S), quiet=True)
@@ -58,6 +65,13 @@ def _with_host_staging(rank, world_size, fn, *args):
 
     ops.stages_through_host = lambda tensor, group=None: True
     return fn(rank, world_size, *args)
+
+
+def _under_nccl_rules(rank, world_size, fn, *args):
+    from engine.comm.nccl_rules import nccl_rules
+
+    with nccl_rules("cpu"):
+        return fn(rank, world_size, *args)
 
 
 def descendants(pid: int | None = None) -> list[int]:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from engine import theory
+from engine.comm import nccl_rules
 from engine.comm.meter import CommEvent, collecting_messages, counting_wire, record, recording
 
 P2POp = dist.P2POp
@@ -163,6 +164,7 @@ def _p2p_events(kind: str, tensor: torch.Tensor, peer: int, group, start: float
 
 
 def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
+    nccl_rules.check("send", [tensor], group, tag=tag)
     events = _p2p_events("send", tensor, dst, group, time.perf_counter())
     wire = _host_copy(tensor) if stages_through_host(tensor, group) else tensor
     dist.send(wire, dst, group=group, tag=tag)
@@ -173,6 +175,7 @@ def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
 def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0) -> int:
     """Receive into ``tensor`` from ``src`` (None: from whichever rank sends first); returns
     the sender's rank. ``tag`` tells apart messages between the same pair of ranks."""
+    nccl_rules.check("recv", [tensor], group, src=src, tag=tag)
     events = _p2p_events("recv", tensor, src, group, time.perf_counter())
     if stages_through_host(tensor, group):
         wire = _host_buffer(tensor)
@@ -186,6 +189,7 @@ def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0)
 
 
 def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> MeteredWork:
+    nccl_rules.check("isend", [tensor], group, tag=tag)
     events = _p2p_events("isend", tensor, dst, group, time.perf_counter())
     wire = _host_copy(tensor) if stages_through_host(tensor, group) else tensor
     pg, peer = process_group_and_rank(group, dst)
@@ -193,6 +197,7 @@ def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> MeteredWo
 
 
 def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> MeteredWork:
+    nccl_rules.check("irecv", [tensor], group, src=src, tag=tag)
     events = _p2p_events("irecv", tensor, src, group, time.perf_counter())
     pg, peer = process_group_and_rank(group, src)
     if not stages_through_host(tensor, group):
@@ -237,6 +242,8 @@ def recv_op(tensor: torch.Tensor, peer: int, group=None) -> P2POp:
 
 def batch_isend_irecv(p2p_ops: Sequence[P2POp]) -> list[MeteredWork]:
     """Issue sends and receives together (the way to post both sides of a ring step at once)."""
+    for op in p2p_ops:
+        nccl_rules.check("batch_isend_irecv", [op.tensor], op.group, tag=op.tag)
     start = time.perf_counter()
     events = [
         _p2p_events("isend" if op.op is dist.isend else "irecv", op.tensor, op.peer, op.group,
@@ -349,6 +356,7 @@ def _run_counted(op: str, payload: torch.Tensor, ranks, root, counted, async_op:
 
 
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
+    nccl_rules.check("all_reduce", [tensor], group)
     return _collective(
         "all_reduce", tensor, nbytes(tensor), group, None,
         lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a), async_op,
@@ -356,6 +364,7 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
+    nccl_rules.check("broadcast", [tensor], group)
     return _collective(
         "broadcast", tensor, nbytes(tensor), group, src,
         lambda a: dist.broadcast(tensor, src, group=group, async_op=a), async_op,
@@ -363,6 +372,7 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
 
 
 def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op: bool = False):
+    nccl_rules.check("reduce", [tensor], group)
     wire, _, after = _staged(tensor, None, group)
     return _collective(
         "reduce", tensor, nbytes(tensor), group, dst,
@@ -373,6 +383,7 @@ def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op
 def reduce_scatter_tensor(
     output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False
 ):
+    nccl_rules.check("reduce_scatter_tensor", [output, input], group)
     out, inp, after = _staged(output, input, group)
     return _collective(
         "reduce_scatter", input, nbytes(input), group, None,
@@ -383,6 +394,7 @@ def reduce_scatter_tensor(
 def all_gather_into_tensor(
     output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False
 ):
+    nccl_rules.check("all_gather_into_tensor", [output, input], group)
     out, inp, after = _staged(output, input, group)
     return _collective(
         "all_gather", input, nbytes(output), group, None,
@@ -399,6 +411,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     The modeled bytes are the pairwise exchange's: a rank sends its input less the piece it
     keeps, and receives its output less that piece (``theory.all_to_all_bytes``).
     """
+    nccl_rules.check("all_to_all_single", [output, input], group)
     ranks = group_ranks(group)
     if dist.get_rank() in ranks:
         n, me = len(ranks), ranks.index(dist.get_rank())

@@ -1,0 +1,120 @@
+"""NCCL's rules, enforced on any backend: catch on a laptop what would fail on a GPU cluster.
+
+NCCL refuses or silently mishandles three things that Gloo allows, so code tested only on
+Gloo can break on the first GPU run:
+
+1. **A tensor that is not on the rank's GPU.** NCCL has no CPU path ("No backend type
+   associated with device type cpu"): every tensor handed to a collective or a send must be on
+   the device the rank's communicator was built for (:func:`engine.device.rank_device`).
+2. **A receive from any source** (``recv(t, src=None)``): NCCL has none.
+3. **Tags.** NCCL ignores them: messages between two ranks match in the order they were sent.
+
+Every wrapper in :mod:`engine.comm.ops` checks these rules whenever the group runs on NCCL, and
+also inside ``with nccl_rules():`` on any backend. A refusal is a ``ValueError`` naming the op,
+the rule and the line of the caller that issued it.
+
+**On a CPU, rule 1 needs one more step**, because the rank's device (the CPU) is also where a
+tensor made without ``device=`` lands, so such a tensor looks right. Inside ``nccl_rules()`` a
+torch function mode therefore marks every tensor that a factory (``torch.tensor``,
+``torch.zeros``, ``torch.empty``, ...) made without a ``device`` argument, and moving it with
+``.to(device)`` clears the mark. Handing a marked tensor to an op is refused, with the line
+that made it: on a GPU it would have been on the CPU. (Tensors computed from a marked one are
+not marked; the rule catches the usual bug, a scalar or flag made for a collective with no
+device.) Model parameters are not marked: placing a model is its caller's job.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+_FACTORIES = {torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.empty, torch.full,
+              torch.arange, torch.linspace, torch.eye, torch.rand, torch.randn, torch.randint,
+              torch.randperm}
+_MOVES = {torch.Tensor.to, torch.Tensor.cuda}
+_MARK = "_engine_made_without_device"
+_COMM = os.path.dirname(os.path.abspath(__file__))
+_ACTIVE: list["nccl_rules"] = []  # the rules entered on this rank, innermost last
+
+
+def caller() -> str:
+    """``file:line in function`` of the first frame outside ``engine/comm`` and torch."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not path.startswith(_COMM) and f"{os.sep}torch{os.sep}" not in path:
+            return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "<unknown>"
+
+
+class nccl_rules(TorchFunctionMode):
+    """``with nccl_rules(device):`` makes every op of :mod:`engine.comm.ops` obey NCCL's rules.
+
+    ``device``: the device this rank computes on (default: ``engine.device.rank_device()``).
+    """
+
+    def __init__(self, device: torch.device | str | None = None):
+        super().__init__()
+        if device is None:
+            from engine.device import rank_device
+            device = rank_device()
+        self.device = torch.device(device)
+
+    def __enter__(self):
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _ACTIVE.remove(self)
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            if func in _FACTORIES and kwargs.get("device") is None:
+                setattr(out, _MARK, caller())
+            elif func in _MOVES and _names_a_device(args[1:], kwargs):
+                if hasattr(out, _MARK):
+                    delattr(out, _MARK)
+        return out
+
+
+def _names_a_device(args, kwargs) -> bool:
+    if kwargs.get("device") is not None:
+        return True
+    return any(isinstance(a, (str, torch.device)) or type(a) is int for a in args)
+
+
+def check(op: str, tensors, group=None, src: int | None | str = "given", tag: int = 0) -> None:
+    """Refuse ``op`` if it breaks one of NCCL's rules (see the module docstring)."""
+    if _ACTIVE:
+        device = _ACTIVE[-1].device
+    elif dist.get_backend(group) == "nccl":
+        from engine.device import rank_device
+        device = rank_device(group)
+    else:
+        return
+    where = caller()
+    if src is None:
+        raise ValueError(f"ops.{op} from any source (src=None), at {where}: NCCL has no "
+                         "any-source receive; name the sending rank")
+    if tag:
+        raise ValueError(f"ops.{op} with tag={tag}, at {where}: NCCL ignores tags and matches "
+                         "the messages between two ranks in the order they were sent; send "
+                         "them in the order the receiver posts its receives, with tag 0")
+    for t in tensors:
+        if t.device != device and not (t.device.type == device.type == "cpu"):
+            raise ValueError(f"ops.{op} got a tensor on {t.device}, at {where}, but this rank "
+                             f"computes on {device}: NCCL moves only tensors on the "
+                             "rank's GPU; create it with device=engine.device.rank_device()")
+        made_at = getattr(t, _MARK, None)
+        if made_at is not None:
+            raise ValueError(f"ops.{op} got a tensor made without a device at {made_at}, "
+                             f"handed over at {where}: on a GPU it would be on the CPU, which "
+                             "NCCL refuses; create it with device=engine.device.rank_device()")

@@ -1,0 +1,60 @@
+"""NCCL's rules enforced on Gloo: what would fail on the first GPU run fails here first."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import RankError
+from engine.comm import ops
+from engine.comm.nccl_rules import nccl_rules
+from tests.helpers import run_ranks
+
+
+def _breaks(rank, world_size, what):
+    with nccl_rules("cpu"):
+        if what == "made without a device":
+            elapsed = torch.tensor([0.5])  # the trainer's old step-time bug
+            ops.all_reduce(elapsed)
+        if what == "placed":
+            ops.all_reduce(torch.tensor([0.5]).to("cpu"))
+            ops.all_reduce(torch.zeros(2, device="cpu"))
+            ops.all_reduce(torch.zeros_like(torch.zeros(2, device="cpu")) + 1)
+            return "ran"
+        if what == "any source":
+            if rank == 0:
+                ops.send(torch.ones(1, device="cpu"), 1)
+            else:
+                ops.recv(torch.ones(1, device="cpu"), None)
+        if what == "tag":
+            ops.isend(torch.ones(1, device="cpu"), 1 - rank, tag=3).wait()
+    with nccl_rules("cuda:0"):
+        if what == "wrong device":
+            ops.broadcast(torch.ones(1, device="cpu"), 0)
+
+
+@pytest.mark.parametrize("what, message", [
+    ("made without a device", r"ops.all_reduce got a tensor made without a device at "
+                              r".*test_nccl_rules.py:\d+ in _breaks, handed over at "
+                              r".*test_nccl_rules.py:\d+ in _breaks"),
+    ("any source", r"ops.recv from any source \(src=None\), at .*test_nccl_rules.py:\d+"),
+    ("tag", r"ops.isend with tag=3, at .*test_nccl_rules.py.*NCCL ignores tags"),
+    ("wrong device", r"ops.broadcast got a tensor on cpu, at .*test_nccl_rules.py:\d+ in "
+                     r"_breaks, but this rank computes on cuda:0"),
+])
+def test_each_rule_is_refused_with_the_op_and_the_call_site(what, message):
+    with pytest.raises(RankError, match=message):
+        run_ranks(_breaks, 2, what)
+
+
+def test_tensors_placed_on_the_rank_device_pass():
+    assert run_ranks(_breaks, 2, "placed") == ["ran", "ran"]
+
+
+def test_outside_the_rules_gloo_takes_what_it_takes():
+    def fn(rank, world_size):
+        t = torch.tensor([1.0])
+        ops.all_reduce(t)
+        return float(t)
+
+    assert run_ranks(fn, 2) == [2.0, 2.0]
