@@ -137,12 +137,8 @@ def _staged(out: torch.Tensor, inp: torch.Tensor | None, group):
 
 def _p2p_events(kind: str, tensor: torch.Tensor, peer: int, group, start: float
                 ) -> list[CommEvent]:
-    """The op's event, recorded by every open meter, in a list; empty when no meter is open.
-
-    Nobody would read an event then, and building it costs: with 4 ranks sharing 2 cores, a
-    ring all-reduce of 16 MB took 1.04-1.09x the built-in's time through wrappers that built
-    events and 1.00-1.06x calling ``dist.isend``/``dist.irecv`` directly (medians of 30, same
-    runs).
+    """The op's event, recorded by every open meter, in a list; empty when no meter is open
+    (nobody would read it, and building it costs time on every message: benchmarks/README.md).
     """
     if not recording():
         return []
@@ -212,10 +208,9 @@ def process_group_and_rank(group, rank: int):
 
     ``isend``/``irecv`` call the process group directly instead of going through
     ``dist.isend``/``dist.irecv``, whose Python (overrides, rank translation, checks) runs on
-    every message: with 4 ranks sharing 2 cores, a ring all-reduce of 16 MB (24 messages a
-    rank) took 1.12x the built-in's time through them and 1.07-1.09x without (medians of 120,
-    two runs). A peer outside ``group`` is refused as ``dist.isend`` refuses it; a rank outside
-    ``group``, which ``dist.isend`` skips with a warning and a ``None`` work, gets a ValueError.
+    every message (what that cost is in benchmarks/README.md). A peer outside ``group`` is
+    refused as ``dist.isend`` refuses it; a rank outside ``group``, which ``dist.isend`` skips
+    with a warning and a ``None`` work, gets a ValueError.
     """
     if group is None:
         return dist.group.WORLD, rank
