@@ -42,7 +42,7 @@ test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 grade: setup
-	$(BIN)/python -m tests.grading --junit grade-report.xml
+	$(BIN)/python -m engine.grading --junit grade-report.xml
 
 bench: setup
 	$(BIN)/python benchmarks/launch.py

@@ -9,16 +9,19 @@ from __future__ import annotations
 import inspect
 import os
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from engine.comm import ops
-from tests.grading import check, load_impl, registry, run_checks
-from tests.grading.__main__ import main as grade_main
+from engine.grading import (CheckResult, Frame, Report, check, format_report, load_impl,
+                            registry, run_checks)
+from engine.grading.__main__ import main as grade_main
 
 EXERCISES = sorted(registry())
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_there_are_exercises():
@@ -124,7 +127,7 @@ def test_grade_command_prints_a_table_and_writes_junit(tmp_path, capsys):
 
 
 def test_drills_give_instant_feedback(capsys):
-    from tests.grading.drill import drill, drills, grade_drill
+    from engine.grading.drill import drill, drills, grade_drill
 
     assert grade_drill("ch00.ring_bytes", 175) is True
     assert grade_drill("ch00.ring_bytes", 200) is False  # 2·S: the N→∞ limit, not N = 8
@@ -444,3 +447,135 @@ def _no_warmup(p, m):
 def test_one_f_one_b_checks_catch_wrong_answers(impl, failing):
     report = run_checks("ch06.one_f_one_b", impl=impl)
     assert {r.name for r in report.results if not r.passed} == failing
+
+
+# The learner's loop: what a failure shows (file, line, code, the ranks' output), once.
+
+def _course(tmp_path, exercises: dict[str, str]):
+    """A course folder whose exercises/ holds ``exercises`` ({module: source})."""
+    for folder in ("course", "exercises", "solutions"):
+        (tmp_path / folder).mkdir()
+    for module, source in exercises.items():
+        (tmp_path / "exercises" / f"{module}.py").write_text(source)
+    return tmp_path
+
+
+_BROADCAST_THAT_PRINTS_AND_RAISES = '''\
+import torch.distributed as dist
+
+
+def p2p_broadcast(tensor, src):
+    print(f"debug: rank {dist.get_rank()} got src={src}")
+    chunk = tensor[dist.get_world_size() + 3]  # line 6: past the 3 rows
+    return tensor
+'''
+
+
+def test_a_rank_error_shows_the_learners_line_and_what_the_ranks_printed(tmp_path):
+    root = _course(tmp_path, {"ch00_p2p_broadcast": _BROADCAST_THAT_PRINTS_AND_RAISES})
+    report = run_checks("ch00.p2p_broadcast", root=root)
+    path = str(root / "exercises" / "ch00_p2p_broadcast.py")
+    for result in report.results:
+        assert not result.passed and result.kind == "error"
+        assert result.message.startswith("raised IndexError")
+        assert [(f.file, f.line, f.function) for f in result.frames] == [
+            (path, 6, "p2p_broadcast")]
+        assert result.frames[0].code.startswith("chunk = tensor[dist.get_world_size() + 3]")
+        assert "debug: rank" in result.output
+    text = format_report(report, color=False)
+    # three checks, one failure, shown once with every check it hit
+    assert text.count("raised IndexError") == 1
+    assert ("every_rank_gets_the_source_tensor, in_place_and_returned, "
+            "traffic_is_n_minus_1_copies: rank") in text
+    assert f"{path}, line 6, in p2p_broadcast" in text
+    assert "chunk = tensor[dist.get_world_size() + 3]" in text
+    assert "| [rank 0] debug: rank 0 got src=" in text
+    assert "hint:" in text  # the code runs: now a hint helps
+
+
+def test_the_same_error_on_different_ranks_is_printed_once_with_every_rank():
+    """Which rank's error a launch reports first can change between checks: one line still."""
+    exercise = registry()["ch00.p2p_broadcast"]
+    frame = Frame("/x/exercises/ch00_p2p_broadcast.py", 7, "p2p_broadcast", "ops.send(t, 9)")
+    results = [CheckResult(name, False, "raised ValueError: invalid peer 9", kind="error",
+                           ranks=(rank,), frames=(frame,), output=f"[rank {rank}] hello")
+               for name, rank in (("a", 0), ("b", 1), ("c", 0))]
+    results.append(CheckResult("d", False, "raised ValueError: another error", kind="error",
+                               ranks=(1,), frames=(frame,)))
+    text = format_report(Report(exercise, "exercises", results), color=False)
+    assert "✗ a, b, c: ranks 0, 1: raised ValueError: invalid peer 9" in text
+    assert "✗ d: rank 1: raised ValueError: another error" in text
+    assert text.count("ops.send(t, 9)") == 2 and text.count("[rank 0] hello") == 1
+
+
+def test_an_error_in_a_notebook_function_points_at_that_function():
+    def raises_on_the_last_rank(tensor, src):
+        if dist.get_rank() == dist.get_world_size() - 1:
+            raise ValueError("the last rank is not ready")
+        return tensor
+
+    report = run_checks("ch00.p2p_broadcast", impl=raises_on_the_last_rank)
+    frames = {(Path(f.file).name, f.function) for r in report.results for f in r.frames}
+    assert frames == {("test_grading.py", "raises_on_the_last_rank")}
+    text = format_report(report, color=False)
+    assert sum("raised ValueError: the last rank is not ready" in line
+               for line in text.splitlines()) == 1
+
+
+def test_no_hint_while_not_implemented_and_the_stub_line_is_shown(tmp_path):
+    stub = "def one_f_one_b(p, m):\n    raise NotImplementedError('write me')\n"
+    root = _course(tmp_path, {"ch06_one_f_one_b": stub})
+    report = run_checks("ch06.one_f_one_b", root=root)
+    assert all(r.not_implemented for r in report.results)
+    text = format_report(report, color=False)
+    assert "not implemented yet" in text and "hint:" not in text
+    assert "line 2, in one_f_one_b" in text
+
+
+def test_a_syntax_error_fails_only_its_own_exercise(tmp_path):
+    good = (ROOT / "solutions" / "ch01_volume_formulas.py").read_text()
+    broken = "def one_f_one_b(p, m):\n    return {s: [] for s in range(p)\n"
+    root = _course(tmp_path, {"ch01_volume_formulas": good, "ch06_one_f_one_b": broken})
+    xml = tmp_path / "grade.xml"
+    code = grade_main(["--root", str(root), "--only", "ch01.volume_formulas,ch06",
+                       "--junit", str(xml)])
+    assert code == 1
+    failures = ET.parse(xml).getroot().findall(".//testcase")
+    failed = {c.get("classname") for c in failures if c.find("failure") is not None}
+    assert failed == {"ch06.one_f_one_b"}
+    report = run_checks("ch06.one_f_one_b", root=root)
+    assert all(r.kind == "not loaded" for r in report.results)
+    text = format_report(report, color=False)
+    assert "exercises/ch06_one_f_one_b.py does not compile" in text
+    assert "line 2" in text and "hint:" not in text
+
+
+def test_an_import_error_shows_the_learners_import_line(tmp_path):
+    source = "from engine.pp import no_such_schedule\n\n\ndef one_f_one_b(p, m):\n    pass\n"
+    root = _course(tmp_path, {"ch06_one_f_one_b": source})
+    report = run_checks("ch06.one_f_one_b", root=root)
+    result = report.results[0]
+    assert result.kind == "not loaded" and "raised ImportError while being imported" in \
+        result.message
+    assert [(f.line, f.code) for f in result.frames] == [
+        (1, "from engine.pp import no_such_schedule")]
+
+
+def test_a_missing_name_or_file_is_that_exercises_failure(tmp_path):
+    root = _course(tmp_path, {"ch06_one_f_one_b": "def another_name(p, m):\n    pass\n"})
+    assert "does not define 'one_f_one_b'" in run_checks(
+        "ch06.one_f_one_b", root=root).results[0].message
+    assert "ch01_volume_formulas.py does not exist" in run_checks(
+        "ch01.volume_formulas", root=root).results[0].message
+    with pytest.raises(ValueError, match="root must be a course folder"):
+        run_checks("ch06.one_f_one_b", root=tmp_path / "exercises")
+
+
+def test_checks_run_on_gloo_even_where_nccl_would_be_chosen(monkeypatch):
+    """The checks' tensors are on the CPU: "auto" must not pick NCCL on a GPU machine."""
+    import engine.grading.core as core
+
+    seen = []
+    monkeypatch.setattr(core, "launch", lambda fn, n, *a, **kw: seen.append(kw) or [])
+    core.run_ranks(print, 2, timeout=5)
+    assert seen == [{"backend": "gloo", "timeout": 5}]

@@ -71,7 +71,7 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_every_exercise_has_a_stub_a_solution_and_a_check():
-    from tests.grading import registry
+    from engine.grading import registry
 
     for exercise in registry().values():
         stub = ROOT / "exercises" / f"{exercise.module}.py"
@@ -97,3 +97,37 @@ def test_the_course_map_gives_every_chapter_a_cpu_run_time():
         row = next((line for line in table.splitlines() if f"]({path.name})" in line), None)
         assert row is not None, f"course/README.md does not list {path.name}"
         assert re.search(r"\| ~\d+ s \|", row), f"no CPU run time for {path.name}: {row}"
+
+
+def _top_level_packages(pyproject: Path) -> set[str]:
+    """The top-level packages setuptools would install from ``pyproject`` (its own discovery,
+    run on the folder that holds the file, as a build does)."""
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+
+    return {name.split(".")[0] for name in apply_configuration(Distribution(), pyproject).packages}
+
+
+def test_the_distribution_installs_only_the_engine():
+    packages = _top_level_packages(ROOT / "pyproject.toml")
+    assert packages == {"engine"}, f"the wheel would add top-level packages {packages}"
+
+
+def test_the_package_check_catches_a_top_level_tests_package(tmp_path):
+    """The check above fails on the configuration this project used to have."""
+    for name in ("engine", "exercises", "solutions", "tests", "README.md"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    text, found = re.subn(r"^include = .*$",
+                          'include = ["engine*", "exercises*", "solutions*", "tests*"]',
+                          (ROOT / "pyproject.toml").read_text(), flags=re.M)
+    assert found == 1
+    (tmp_path / "pyproject.toml").write_text(text)
+    assert _top_level_packages(tmp_path / "pyproject.toml") >= {"tests", "exercises"}
+
+
+def test_the_grader_lives_in_the_engine_and_the_notebooks_use_it():
+    assert not (ROOT / "tests" / "grading").exists()
+    assert "python -m engine.grading" in (ROOT / "Makefile").read_text()
+    for path in sorted((ROOT / "course").glob("*.ipynb")):
+        text = path.read_text()
+        assert "tests.grading" not in text, f"{path.name} imports the grader from tests"

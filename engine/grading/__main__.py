@@ -1,9 +1,12 @@
-"""``python -m tests.grading``: grade every exercise, print a score table, write junit XML.
+"""``python -m engine.grading``: grade every exercise, print a score table, write junit XML.
 
-    python -m tests.grading                      # grade your code in exercises/
-    python -m tests.grading --only ch00          # one chapter (or one exercise name)
-    python -m tests.grading --junit report.xml   # also write junit XML (CI dashboards read it)
-    python -m tests.grading --source solutions   # grade the reference solutions
+    python -m engine.grading                      # grade your code in exercises/
+    python -m engine.grading --only ch00          # one chapter (or exercise names, a,b,...)
+    python -m engine.grading --junit report.xml   # also write junit XML (CI dashboards read it)
+    python -m engine.grading --source solutions   # grade the reference solutions
+    python -m engine.grading --root PATH          # the course folder (default: found from here)
+
+An exercise whose file does not compile or import fails on its own; the others are graded.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import time
 import xml.etree.ElementTree as ET
 from collections import defaultdict
 
-from tests.grading import SOURCES, Report, format_report, registry, run_checks
+from engine.grading import SOURCES, Report, course_root, format_report, registry, run_checks
 
 
 def junit_xml(reports: list[Report], seconds: dict[str, float]) -> ET.ElementTree:
@@ -53,21 +56,28 @@ def score_table(reports: list[Report]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.grading", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m engine.grading", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", choices=SOURCES, default="exercises")
-    parser.add_argument("--only", default="", help="a chapter (ch00) or an exercise name")
+    parser.add_argument("--only", default="", help="chapters (ch00) or exercise names, comma-separated")
     parser.add_argument("--junit", default="", help="write junit XML to this path")
+    parser.add_argument("--root", default=None, help="the course folder (holds exercises/)")
     args = parser.parse_args(argv)
+    try:
+        root = course_root(args.root)
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
 
-    names = [n for n in registry() if n == args.only or n.split(".")[0] == args.only
-             or not args.only]
-    if not names:
-        parser.error(f"--only {args.only!r} matches no exercise; known: {', '.join(registry())}")
+    wanted = {item.strip() for item in args.only.split(",") if item.strip()}
+    known = registry()
+    unknown = sorted(wanted - set(known) - {n.split(".")[0] for n in known})
+    if unknown:
+        parser.error(f"--only: {', '.join(unknown)} matches no exercise; known: {', '.join(known)}")
+    names = [n for n in known if not wanted or n in wanted or n.split(".")[0] in wanted]
     reports, seconds = [], {}
     for name in names:
         start = time.perf_counter()
-        reports.append(run_checks(name, source=args.source))
+        reports.append(run_checks(name, source=args.source, root=root))
         seconds[name] = time.perf_counter() - start
         print(format_report(reports[-1], color=sys.stdout.isatty()))
     print()

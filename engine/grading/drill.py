@@ -10,7 +10,7 @@ import math
 import pkgutil
 from dataclasses import dataclass
 
-import tests.grading as grading
+from engine.grading import chapters
 
 
 @dataclass(frozen=True)
@@ -23,11 +23,11 @@ class Drill:
 
 
 def drills() -> dict[str, Drill]:
-    """Every drill, from the ``DRILLS`` list of each ``tests/grading/ch*.py`` module."""
+    """Every drill, from the ``DRILLS`` list of each ``engine/grading/chapters/ch*.py``."""
     found = {}
-    for info in sorted(pkgutil.iter_modules(grading.__path__), key=lambda m: m.name):
+    for info in sorted(pkgutil.iter_modules(chapters.__path__), key=lambda m: m.name):
         if info.name.startswith("ch"):
-            module = importlib.import_module(f"{grading.__name__}.{info.name}")
+            module = importlib.import_module(f"{chapters.__name__}.{info.name}")
             found.update({d.name: d for d in getattr(module, "DRILLS", [])})
     return found
 

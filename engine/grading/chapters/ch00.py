@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from engine import launch
 from engine.comm import CommMeter
-from tests.grading import CheckFailed, Exercise
-from tests.grading.drill import Drill
+from engine.grading.core import CheckFailed, Exercise, run_ranks
+from engine.grading.drill import Drill
 
 CASES = [(2, 0), (3, 2), (4, 1)]  # (world_size, src): odd sizes and a source that is not 0
 TIMEOUT_S = 20
@@ -29,7 +28,7 @@ def _broadcast_on_rank(rank, world_size, impl, src, dtype):
 
 
 def _run(impl, world_size, src, dtype=torch.float32):
-    return launch(_broadcast_on_rank, world_size, impl, src, dtype, timeout=TIMEOUT_S, quiet=True)
+    return run_ranks(_broadcast_on_rank, world_size, impl, src, dtype, timeout=TIMEOUT_S)
 
 
 def check_every_rank_gets_the_source_tensor(impl):

@@ -8,10 +8,10 @@ import random
 import torch
 import torch.distributed as dist
 
-from engine import launch, theory
+from engine import theory
 from engine.comm import CommMeter
-from tests.grading import CheckFailed, Exercise
-from tests.grading.drill import Drill
+from engine.grading.core import CheckFailed, Exercise, run_ranks
+from engine.grading.drill import Drill
 
 RING_CASES = [(2, 5), (3, 1001), (4, 3), (4, 64), (3, 1_000_003)]  # awkward counts; ~4 MB
 SUBGROUP_CASE = (4, 1001)  # the ring runs on ranks [1, 3] only
@@ -59,8 +59,7 @@ def _ring_on_rank(rank, world_size, impl, numel, subgroup):
 
 
 def _run_ring(impl, world_size, numel, subgroup=False):
-    results = launch(_ring_on_rank, world_size, impl, numel, subgroup, timeout=TIMEOUT_S,
-                     quiet=True)
+    results = run_ranks(_ring_on_rank, world_size, impl, numel, subgroup, timeout=TIMEOUT_S)
     return [(rank, res) for rank, res in enumerate(results) if not res["skip"]]
 
 

@@ -7,13 +7,12 @@ import time
 import torch
 from torch import nn
 
-from engine import launch
 from engine.comm import CommMeter
 from engine.dp import DataParallel
 from engine.dp.buckets import assign_buckets
 from engine.models import MLP, regression_data, shard
-from tests.grading import CheckFailed, Exercise
-from tests.grading.drill import Drill
+from engine.grading.core import CheckFailed, Exercise, run_ranks
+from engine.grading.drill import Drill
 
 SIZES = (16, 32, 8)
 CASES = [(2, 4), (3, 2)]  # (world_size, k)
@@ -39,7 +38,7 @@ def _accumulate_on_rank(rank, world_size, impl, k):
 
 
 def _run(impl, world_size, k):
-    return launch(_accumulate_on_rank, world_size, impl, k, timeout=20, quiet=True)
+    return run_ranks(_accumulate_on_rank, world_size, impl, k, timeout=20)
 
 
 def check_equals_one_big_batch(impl):
@@ -93,7 +92,7 @@ def _averaging_on_rank(rank, world_size, impl, kind="adam"):
 
 def check_matches_full_batch_training(impl):
     for world_size, kind in ((2, "sgd"), (3, "sgd"), (2, "adam"), (3, "adam")):
-        results = launch(_averaging_on_rank, world_size, impl, kind, timeout=20, quiet=True)
+        results = run_ranks(_averaging_on_rank, world_size, impl, kind, timeout=20)
         for rank, (worst, _, events) in enumerate(results):
             if not events:
                 raise CheckFailed("use ops.all_reduce so the meter sees the averaging")
@@ -105,7 +104,7 @@ def check_matches_full_batch_training(impl):
 
 
 def check_adam_moments_equal_on_every_rank(impl):
-    results = launch(_averaging_on_rank, 3, impl, timeout=20, quiet=True)
+    results = run_ranks(_averaging_on_rank, 3, impl, timeout=20)
     for rank, (_, moments, _) in enumerate(results):
         if not torch.equal(moments, results[0][1]):
             raise CheckFailed(f"rank {rank}'s Adam exp_avg differs from rank 0's: its optimizer "
@@ -178,8 +177,7 @@ def _bucketed_on_rank(rank, world_size, impl, cap_mb):
 
 
 def _run_bucketed(impl, world_size, buckets):
-    return launch(_bucketed_on_rank, world_size, impl, BUCKET_CAPS_MB[buckets], timeout=20,
-                  quiet=True)
+    return run_ranks(_bucketed_on_rank, world_size, impl, BUCKET_CAPS_MB[buckets], timeout=20)
 
 
 def check_matches_full_batch_training_bucketed(impl):

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from engine import launch, theory
+from engine import theory
 from engine.comm import CommMeter
 from engine.compress.experiment import train_compressed
-from tests.grading import CheckFailed, Exercise
-from tests.grading.drill import Drill
+from engine.grading.core import CheckFailed, Exercise, run_ranks
+from engine.grading.drill import Drill
 
 RATIO = 0.001
 STEPS = 150
@@ -43,8 +43,7 @@ def _invariant_on_rank(rank, world_size, impl, numel, ratio):
 
 def check_error_feedback_invariant(impl):
     for world_size, numel in ((2, 1000), (3, 777)):
-        results = launch(_invariant_on_rank, world_size, impl, numel, 0.05, timeout=20,
-                         quiet=True)
+        results = run_ranks(_invariant_on_rank, world_size, impl, numel, 0.05, timeout=20)
         for rank, steps in enumerate(results):
             for step, (holds, _, _, averaged) in enumerate(steps):
                 if not holds:
@@ -61,8 +60,7 @@ def check_error_feedback_invariant(impl):
 def check_sends_k_values_and_k_indices(impl):
     for world_size, numel, ratio in ((2, 1000, 0.05), (3, 777, 0.01), (2, 50, 0.001)):
         k = theory.topk_kept(numel, ratio)
-        results = launch(_invariant_on_rank, world_size, impl, numel, ratio, timeout=20,
-                         quiet=True)
+        results = run_ranks(_invariant_on_rank, world_size, impl, numel, ratio, timeout=20)
         for rank, steps in enumerate(results):
             for step, (_, kept, events, _) in enumerate(steps):
                 payloads = [(op, size) for op, size, _ in events]
@@ -79,7 +77,7 @@ def check_sends_k_values_and_k_indices(impl):
 
 
 def _final_loss(spec):
-    return launch(train_compressed, 2, spec, STEPS, timeout=60, quiet=True)[0]["test_loss"]
+    return run_ranks(train_compressed, 2, spec, STEPS, timeout=60)[0]["test_loss"]
 
 
 def check_trains_close_to_dense(impl):

@@ -7,13 +7,13 @@ import math
 import torch
 from torch import nn
 
-from engine import launch, theory
+from engine import theory
 from engine.comm import CommMeter
 from engine.dp import DataParallel
 from engine.memory import optimizer_tensors, unique_storage_bytes
 from engine.models import MLP, regression_data, shard
-from tests.grading import CheckFailed, Exercise
-from tests.grading.drill import Drill
+from engine.grading.core import CheckFailed, Exercise, run_ranks
+from engine.grading.drill import Drill
 
 SIZES = (16, 33, 31, 8)  # 1871 parameters: padding needed at 2 and 3 ranks
 
@@ -43,8 +43,8 @@ def _zero1_on_rank(rank, world_size, impl):
 
 def check_equals_data_parallel_adam(impl):
     for world_size in (2, 3):
-        for rank, (worst, _, _) in enumerate(launch(_zero1_on_rank, world_size, impl,
-                                                    timeout=20, quiet=True)):
+        for rank, (worst, _, _) in enumerate(run_ranks(_zero1_on_rank, world_size, impl,
+                                                    timeout=20)):
             if not worst <= 1e-6:
                 raise CheckFailed(
                     f"after 3 steps rank {rank}'s parameters differ from DataParallel + Adam by "
@@ -57,8 +57,8 @@ def check_optimizer_state_is_one_nth(impl):
     for world_size in (2, 3):
         owned = math.ceil(psi / world_size)
         expected = 8 * owned + 4  # Adam's exp_avg and exp_avg_sq, fp32, plus its step counter
-        for rank, (_, state, _) in enumerate(launch(_zero1_on_rank, world_size, impl,
-                                                    timeout=20, quiet=True)):
+        for rank, (_, state, _) in enumerate(run_ranks(_zero1_on_rank, world_size, impl,
+                                                    timeout=20)):
             if state != expected:
                 raise CheckFailed(
                     f"rank {rank}'s Adam holds {state} bytes of state; owning 1/{world_size} "
@@ -73,8 +73,8 @@ def check_sends_what_one_all_reduce_sends(impl):
         padded = math.ceil(psi / world_size) * world_size
         expected = [("reduce_scatter", theory.ring_reduce_scatter_bytes(4 * padded, world_size)),
                     ("all_gather", theory.ring_all_gather_bytes(4 * padded, world_size))]
-        for rank, (_, _, events) in enumerate(launch(_zero1_on_rank, world_size, impl,
-                                                     timeout=20, quiet=True)):
+        for rank, (_, _, events) in enumerate(run_ranks(_zero1_on_rank, world_size, impl,
+                                                     timeout=20)):
             if events != expected:
                 raise CheckFailed(
                     f"rank {rank}'s step sent {events}; ZeRO-1 is one reduce-scatter of the "

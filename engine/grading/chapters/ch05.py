@@ -6,10 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import launch
 from engine.comm import CommMeter
-from tests.grading import CheckFailed, Exercise
-from tests.grading.drill import Drill
+from engine.grading.core import CheckFailed, Exercise, run_ranks
+from engine.grading.drill import Drill
 
 
 def _mlp_on_rank(rank, world_size, module):
@@ -43,8 +42,8 @@ def _mlp_on_rank(rank, world_size, module):
 
 def check_matches_the_dense_mlp(module):
     for world_size in (2, 3):
-        for rank, (wrong, _, _) in enumerate(launch(_mlp_on_rank, world_size, module,
-                                                    timeout=20, quiet=True)):
+        for rank, (wrong, _, _) in enumerate(run_ranks(_mlp_on_rank, world_size, module,
+                                                    timeout=20)):
             if wrong:
                 raise CheckFailed(
                     f"rank {rank}: {', '.join(wrong)} differ from the dense MLP. Column keeps "
@@ -55,8 +54,8 @@ def check_matches_the_dense_mlp(module):
 
 def check_one_all_reduce_each_way(module):
     for world_size in (2, 3):
-        for rank, (_, fwd, bwd) in enumerate(launch(_mlp_on_rank, world_size, module,
-                                                    timeout=20, quiet=True)):
+        for rank, (_, fwd, bwd) in enumerate(run_ranks(_mlp_on_rank, world_size, module,
+                                                    timeout=20)):
             if fwd != ["all_reduce"] or bwd != ["all_reduce"]:
                 raise CheckFailed(
                     f"rank {rank}: the meter saw {fwd} forward and {bwd} backward; a column "

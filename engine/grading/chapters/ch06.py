@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from engine import theory
 from engine.pp import simulate, validate
-from tests.grading import CheckFailed, Exercise
-from tests.grading.drill import Drill
+from engine.grading.core import CheckFailed, Exercise
+from engine.grading.drill import Drill
 
 HIDDEN = [(2, 4), (3, 1), (4, 2), (4, 8), (5, 7), (8, 16), (6, 3)]
 

@@ -1,0 +1,118 @@
+"""What an exercise and a check result are, and how a check runs ranks.
+
+A check is a function ``check_<what>(impl)`` that raises :class:`CheckFailed` (saying what was
+expected, what was observed, and on which input) or returns. It starts ranks through
+:func:`run_ranks`, which always uses Gloo on the CPU (the checks' tensors live there, even on a
+GPU machine) and keeps what the ranks printed, so a failure can show it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import io
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple
+
+from engine.launch import launch
+
+OUTPUT_TAIL_LINES = 12  # the last lines of the ranks' output a failure shows
+
+
+class CheckFailed(AssertionError):
+    """Raised by a check: ``message`` says what was wrong, ``inputs`` what it was given."""
+
+    def __init__(self, message: str, **inputs: Any):
+        super().__init__(message)
+        self.message = message
+        self.inputs = inputs
+
+
+@dataclass(frozen=True)
+class Exercise:
+    name: str  # "ch00.p2p_broadcast": chapter prefix, then the exercise
+    module: str  # the module in exercises/ and solutions/, e.g. "ch00_p2p_broadcast"
+    attr: str  # the function the learner writes, e.g. "p2p_broadcast"; "" grades the module
+    checks: tuple[Callable[[Callable], None], ...]
+    hint: str
+    title: str = ""
+
+    @property
+    def chapter(self) -> str:
+        return self.name.split(".")[0]
+
+
+class Frame(NamedTuple):
+    """One line of the learner's code on the way to an error."""
+
+    file: str
+    line: int
+    function: str
+    code: str
+
+
+# What went wrong, from the learner's point of view.
+PASSED, NOT_IMPLEMENTED, WRONG, ERROR, NOT_LOADED, STUCK = (
+    "passed", "not implemented", "wrong", "error", "not loaded", "stuck")
+
+
+@dataclass
+class CheckResult:
+    name: str
+    passed: bool
+    message: str = ""
+    inputs: dict = field(default_factory=dict)
+    kind: str = PASSED  # one of the constants above
+    ranks: tuple[int, ...] = ()  # the rank(s) the failure happened on; () for the caller
+    frames: tuple[Frame, ...] = ()  # the learner's own lines on the way to the error
+    output: str = ""  # the last lines the ranks printed
+
+    @property
+    def not_implemented(self) -> bool:
+        return self.kind == NOT_IMPLEMENTED
+
+
+@dataclass
+class Report:
+    exercise: Exercise
+    source: str
+    results: list[CheckResult]
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.results)
+
+    @property
+    def score(self) -> tuple[int, int]:
+        return sum(r.passed for r in self.results), len(self.results)
+
+
+# The output of the ranks a check started most recently; set by the runner around each check.
+_rank_output: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+    "rank_output", default=None)
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 20) -> list[Any]:
+    """``engine.launch(fn, world_size, *args)`` on Gloo, keeping the ranks' output for the report.
+
+    The output is neither lost nor printed: the runner shows its last lines if the check fails.
+    """
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buffer):  # launch prints each rank's output at the end
+            return launch(fn, world_size, *args, backend="gloo", timeout=timeout)
+    finally:
+        kept = _rank_output.get()
+        if kept is not None:
+            kept[:] = buffer.getvalue().splitlines()[-OUTPUT_TAIL_LINES:]
+
+
+@contextlib.contextmanager
+def keeping_rank_output():
+    """Inside, :func:`run_ranks` leaves the last lines of its ranks' output in the yielded list."""
+    kept: list[str] = []
+    token = _rank_output.set(kept)
+    try:
+        yield kept
+    finally:
+        _rank_output.reset(token)

@@ -1,0 +1,118 @@
+"""What a learner sees when a check fails: their own lines, what the ranks printed, once.
+
+* :func:`learner_frames` keeps, from a traceback (a rank's, as text, or one raised here), only
+  the frames in the learner's code: every file outside the engine, the Python installation and
+  its site-packages (an ``exercises/`` file, a notebook cell, a script).
+* :func:`format_report` groups identical failures: one error seen by several checks, or on
+  several ranks, is printed once with every check and rank it hit.
+* The hint is held back while the exercise still says "not implemented" or does not load: it
+  is for code that runs and gives a wrong answer.
+"""
+
+from __future__ import annotations
+
+import re
+import sysconfig
+import traceback
+from pathlib import Path
+from types import TracebackType
+
+from engine.grading.core import NOT_IMPLEMENTED, NOT_LOADED, Frame, Report
+
+_ENGINE = Path(__file__).resolve().parents[1]
+_LIBRARY = {Path(p).resolve() for key in ("stdlib", "platstdlib", "purelib", "platlib")
+            if (p := sysconfig.get_paths().get(key))}
+_FRAME_LINE = re.compile(r'^  File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>.+)$')
+
+
+def is_learner_file(file: str) -> bool:
+    """True for code the learner wrote; False for the engine, Python itself and installed
+    packages (torch)."""
+    if file.startswith("<frozen"):
+        return False
+    path = Path(file)
+    if {"site-packages", "dist-packages"} & set(path.parts):
+        return False
+    resolved = path.resolve() if path.is_absolute() else path
+    return not any(resolved.is_relative_to(root) for root in (_ENGINE, *_LIBRARY))
+
+
+def frames_from_text(tb_text: str) -> tuple[Frame, ...]:
+    """The learner's frames in a traceback formatted by :mod:`traceback` (a rank's)."""
+    frames, lines = [], tb_text.splitlines()
+    for i, text in enumerate(lines):
+        match = _FRAME_LINE.match(text)
+        if not match or not is_learner_file(match["file"]):
+            continue
+        following = lines[i + 1] if i + 1 < len(lines) else ""
+        code = following.strip() if following.startswith("    ") else ""
+        frames.append(Frame(match["file"], int(match["line"]), match["function"], code))
+    return tuple(frames)
+
+
+def frames_from_traceback(tb: TracebackType | None) -> tuple[Frame, ...]:
+    """The learner's frames in a live traceback (code that raised in this process)."""
+    return tuple(Frame(f.filename, f.lineno or 0, f.name, (f.line or "").strip())
+                 for f in traceback.extract_tb(tb) if is_learner_file(f.filename))
+
+
+def frames_from_syntax_error(e: SyntaxError) -> tuple[Frame, ...]:
+    if not e.filename:
+        return ()
+    return (Frame(e.filename, e.lineno or 0, "<module>", (e.text or "").strip()),)
+
+
+def _short(file: str) -> str:
+    """A path relative to the working directory's folder or its parent, as the learner sees it."""
+    path = Path(file)
+    for base in (Path.cwd(), Path.cwd().parent):
+        if path.is_absolute() and path.is_relative_to(base):
+            return str(path.relative_to(base))
+    return file
+
+
+_GREEN, _RED, _DIM, _RESET = "\033[32m", "\033[31m", "\033[2m", "\033[0m"
+
+
+def _ranks(ranks: set[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}: "
+
+
+def format_report(report: Report, color: bool = True) -> str:
+    """PASS/FAIL and the score; each distinct failure once, with the checks and ranks it hit,
+    the learner's lines that led to it, the inputs, and the end of what the ranks printed."""
+    g, r, d, x = (_GREEN, _RED, _DIM, _RESET) if color else ("", "", "", "")
+    got, total = report.score
+    head = f"{report.exercise.name}: {got}/{total} checks passed"
+    lines = [f"{g if report.passed else r}{'PASS' if report.passed else 'FAIL'}{x} {head}"]
+    lines += [f"  {g}✓{x} {res.name}" for res in report.results if res.passed]
+    groups: dict[tuple, list] = {}
+    for res in report.results:
+        if not res.passed:
+            key = (res.kind, res.message, res.frames,
+                   tuple((k, repr(v)) for k, v in res.inputs.items()))
+            groups.setdefault(key, []).append(res)
+    for (_, message, frames, _), members in groups.items():
+        ranks = {rank for res in members for rank in res.ranks}
+        names = ", ".join(res.name for res in members)
+        lines.append(f"  {r}✗{x} {names}: {_ranks(ranks) if ranks else ''}{message}")
+        for frame in frames:
+            lines.append(f"      {_short(frame.file)}, line {frame.line}, in {frame.function}")
+            if frame.code:
+                lines.append(f"        {frame.code}")
+        for key, value in members[0].inputs.items():
+            lines.append(f"      {d}{key} = {value!r}{x}")
+        output = next((res.output for res in members if res.output), "")
+        if output:
+            lines.append(f"      {d}the ranks printed (last lines):{x}")
+            lines += [f"      {d}| {line}{x}" for line in output.splitlines()]
+    if show_hint(report):
+        lines.append(f"  {d}hint: {report.exercise.hint}{x}")
+    return "\n".join(lines)
+
+
+def show_hint(report: Report) -> bool:
+    """A hint only for code that runs: not while a check says "not implemented" or the file
+    does not load."""
+    return not report.passed and not any(
+        res.kind in (NOT_IMPLEMENTED, NOT_LOADED) for res in report.results)

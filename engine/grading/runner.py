@@ -1,0 +1,110 @@
+"""Running an exercise's checks and turning whatever happens into a :class:`CheckResult`."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from pathlib import Path
+from typing import Callable
+
+from engine.grading import chapters
+from engine.grading.core import (ERROR, NOT_IMPLEMENTED, NOT_LOADED, STUCK, WRONG, CheckFailed,
+                                 CheckResult, Exercise, Report, keeping_rank_output)
+from engine.grading.feedback import (format_report, frames_from_syntax_error, frames_from_text,
+                                     frames_from_traceback)
+from engine.grading.learner import ExerciseLoadError, load_impl
+from engine.launch import LaunchError, RankError, RankTimeoutError
+
+
+def registry() -> dict[str, Exercise]:
+    """Every exercise, from the ``EXERCISES`` list of every ``engine/grading/chapters/ch*.py``."""
+    found: dict[str, Exercise] = {}
+    for info in sorted(pkgutil.iter_modules(chapters.__path__), key=lambda m: m.name):
+        if info.name.startswith("ch"):
+            module = importlib.import_module(f"{chapters.__name__}.{info.name}")
+            for exercise in module.EXERCISES:
+                found[exercise.name] = exercise
+    return found
+
+
+def get_exercise(name: str) -> Exercise:
+    exercises = registry()
+    if name not in exercises:
+        raise ValueError(f"no exercise named {name!r}; known exercises: {', '.join(exercises)}")
+    return exercises[name]
+
+
+def run_checks(name: str, impl: Callable | None = None, source: str = "exercises",
+               root: str | Path | None = None) -> Report:
+    """Run every check of exercise ``name`` against ``impl`` (default: the learner's file in
+    ``<root>/<source>/``, see :func:`engine.grading.learner.load_impl`)."""
+    exercise = get_exercise(name)
+    if impl is not None and exercise.attr and not callable(impl):
+        raise ValueError(f"impl must be a function, got {impl!r}")
+    label = source if impl is None else "impl"
+    if impl is None:
+        try:
+            impl = load_impl(exercise, source, root)
+        except ExerciseLoadError as e:
+            return Report(exercise, source, [_not_loaded(check_fn, e)
+                                             for check_fn in exercise.checks])
+    return Report(exercise, label, [_run_one(check_fn, impl) for check_fn in exercise.checks])
+
+
+def _name(check_fn: Callable) -> str:
+    return check_fn.__name__.removeprefix("check_")
+
+
+def _not_loaded(check_fn: Callable, e: ExerciseLoadError) -> CheckResult:
+    if isinstance(e.error, SyntaxError):
+        frames = frames_from_syntax_error(e.error)
+    else:
+        frames = frames_from_traceback(e.error.__traceback__) if e.error else ()
+    return CheckResult(_name(check_fn), False, e.message, kind=NOT_LOADED, frames=frames)
+
+
+def _first_line_after(text: str, prefix: str) -> str:
+    line = text.splitlines()[0] if text else ""
+    return line.removeprefix(prefix)
+
+
+def _run_one(check_fn: Callable, impl: Callable) -> CheckResult:
+    name = _name(check_fn)
+    with keeping_rank_output() as output:
+        try:
+            check_fn(impl)
+            return CheckResult(name, True)
+        except CheckFailed as e:
+            result = CheckResult(name, False, e.message, e.inputs, kind=WRONG)
+        except NotImplementedError as e:  # the learner's function, called in this process
+            result = CheckResult(name, False, "not implemented yet", kind=NOT_IMPLEMENTED,
+                                 frames=frames_from_traceback(e.__traceback__))
+        except RankError as e:
+            frames = frames_from_text(e.traceback)
+            if e.exc_type == "NotImplementedError":
+                result = CheckResult(name, False, "not implemented yet", kind=NOT_IMPLEMENTED,
+                                     ranks=(e.rank,), frames=frames)
+            else:
+                result = CheckResult(name, False, _first_line_after(str(e), f"rank {e.rank} "),
+                                     kind=ERROR, ranks=(e.rank,), frames=frames)
+        except RankTimeoutError as e:
+            result = CheckResult(name, False, "never finished: is every send matched by a "
+                                 "receive on the peer, in the same order?", kind=STUCK,
+                                 ranks=tuple(e.ranks), frames=frames_from_text(str(e)))
+        except LaunchError as e:
+            result = CheckResult(name, False, _first_line_after(str(e), f"rank {e.rank} "),
+                                 kind=ERROR, ranks=tuple(e.ranks))
+        except Exception as e:  # noqa: BLE001 - the learner's code raised in this process
+            result = CheckResult(name, False, f"{type(e).__name__}: {e}", kind=ERROR,
+                                 frames=frames_from_traceback(e.__traceback__))
+    result.output = "\n".join(output)
+    return result
+
+
+def check(name: str, impl: Callable | None = None) -> None:
+    """Grade exercise ``name`` and print the result (use :func:`run_checks` for the data).
+
+    Without ``impl`` the function in ``exercises/<module>.py`` is graded (read afresh, so save
+    the file first); pass ``impl=my_function`` to grade one defined in the notebook instead.
+    """
+    print(format_report(run_checks(name, impl=impl)))
