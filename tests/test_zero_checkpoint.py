@@ -172,8 +172,8 @@ def _train_in_mesh(mesh, model, opt, steps):
     plan = gpipe(mesh.pp, MICRO_BATCHES)
     for _ in range(steps):
         opt.zero_grad()
-        run_pipeline(mesh.coords.pp, [model], plan, list(xs.chunk(MICRO_BATCHES)),
-                     list(ys.chunk(MICRO_BATCHES)), group=mesh.pp_group)
+        run_pipeline([model], plan, list(xs.chunk(MICRO_BATCHES)),
+                     list(ys.chunk(MICRO_BATCHES)), stage=mesh.coords.pp, group=mesh.pp_group)
         opt.step()
 
 
@@ -371,8 +371,11 @@ def _save_and_die_before_the_rename(rank, world_size, directory):
 def test_a_save_that_dies_midway_never_looks_complete(tmp_path):
     run_ranks(_save_then_load, 2, tmp_path, False)  # an earlier, complete checkpoint
     assert consolidate(tmp_path)
+    before = (tmp_path / "rank1-of2.pt").read_bytes()
     with pytest.raises(Exception, match="rank 1"):
         run_ranks(_save_and_die_before_the_rename, 2, tmp_path)
+    # under its own name, the dead rank's file is still the old whole one, not half a new one
+    assert (tmp_path / "rank1-of2.pt").read_bytes() == before
     with pytest.raises(CheckpointError, match="manifest.json does not exist"):
         consolidate(tmp_path)
     with pytest.raises(Exception, match="manifest.json does not exist"):

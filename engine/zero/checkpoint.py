@@ -286,10 +286,17 @@ def _check_fits(directory: Path, manifest: dict, shape: MeshShape, key: str,
     if manifest["stage"] != state.stage:
         raise CheckpointError(f"the checkpoint was saved at stage {manifest['stage']}, this "
                               f"run is at stage {state.stage}")
-    ours, theirs = _part_layout(state), manifest["parts"][key]
+    ours, theirs = _part_layout(state), _saved_part(directory, manifest, key)
     if ours != theirs:
         raise CheckpointError(f"part {key} does not match this model: "
                               f"{_difference(theirs, ours)} ({directory / MANIFEST})")
+
+
+def _saved_part(directory: Path, manifest: dict, key: str) -> dict:
+    if key not in manifest["parts"]:
+        raise CheckpointError(f"{directory / MANIFEST} has no part {key}, only "
+                              f"{sorted(manifest['parts'])}")
+    return manifest["parts"][key]
 
 
 def _difference(saved: dict, ours: dict) -> str:
@@ -361,7 +368,7 @@ def consolidate(directory, tp: int | None = None, pp: int | None = None
     payloads = [_read(directory, manifest, file_name(shape, Place(tp, pp, d)), "cpu")
                 for d in ranks]
     state: dict[str, torch.Tensor] = {}
-    for i, bucket in enumerate(manifest["parts"][part_key(tp, pp)]["buckets"]):
+    for i, bucket in enumerate(_saved_part(directory, manifest, part_key(tp, pp))["buckets"]):
         flat = torch.cat([payload["shards"][i] for payload in payloads])
         if flat.numel() != bucket["padded"]:
             raise CheckpointError(f"bucket {i} of part {part_key(tp, pp)} has {flat.numel()} "
