@@ -374,3 +374,66 @@ def tp_activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, h
     if recompute:
         return 2 * s * b * h
     return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+# -- mixture of experts (chapter 10) ------------------------------------------------------------
+
+
+def expert_capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+    """Slots per expert when ``tokens`` each go to ``top_k`` of ``num_experts`` experts:
+    ``ceil(tokens * k * capacity_factor / E)`` (Fedus et al., "Switch Transformers", JMLR 2022,
+    eq. 3, for k = 1; Lepikhin et al., "GShard", ICLR 2021, section 2.2, for k = 2). A factor of
+    1 leaves no slack: any imbalance drops tokens."""
+    return math.ceil(tokens * top_k * capacity_factor / num_experts)
+
+
+def moe_all_to_all_bytes(tokens: int, hidden: int, top_k: int, n: int, dtype_bytes: int = 4
+                         ) -> dict[str, float]:
+    """Bytes one rank sends (and receives) in the all-to-alls of one MoE layer under uniform
+    routing with nothing dropped, for ``tokens`` tokens on the rank and experts spread over
+    ``n`` ranks.
+
+    The rank holds ``tokens * top_k`` (token, expert) rows of ``hidden`` values; 1/n of them
+    go to its own experts, the rest cross the wire: ``(n-1)/n * tokens * k * h * dtype_bytes``
+    per all-to-all (:func:`all_to_all_bytes`). Forward has two (dispatch to the experts,
+    combine back), and backward the same two reversed (Lepikhin et al., GShard, 2021,
+    section 3.2). The exchange of token counts before the dispatch (E integers) is not
+    included."""
+    one = all_to_all_bytes(tokens * top_k * hidden * dtype_bytes, n)
+    return {"dispatch": one, "combine": one, "forward": 2 * one, "backward": 2 * one,
+            "total": 4 * one}
+
+
+def moe_params(layers: int, hidden: int, ffn_hidden: int, num_experts: int, top_k: int,
+               vocab: int, kv_hidden: int | None = None, gated_ffn: bool = True,
+               tied_embeddings: bool = False) -> dict[str, float]:
+    """Total and active (used by one token) parameters of a decoder whose MLPs are MoE layers
+    without biases, as in Mixtral (Jiang et al., "Mixtral of Experts", 2024, table 1).
+
+    Per layer: attention ``2h^2 + 2h * kv_hidden`` (grouped-query attention: keys and values of
+    ``kv_hidden`` = kv heads x head size; ``kv_hidden = h`` without it), a router ``h E``, two
+    norms ``2h``, and ``E`` experts of ``m h f`` each (``m`` = 3 for a gated SwiGLU MLP, 2
+    otherwise); plus a final norm and the embeddings ``V h`` (twice when the output layer is not
+    tied). A token uses ``k`` experts, so it is active for ``k`` of them, not ``E``.
+    Mixtral-8x7B (32 layers, h 4096, f 14336, 8 experts, top-2, kv 1024, V 32000): 46.7 B
+    total, 12.9 B active (Mistral AI's announcement; "47B" and "13B" in the paper)."""
+    kv = hidden if kv_hidden is None else kv_hidden
+    expert = (3 if gated_ffn else 2) * hidden * ffn_hidden
+    shared = 2 * hidden * hidden + 2 * hidden * kv + hidden * num_experts + 2 * hidden
+    outside = hidden + vocab * hidden * (1 if tied_embeddings else 2)
+    return {"total": layers * (shared + num_experts * expert) + outside,
+            "active": layers * (shared + top_k * expert) + outside,
+            "expert": expert}
+
+
+def moe_forward_flops_per_token(layers: int, hidden: int, ffn_hidden: int, num_experts: int,
+                                top_k: int, seq_len: int, kv_hidden: int | None = None,
+                                gated_ffn: bool = True) -> float:
+    """Forward FLOPs per token: ``2 N_active + 2 l s h``, with ``N_active`` the non-embedding
+    parameters one token uses (Kaplan et al., "Scaling laws for neural language models", 2020,
+    table 1: a multiply-add per parameter, plus attention over ``s`` positions). Training costs
+    about 3x this (backward is twice the forward). ``top_k = num_experts`` gives the dense
+    model with the same total parameters."""
+    counts = moe_params(layers, hidden, ffn_hidden, num_experts, top_k, vocab=0,
+                        kv_hidden=kv_hidden, gated_ffn=gated_ffn)
+    return 2 * counts["active"] + 2 * layers * seq_len * hidden
