@@ -3,25 +3,24 @@
 Every communication the engine issues goes through the wrappers in :mod:`engine.comm.ops`,
 and each wrapper reports one :class:`CommEvent` to every meter that is open on this rank::
 
-    with CommMeter(count="wire") as meter:
+    with CommMeter() as meter:
         ops.all_reduce(grad)
     meter.bytes_sent, meter.bytes_received, meter.events
 
 A meter counts in one of two ways, chosen when it is opened, and every event says which way
 its numbers were obtained (``measured``):
 
-* ``count="wire"``: **counted**. While the meter is open, every collective the engine issues
-  (all-reduce, reduce-scatter, all-gather, broadcast, reduce, all-to-all) runs on the engine's
-  own point-to-point implementations (the ring, the chain, the pairwise exchange of
+* ``count="wire"`` (the default): **counted**. While the meter is open, every collective the
+  engine issues (all-reduce, reduce-scatter, all-gather, broadcast, reduce, all-to-all) runs
+  on the engine's own point-to-point implementations (the ring, the chain, the pairwise exchange of
   :mod:`engine.comm.counted`), and its bytes are the sum of the messages it actually sent and
   received. Results are the same as the built-in's (the tests check every strategy); an
   ``async_op=True`` call runs to completion before it returns, so overlap is not shown.
   Open the meter on *every* rank of a group: ranks that disagree on the mode would run two
   different algorithms against each other.
-* ``count="model"`` (the default): the built-in collectives of Gloo or NCCL run, fast and
-  overlapped, and their wire bytes are **modeled** by the bandwidth-optimal ring/chain algorithm
+* ``count="model"``: the built-in collectives of Gloo or NCCL run, fast and overlapped, and their wire bytes are **modeled** by the bandwidth-optimal ring/chain algorithm
   (:func:`engine.theory.collective_wire_bytes`, the model behind nccl-tests' bus bandwidth).
-  Use it to time; use ``"wire"`` for any number the course calls measured.
+  Use it to time, or to see overlap; every number the course calls measured is counted.
 
 Point-to-point ops (``send``, ``recv``, ``isend``, ``irecv``, ``batch_isend_irecv``) are
 counted exactly in both modes: a send of ``S`` bytes puts ``S`` bytes on the wire.
@@ -65,13 +64,13 @@ class CommEvent:
 class CommMeter:
     """Context manager recording every op the engine issues on this rank while it is open.
 
-    ``count``: ``"wire"`` to run collectives on the engine's point-to-point algorithms and
-    count their bytes, ``"model"`` (default) to run the built-ins and model their bytes (see the
-    module docstring). Meters nest: an op is recorded by every open meter, and collectives are
+    ``count``: ``"wire"`` (default) to run collectives on the engine's point-to-point algorithms
+    and count their bytes, ``"model"`` to run the built-ins, fast and overlapped, and model
+    their bytes (see the module docstring). Meters nest: an op is recorded by every open meter, and collectives are
     counted while any open meter counts the wire.
     """
 
-    count: str = "model"
+    count: str = "wire"
     events: list[CommEvent] = field(default_factory=list)
     started_at: float | None = None
 

@@ -91,11 +91,18 @@ def _names_a_device(args, kwargs) -> bool:
     return any(isinstance(a, (str, torch.device)) or type(a) is int for a in args)
 
 
+def _backend(group) -> str | None:
+    try:
+        return dist.get_backend(group)
+    except ValueError:  # this rank is not in the group: the op is a no-op for it
+        return None
+
+
 def check(op: str, tensors, group=None, src: int | None | str = "given", tag: int = 0) -> None:
     """Refuse ``op`` if it breaks one of NCCL's rules (see the module docstring)."""
     if _ACTIVE:
         device = _ACTIVE[-1].device
-    elif dist.get_backend(group) == "nccl":
+    elif _backend(group) == "nccl":
         from engine.device import rank_device
         device = rank_device(group)
     else:
