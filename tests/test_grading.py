@@ -579,3 +579,28 @@ def test_checks_run_on_gloo_even_where_nccl_would_be_chosen(monkeypatch):
     monkeypatch.setattr(core, "launch", lambda fn, n, *a, **kw: seen.append(kw) or [])
     core.run_ranks(print, 2, timeout=5)
     assert seen == [{"backend": "gloo", "timeout": 5}]
+
+
+# A collective from engine.comm.ops is counted on the wire too (CommMeter(count="wire") runs it
+# on the engine's own point-to-point algorithms), so "every event measured" no longer tells a
+# hand-written exercise from a call to the engine's collective: the checks look at the ops.
+
+def _broadcast_through_ops(tensor, src):
+    ops.broadcast(tensor, src)  # the engine's chain broadcast: N-1 copies, all counted
+    return tensor
+
+
+def _all_reduce_through_ops(t, group=None):
+    ops.all_reduce(t, group=group)  # the engine's ring: 2(N-1)/N·S, all counted
+    return t
+
+
+def test_a_collective_from_ops_is_not_a_point_to_point_broadcast():
+    report = run_checks("ch00.p2p_broadcast", impl=_broadcast_through_ops)
+    assert {r.name for r in report.results if not r.passed} == {"traffic_is_n_minus_1_copies"}
+
+
+def test_a_collective_from_ops_is_not_a_hand_written_ring():
+    report = run_checks("ch01.ring_all_reduce", impl=_all_reduce_through_ops)
+    assert {r.name for r in report.results if not r.passed} == {
+        "sums_exactly", "sends_2_n_minus_1_over_n"}

@@ -17,6 +17,9 @@ from typing import Any, Callable, NamedTuple
 from engine.launch import launch
 
 OUTPUT_TAIL_LINES = 12  # the last lines of the ranks' output a failure shows
+# The meter's names for point-to-point ops. A collective called through engine.comm.ops is
+# counted on the wire too, so an exercise that must build one from sends checks these names.
+POINT_TO_POINT = frozenset({"send", "recv", "isend", "irecv"})
 
 
 class CheckFailed(AssertionError):
