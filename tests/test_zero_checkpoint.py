@@ -380,3 +380,40 @@ def test_a_save_that_dies_midway_never_looks_complete(tmp_path):
         consolidate(tmp_path)
     with pytest.raises(Exception, match="manifest.json does not exist"):
         run_ranks(_save_then_load, 2, tmp_path, True)
+
+
+# -- fp32 masters: bf16 parameters, and offloaded optimizer state ----------------------------
+
+
+def _resume_with_masters(rank, world_size, stage, dtype, offload, directory):
+    """As ``_resume``, where the optimizer updates a separate fp32 master copy (bf16
+    parameters, or masters offloaded to the CPU): the masters must come back too."""
+    x, y = regression_data(8 * world_size, 16, 8, seed=1)
+    xs, ys = shard(x, rank, world_size).to(dtype), shard(y, rank, world_size).to(dtype)
+
+    def build(seed):
+        module = MLP(SIZES, seed=seed).to(dtype)
+        if stage == 3:
+            model = ZeroDataParallel(module, torch.optim.AdamW, lr=1e-2)
+            return model, model.optimizer, None
+        opt = ZeroOptimizer(module.parameters(), torch.optim.AdamW, stage=stage, lr=1e-2,
+                            bucket_cap_mb=0.001, offload=offload)
+        return module, opt, opt
+
+    model, opt, _ = build(2)
+    _train(model, opt, xs, ys, 5)
+    uninterrupted = _params(model)
+    model, opt, zero_opt = build(2)
+    _train(model, opt, xs, ys, 2)
+    save_sharded(directory, model, zero_opt)
+    model, opt, zero_opt = build(99)
+    load_sharded(directory, model, zero_opt)
+    _train(model, opt, xs, ys, 3)
+    return torch.equal(_params(model), uninterrupted)
+
+
+@pytest.mark.parametrize("stage, dtype, offload", [
+    (1, torch.bfloat16, False), (2, torch.bfloat16, False), (3, torch.bfloat16, False),
+    (1, torch.float32, True), (2, torch.float32, True)])
+def test_resuming_restores_the_fp32_masters(stage, dtype, offload, tmp_path):
+    assert all(run_ranks(_resume_with_masters, 2, stage, dtype, offload, tmp_path))
