@@ -3,16 +3,25 @@
 ``launch(fn, world_size, *args)`` calls ``fn(rank, world_size, *args)`` on every rank inside an
 initialised ``torch.distributed`` process group and returns the return values in rank order.
 
-How it starts ranks (DESIGN.md section 6 has the measurements behind each choice):
+Which backend, and how ranks start:
 
-* **CPU, Gloo: fork.** A function defined in a notebook cell works, and 4 ranks start in about
-  0.1 s. Every rank calls ``torch.set_num_threads(1)`` before its first op (a child forked from
-  a parent that already ran an OpenMP op can otherwise hang), and the parent imports
-  ``torch._dynamo`` once before forking so each rank does not pay for it again.
-* **GPUs, NCCL: spawn**, one GPU per rank. CUDA cannot be used in a forked child, so ``fn`` must
-  then be importable (defined at module level in a file).
+* **Gloo, the default on every machine: fork.** ``backend="auto"`` means Gloo, with or without
+  GPUs, so a lesson written for the CPU runs the same on a laptop and on an 8-GPU node. Forked
+  ranks start in a fraction of a second (spawn re-imports torch in every rank, several seconds
+  each; ``benchmarks/launch.py`` measures both), and a function defined in a notebook cell
+  works, since nothing is pickled. Every rank calls ``torch.set_num_threads(1)`` before its
+  first op: a child forked from a parent that already ran an OpenMP op can otherwise hang. The
+  first launch imports ``torch._dynamo`` (which the first optimizer step needs) in the parent,
+  so forked ranks inherit it instead of each importing it again.
+* **NCCL, only when asked for: spawn**, one GPU per rank, each bound to ``cuda:LOCAL_RANK``
+  (:mod:`engine.device`). ``fn`` must be importable (defined at module level in a file).
+* **CUDA in a forked rank** works only if the parent never touched CUDA: once the parent has
+  called ``torch.cuda.is_available()`` (or anything that initialises the CUDA driver), a forked
+  child cannot. The Gloo path of ``launch`` asks CUDA nothing, and a rank that hits the error
+  is told to use ``start_method="spawn"``.
 * **Under torchrun** (``RANK`` and ``WORLD_SIZE`` set) ``fn`` runs in the current process, so a
-  lab script is the same code on one node or many.
+  lab script is the same code on one node or many. Every process makes the same backend
+  decision: it depends on the arguments and on ``LOCAL_WORLD_SIZE``, never on ``LOCAL_RANK``.
 
 Rank 0 hosts the rendezvous store on a port the operating system picks (port 0), and passes the
 number to its siblings, so two notebooks launching at once never collide.
@@ -20,14 +29,19 @@ number to its siblings, so two notebooks launching at once never collide.
 When something goes wrong the caller gets a :class:`LaunchError` naming the rank, never a hang:
 a rank that raises (its original traceback is carried along), a rank that dies without a word
 (``os._exit``, a signal), a rank that is stuck past the deadline, or a Ctrl-C / kernel
-interrupt. Every rank is killed and reaped before the error is raised, so nothing is left
-behind and the kernel stays usable.
+interrupt. A rank that NCCL's watchdog aborted because a collective timed out is a symptom,
+not the cause: the report names the rank that never joined. Every rank is killed and reaped
+before the error is raised, so nothing is left behind and the kernel stays usable.
+
+The module holds no mutable state: importing it starts nothing, and each launch keeps its
+bookkeeping in its own :class:`_Launch`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import io
 import multiprocessing as mp
 import os
@@ -46,6 +60,9 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from engine.device import local_gpu, local_rank
+from engine.validation import one_of, positive_int, positive_number
 
 BACKENDS = ("auto", "gloo", "nccl")
 DEFAULT_TIMEOUT_S = 300.0
@@ -106,16 +123,16 @@ def launch(
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return results in rank order.
 
     Args:
-        fn: the per-rank function. With fork (the CPU default) it may be defined anywhere,
+        fn: the per-rank function. With fork (Gloo's default) it may be defined anywhere,
             including a notebook cell; with spawn (NCCL) it must be importable.
         world_size: number of ranks, at least 1.
-        backend: ``"gloo"``, ``"nccl"`` or ``"auto"`` (NCCL when there is one GPU per rank,
-            Gloo otherwise).
+        backend: ``"gloo"`` or ``"auto"`` (the same: Gloo on any machine), or ``"nccl"``
+            (one GPU per rank, asked for explicitly).
         timeout: seconds. The process group's timeout: a rank blocked longer than this in one
             collective raises. A few seconds later comes the parent's deadline, after which any
             rank still running is reported as stuck and every rank is killed.
-        start_method: ``"fork"`` or ``"spawn"``; by default fork for Gloo (unless CUDA is
-            already initialised in this process) and spawn for NCCL.
+        start_method: ``"fork"`` or ``"spawn"``; by default fork for Gloo and spawn for NCCL.
+            Gloo ranks that use CUDA need spawn once this process has touched CUDA.
         quiet: do not print the ranks' captured output (it is still on a raised error).
 
     Returns:
@@ -127,44 +144,53 @@ def launch(
     """
     if not callable(fn):
         raise ValueError(f"fn must be callable, got {fn!r} of type {type(fn).__name__}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    if start_method not in (None, "fork", "spawn"):
-        raise ValueError(f"start_method must be None, 'fork' or 'spawn', got {start_method!r}")
+    positive_int("world_size", world_size)
+    one_of("backend", backend, BACKENDS)
+    positive_number("timeout (seconds)", timeout)
+    one_of("start_method", start_method, (None, "fork", "spawn"))
 
     if _under_torchrun():
         return _run_in_this_process(fn, world_size, args, backend, timeout)
 
     backend = resolve_backend(backend, world_size)
-    if start_method is None:
-        cuda_live = torch.cuda.is_available() and torch.cuda.is_initialized()
-        start_method = "spawn" if backend == "nccl" or cuda_live else "fork"
+    start_method = start_method or ("spawn" if backend == "nccl" else "fork")
     if start_method == "spawn":
         _check_picklable(fn, args)
+    else:
+        _preimport()
     return _Launch(fn, world_size, args, backend, timeout, start_method, quiet).run()
 
 
-def resolve_backend(backend: str, world_size: int) -> str:
-    """``"auto"`` -> NCCL when there is one GPU per rank, else Gloo; validate an explicit NCCL."""
+def resolve_backend(backend: str, ranks_here: int, ranks_name: str = "world_size") -> str:
+    """``"auto"`` -> Gloo, on any machine; ``"nccl"`` -> NCCL, once checked that this machine
+    has a GPU for each of its ``ranks_here`` ranks (``ranks_name`` says where that number came
+    from, for the message). Asks CUDA nothing unless NCCL was asked for."""
+    if backend in ("auto", "gloo"):
+        return "gloo"
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if backend == "auto":
-        return "nccl" if n_gpus >= world_size and dist.is_nccl_available() else "gloo"
-    if backend == "nccl":
-        if n_gpus == 0:
-            raise ValueError(
-                "backend='nccl' needs CUDA GPUs, and this machine has none; "
-                "use backend='gloo' (or 'auto') to run on the CPU"
-            )
-        if world_size > n_gpus:
-            raise ValueError(
-                f"backend='nccl' needs one GPU per rank: world_size={world_size} but only "
-                f"{n_gpus} GPU(s) are visible. Use backend='gloo' for more ranks than GPUs."
-            )
+    if n_gpus == 0:
+        raise ValueError(
+            "backend='nccl' needs CUDA GPUs, and this machine has none; "
+            "use backend='gloo' (or 'auto') to run on the CPU"
+        )
+    if not dist.is_nccl_available():
+        raise ValueError("backend='nccl': this build of torch has no NCCL; use backend='gloo'")
+    if ranks_here > n_gpus:
+        raise ValueError(
+            f"backend='nccl' needs one GPU per rank: {ranks_name}={ranks_here} but only "
+            f"{n_gpus} GPU(s) are visible. Use backend='gloo' for more ranks than GPUs."
+        )
     return backend
+
+
+def is_global_rank_zero() -> bool:
+    """True in the one process that should print a report or write a file: global rank 0 of
+    the process group, or of the launch that started this process (``RANK``, which torchrun
+    and :func:`launch` set), or a process that is no rank at all. It still answers after the
+    process group is destroyed, so code that reports after ``launch`` returns can use it."""
+    if dist.is_initialized():
+        return dist.get_rank() == 0
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -172,6 +198,7 @@ def resolve_backend(backend: str, world_size: int) -> str:
 
 
 def _under_torchrun() -> bool:
+    """True when torchrun (or a scheduler doing as it does) started this process as one rank."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
@@ -185,13 +212,10 @@ def _run_in_this_process(fn, world_size, args, backend, timeout):
     rank = int(os.environ["RANK"])
     created = not dist.is_initialized()
     if created:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        if backend == "auto":
-            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            backend = "nccl" if local_rank < gpus else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+        # The same numbers on every process of a node, so every rank decides alike.
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank() + 1))
+        backend = resolve_backend(backend, ranks_here, "LOCAL_WORLD_SIZE")
+        _init_process_group(backend, timeout)  # env:// rendezvous, as torchrun set it up
     try:
         result = _to_cpu(fn(rank, world_size, *args))
         gathered: list[Any] = [None] * world_size
@@ -200,6 +224,17 @@ def _run_in_this_process(fn, world_size, args, backend, timeout):
     finally:
         if created:
             dist.destroy_process_group()
+
+
+def _init_process_group(backend: str, timeout: float, **rendezvous) -> None:
+    """Join the group; an NCCL rank first binds its GPU and names it to the group, so no
+    collective (the first barrier included) has to guess which GPU this rank uses."""
+    device_id = None
+    if backend == "nccl":
+        device_id = local_gpu()
+        torch.cuda.set_device(device_id)
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout), device_id=device_id,
+                            **rendezvous)
 
 
 # --------------------------------------------------------------------------------------------
@@ -215,6 +250,7 @@ class _Failure:
     traceback: str = ""
     exc_blob: bytes | None = None
     exitcode: int | None = None
+    watchdog: bool = False  # died: NCCL's watchdog aborted it, a collective having timed out
     seen_at: float = field(default_factory=time.monotonic)
 
 
@@ -299,8 +335,7 @@ class _Launch:
                 message = self._read_message(rank)
                 if message is None:  # the process ended without sending anything
                     if ready is self.procs[rank].sentinel:
-                        self.procs[rank].join()
-                        failures.append(_Failure(rank, "died", exitcode=self.procs[rank].exitcode))
+                        failures.append(self._died(rank))
                         waiting.discard(rank)
                     continue
                 waiting.discard(rank)
@@ -317,6 +352,18 @@ class _Launch:
         for proc in self.procs:
             wait_for_any([proc.sentinel], timeout=max(0.0, exit_by - time.monotonic()))
         return [results[r] for r in range(self.n)]
+
+    def _died(self, rank: int) -> _Failure:
+        """A rank that ended without a word. On NCCL a collective that times out does not raise:
+        the watchdog thread aborts the process, after printing why. That rank was waiting for
+        another, so it is a symptom like a timeout, not the rank at fault."""
+        self.procs[rank].join()
+        failure = _Failure(rank, "died", exitcode=self.procs[rank].exitcode)
+        said = [line for line in self._output(rank).splitlines() if _WATCHDOG in line]
+        if said:
+            failure.watchdog = True
+            failure.message = failure.traceback = said[0].strip()
+        return failure
 
     def _read_message(self, rank: int):
         conn = self.conns[rank]
@@ -364,7 +411,8 @@ class _Launch:
                 if code and code < 0
                 else f"exited with code {code} without returning a result"
             )
-            return RankDiedError(f"rank {failure.rank} {how}", [failure.rank], outputs)
+            said = f": {failure.message}" if failure.message else ""
+            return RankDiedError(f"rank {failure.rank} {how}{said}", [failure.rank], outputs)
         error = RankError(
             failure.rank, failure.exc_type, failure.message, failure.traceback, outputs
         )
@@ -415,15 +463,15 @@ class _Launch:
             conn.close()
         self.conns = []
 
+    def _output(self, rank: int) -> str:
+        try:
+            with open(self._out_path(rank), errors="replace") as f:
+                return f.read()
+        except FileNotFoundError:
+            return ""
+
     def _outputs(self) -> dict[int, str]:
-        outputs = {}
-        for rank in range(self.n):
-            try:
-                with open(self._out_path(rank), errors="replace") as f:
-                    outputs[rank] = f.read()
-            except FileNotFoundError:
-                outputs[rank] = ""
-        return outputs
+        return {rank: self._output(rank) for rank in range(self.n)}
 
     def _print_outputs(self) -> None:
         if self.quiet:
@@ -440,9 +488,13 @@ _DIST_ERRORS = (
 )
 
 
+# What NCCL's watchdog prints before it aborts a rank whose collective ran past the timeout.
+_WATCHDOG = "Watchdog caught collective operation timeout"
+
+
 def _looks_like_timeout(failure: _Failure) -> bool:
     text = failure.message.lower()
-    return (
+    return failure.watchdog or (
         failure.kind == "raised"
         and failure.exc_type in _DIST_ERRORS
         and ("timed out" in text or "timeout" in text)
@@ -489,22 +541,15 @@ def _rank_main(fn, rank, world_size, args, backend, timeout, port, port_ready, o
     code = 0
     try:
         store = _rendezvous(rank, world_size, timeout, port, port_ready)
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        os.environ.update(
+        os.environ.update(  # as torchrun sets them; engine.device and is_global_rank_zero read
             RANK=str(rank),
             WORLD_SIZE=str(world_size),
             LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world_size),
             MASTER_ADDR=_HOST,
             MASTER_PORT=str(port.value),
         )
-        dist.init_process_group(
-            backend,
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout),
-        )
+        _init_process_group(backend, timeout, store=store, rank=rank, world_size=world_size)
         result = _to_cpu(fn(rank, world_size, *args))
         try:
             message = pickle.dumps(("ok", result))
@@ -528,7 +573,7 @@ def _rank_main(fn, rank, world_size, args, backend, timeout, port, port_ready, o
                 "error",
                 dict(
                     exc_type=type(e).__name__,
-                    message=_safe_str(e),
+                    message=_explain(e),
                     traceback="".join(traceback.format_exception(type(e), e, tb)),
                     exc_blob=blob,
                 ),
@@ -547,6 +592,24 @@ def _safe_str(e: BaseException) -> str:
         return str(e)
     except Exception as inner:
         return f"<str() of the exception failed: {type(inner).__name__}: {inner}>"
+
+
+# What torch raises when a forked child uses CUDA after its parent initialised the driver.
+_FORKED_CUDA = "Cannot re-initialize CUDA in forked subprocess"
+
+
+def _explain(e: BaseException) -> str:
+    """The exception's message, with what to do when it is one the launch itself explains."""
+    text = _safe_str(e)
+    if _FORKED_CUDA in text:
+        text += (
+            "\nThis rank was forked (Gloo's default start) from a process that had already "
+            "initialised CUDA; calling torch.cuda.is_available() or device_count() is enough, "
+            "and a forked child can then not use CUDA at all. For CUDA tensors on Gloo, launch "
+            "with start_method='spawn' and fn defined at module level in a .py file; a lesson "
+            "that stays on the CPU needs no change."
+        )
+    return text
 
 
 def _rendezvous(rank, world_size, timeout, port, port_ready) -> dist.Store:
@@ -573,6 +636,8 @@ def _capture_output(path: str) -> None:
     # A notebook's sys.stdout talks to the kernel over ZeroMQ, which does not survive a fork.
     sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False), line_buffering=True)
     sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", closefd=False), line_buffering=True)
+    if faulthandler.is_enabled():  # (pytest enables it) its dumps go to this rank's output too
+        faulthandler.enable(file=sys.stderr)
 
 
 def _die_with_parent() -> None:
@@ -626,9 +691,9 @@ def _sigint_deferred():
 def _preimport() -> None:
     """Import what every rank needs once, in the parent, so forked ranks inherit it.
 
-    The first optimizer step pulls in ``torch._dynamo`` (about 1.2-1.8 s here); imported in the
-    parent, each forked rank gets it for free. ``import engine`` already does this, so the
-    first launch in a notebook is as fast as the next.
+    The first optimizer step pulls in ``torch._dynamo`` (over a second on a small CPU);
+    imported in the parent before the first fork, each forked rank gets it for free. Not done
+    at ``import engine``, which must stay cheap (``engine.theory`` is pure formulas).
     """
     import torch._dynamo  # noqa: F401
     import torch.optim  # noqa: F401
@@ -639,10 +704,9 @@ def _check_picklable(fn, args) -> None:
         pickle.dumps((fn, args))
     except Exception as e:
         raise ValueError(
-            f"with start_method='spawn' (used for NCCL) fn and its arguments must be picklable: "
+            f"with start_method='spawn' (NCCL's, or asked for) fn and its arguments must be "
+            f"picklable: "
             f"{fn!r} is not ({type(e).__name__}: {e}). Define fn at module level in a .py file, "
             "or use backend='gloo' to fork, which accepts functions defined in a notebook."
         ) from e
 
-
-_preimport()

@@ -84,12 +84,12 @@ def test_two_launches_at_once_do_not_collide(tmp_path):
 
 
 @pytest.mark.parametrize("bad, message", [
-    (dict(world_size=0), "world_size must be an int >= 1, got 0"),
+    (dict(world_size=0), "world_size must be a positive int, got 0"),
     (dict(world_size=-2), "got -2"),
     (dict(world_size=2.0), "got 2.0"),
     (dict(fn=42), "fn must be callable, got 42"),
-    (dict(backend="mpi"), "backend must be one of ('auto', 'gloo', 'nccl'), got 'mpi'"),
-    (dict(timeout=0), "timeout must be a positive number of seconds, got 0"),
+    (dict(backend="mpi"), "backend must be one of 'auto', 'gloo', 'nccl'; got 'mpi'"),
+    (dict(timeout=0), "timeout (seconds) must be a positive number, got 0"),
     (dict(start_method="thread"), "got 'thread'"),
 ])
 def test_bad_input_is_rejected_before_any_process_starts(bad, message):
@@ -164,16 +164,199 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _pretend_gpus(monkeypatch, n: int) -> list[str]:
+    """Make this process report ``n`` GPUs (and NCCL); return the list of CUDA queries made."""
+    asked: list[str] = []
+
+    def is_available():
+        asked.append("is_available")
+        return True
+
+    def device_count():
+        asked.append("device_count")
+        return n
+
+    monkeypatch.setattr(torch.cuda, "is_available", is_available)
+    monkeypatch.setattr(torch.cuda, "device_count", device_count)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    return asked
+
+
 def test_backend_choice_on_a_machine_with_one_gpu(monkeypatch):
-    """The NCCL rules, checked without a GPU by pretending one is there."""
+    """The NCCL rules, checked without a GPU by pretending one is there: NCCL only when asked
+    for, and then one GPU per rank."""
     from engine.launch import resolve_backend
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
-    assert resolve_backend("auto", 1) == "nccl"
-    assert resolve_backend("auto", 2) == "gloo"  # NCCL needs one GPU per rank
+    _pretend_gpus(monkeypatch, 1)
+    assert resolve_backend("auto", 1) == "gloo"  # a CPU lesson stays on the CPU
+    assert resolve_backend("auto", 2) == "gloo"
     assert resolve_backend("nccl", 1) == "nccl"
     with pytest.raises(ValueError, match="world_size=2 but only 1 GPU\\(s\\) are visible. "
                                          "Use backend='gloo'"):
         resolve_backend("nccl", 2)
+
+
+def test_auto_keeps_a_notebook_launch_on_gloo_on_an_8_gpu_machine(monkeypatch):
+    """A closure (as a notebook cell defines it) forked onto Gloo, and the launch asks CUDA
+    nothing: a parent that asked could no longer fork ranks that use CUDA."""
+    asked = _pretend_gpus(monkeypatch, 8)
+    offset = 100  # captured by the closure: it could not be pickled for spawn
+
+    def lesson(rank, world_size):
+        t = torch.tensor([float(rank + offset)])
+        dist.all_reduce(t)
+        return dist.get_backend(), float(t), os.getppid()
+
+    results = launch(lesson, 2, timeout=30, quiet=True)
+    assert [r[:2] for r in results] == [("gloo", 201.0)] * 2
+    assert {r[2] for r in results} == {os.getpid()}  # forked by this very process
+    assert asked == []
+
+
+def test_nccl_is_still_there_when_asked_for(monkeypatch):
+    """backend='nccl' on the pretend machine goes to spawn, so a closure is refused."""
+    _pretend_gpus(monkeypatch, 8)
+    with pytest.raises(ValueError, match="start_method='spawn'.*must be picklable"):
+        launch(lambda r, ws: None, 2, backend="nccl")
+
+
+class _Joined(Exception):
+    """Raised instead of joining a process group, once the arguments are recorded."""
+
+
+def test_under_torchrun_an_nccl_rank_names_its_gpu_to_the_group(monkeypatch):
+    """LOCAL_RANK 1 of 2 on an 8-GPU node: bound to cuda:1 before the group exists, and the
+    group told so (device_id), so the first barrier cannot guess another GPU."""
+    _pretend_gpus(monkeypatch, 8)
+    for name, value in dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1",
+                            LOCAL_WORLD_SIZE="2").items():
+        monkeypatch.setenv(name, value)
+    calls = {}
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("set_device", d))
+
+    def init_process_group(backend, **kwargs):
+        calls["init"] = (backend, kwargs)
+        raise _Joined
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    with pytest.raises(_Joined):
+        launch(lambda r, ws: None, 4, backend="nccl")
+    assert calls["set_device"] == torch.device("cuda", 1)
+    backend, kwargs = calls["init"]
+    assert backend == "nccl" and kwargs["device_id"] == torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize("local_rank", ["0", "1"])
+def test_under_torchrun_every_rank_refuses_nccl_with_too_few_gpus(monkeypatch, local_rank):
+    """torchrun --nproc-per-node 2 on a 1-GPU node: both ranks give the same clear error
+    (before, local rank 0 took NCCL and waited for a peer that could not come)."""
+    _pretend_gpus(monkeypatch, 1)
+    for name, value in dict(RANK=local_rank, WORLD_SIZE="2", LOCAL_RANK=local_rank,
+                            LOCAL_WORLD_SIZE="2").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: pytest.fail("joined"))
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE=2 but only 1 GPU"):
+        launch(lambda r, ws: None, 2, backend="nccl")
+
+
+# Run by torchrun itself: reports a 1-GPU machine, launches with the default backend, and
+# says which backend it got and whether it is the process that reports.
+_TORCHRUN_LAB = textwrap.dedent("""
+    import os, sys, torch, torch.distributed as dist
+    torch.cuda.is_available = lambda: True  # a 1-GPU machine, as far as anyone asks
+    torch.cuda.device_count = lambda: 1
+    from engine import launch
+    from engine.launch import is_global_rank_zero
+
+    def work(rank, ws):
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        return dist.get_backend(), float(t)
+
+    results = launch(work, int(os.environ["WORLD_SIZE"]), timeout=60)
+    with open(os.path.join(sys.argv[1], os.environ["RANK"]), "w") as f:
+        f.write(repr(dict(rank=int(os.environ["RANK"]), local_rank=int(os.environ["LOCAL_RANK"]),
+                          results=results, reporter=is_global_rank_zero(),
+                          group_left=dist.is_initialized())))
+""")
+
+
+def _write_lab(tmp_path):
+    (tmp_path / "lab.py").write_text(_TORCHRUN_LAB)
+    (tmp_path / "results").mkdir()
+
+
+def _torchrun(tmp_path, *flags):
+    """torchrun FLAGS lab.py RESULTS_DIR: each process writes what it saw to RESULTS_DIR/RANK."""
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *flags,
+                             str(tmp_path / "lab.py"), str(tmp_path / "results")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _results(tmp_path) -> list[dict]:
+    """What each torchrun process saw, by global rank."""
+    found = [eval(f.read_text()) for f in (tmp_path / "results").iterdir()]
+    return sorted(found, key=lambda r: r["rank"])
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_with_more_processes_than_gpus_is_one_backend_and_one_reporter(tmp_path):
+    """torchrun --nproc-per-node 2 on a (pretend) 1-GPU machine: both ranks on Gloo (before,
+    local rank 0 chose NCCL and rank 1 Gloo), and after the launch, with the group destroyed,
+    exactly global rank 0 says it reports."""
+    _write_lab(tmp_path)
+    job = _torchrun(tmp_path, "--standalone", "--nproc-per-node", "2")
+    out = job.communicate(timeout=150)[0]
+    assert job.returncode == 0, out
+    found = _results(tmp_path)
+    assert [(r["rank"], r["local_rank"]) for r in found] == [(0, 0), (1, 1)], out
+    for r in found:
+        assert r["results"] == [("gloo", 2.0), ("gloo", 2.0)]
+        assert r["group_left"] is False  # the reporter is decided after the group is gone
+    assert [r["reporter"] for r in found] == [True, False]
+
+
+@pytest.mark.timeout(180)
+def test_two_torchrun_agents_have_one_global_rank_zero(tmp_path):
+    """Two nodes of one process each: LOCAL_RANK is 0 on both, yet only global rank 0 is the
+    reporter."""
+    _write_lab(tmp_path)
+    port = str(_free_port())
+    jobs = [_torchrun(tmp_path, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
+                      "1", "--master-addr", "127.0.0.1", "--master-port", port)
+            for node in range(2)]
+    outs = [job.communicate(timeout=150)[0] for job in jobs]
+    assert [job.returncode for job in jobs] == [0, 0], outs
+    found = _results(tmp_path)
+    assert [(r["rank"], r["local_rank"]) for r in found] == [(0, 0), (1, 0)], outs
+    assert [r["reporter"] for r in found] == [True, False]
+
+
+def test_importing_the_engine_starts_nothing_and_skips_dynamo():
+    """``import engine`` and ``import engine.theory`` load no torch._dynamo (the launcher
+    imports it before its first fork), start no thread and no process."""
+    code = textwrap.dedent("""
+        import os, sys, threading
+        import engine, engine.theory
+        children = [p for p in os.listdir("/proc") if p.isdigit()
+                    and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1]
+                    == str(os.getpid())]
+        print(sorted(m for m in sys.modules if m.startswith("torch._dynamo")),
+              threading.active_count(), children)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert out.strip() == "[] 1 []"
+
+
+def test_the_first_fork_brings_dynamo_along():
+    """What the import no longer does, the first forked launch does: the ranks inherit it."""
+    code = textwrap.dedent("""
+        import sys
+        from engine import launch
+        print(launch(lambda r, ws: "torch._dynamo" in sys.modules, 2, quiet=True, timeout=60),
+              "torch._dynamo" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert out.strip() == "[True, True] True"

@@ -288,3 +288,66 @@ def test_an_interrupt_while_ranks_are_starting_leaves_none_behind(delay):
         signal.signal(signal.SIGINT, previous)
     assert interrupted
     assert descendants() == []
+
+
+# NCCL does not raise when a collective times out: its watchdog thread prints this line and
+# aborts the process (SIGABRT). Simulated on CPU with the same line and the same signal.
+_WATCHDOG_LINE = ("[PG ID 0 PG GUID 0(default_pg) Rank {rank}] Watchdog caught collective "
+                  "operation timeout: WorkNCCL(SeqNum=1, OpType=ALLREDUCE, NumelIn=1, "
+                  "NumelOut=1, Timeout(ms)=1000) ran for 1001 milliseconds before timing out.")
+
+
+def _watchdog_aborts_all_but_rank_2(rank, world_size):
+    if rank == 2:
+        time.sleep(3600)  # alive, but never joins the collective
+    time.sleep(0.2 * (world_size - rank))  # rank 0 is aborted last, as it may well be
+    print(_WATCHDOG_LINE.format(rank=rank), file=sys.stderr, flush=True)
+    os.abort()
+
+
+def test_ranks_aborted_by_the_nccl_watchdog_are_not_blamed():
+    """The ranks the watchdog killed were waiting for rank 2: the report names rank 2."""
+    with pytest.raises(RankTimeoutError) as info:
+        launch(_watchdog_aborts_all_but_rank_2, 3, timeout=30, quiet=True)
+    assert info.value.ranks == [2], str(info.value)
+    assert "rank 2 did not finish" in str(info.value)
+    assert "timed out waiting for them" in str(info.value)
+    assert "Watchdog caught collective operation timeout" in str(info.value)
+    assert descendants() == []
+
+
+def _watchdog_aborts_every_rank(rank, world_size):
+    print(_WATCHDOG_LINE.format(rank=rank), file=sys.stderr, flush=True)
+    os.abort()
+
+
+def test_every_rank_aborted_by_the_watchdog_is_a_deadlock():
+    with pytest.raises(RankTimeoutError, match="deadlock: every rank was waiting") as info:
+        launch(_watchdog_aborts_every_rank, 2, timeout=30, quiet=True)
+    assert info.value.ranks == [0, 1]
+
+
+def test_a_rank_that_aborts_on_its_own_is_still_named():
+    """SIGABRT without the watchdog's line is the rank's own failure, reported as before."""
+    def aborts(rank, world_size):
+        if rank == 1:
+            os.abort()
+        dist.barrier()
+
+    with pytest.raises(RankDiedError, match="rank 1 was killed by signal SIGABRT") as info:
+        launch(aborts, 2, timeout=30, quiet=True)
+    assert info.value.ranks == [1]
+
+
+def test_cuda_in_a_forked_rank_after_the_parent_touched_it_says_what_to_do():
+    """What torch raises in a forked child once the parent has initialised CUDA (no GPU here to
+    provoke it for real: scripts/gpu_check.sh does), carried back with the way out."""
+    def uses_cuda(rank, world_size):
+        raise RuntimeError("Cannot re-initialize CUDA in forked subprocess. To use CUDA with "
+                           "multiprocessing, you must use the 'spawn' start method")
+
+    with pytest.raises(RankError) as info:
+        launch(uses_cuda, 1, timeout=30, quiet=True)
+    message = str(info.value)
+    assert "torch.cuda.is_available()" in message
+    assert "start_method='spawn'" in message and "module level" in message
