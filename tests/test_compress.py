@@ -108,7 +108,8 @@ def test_powersgd_sends_n_plus_m_times_r_instead_of_n_times_m():
     # (64, 32) and (48, 16) pay off; the vector and the 3 x 3 matrix are sent as they are
     before, after = theory.powersgd_elements(shapes, r)
     assert (before, after) == (64 * 32 + 64 + 48 * 16 + 9, (64 + 32) * r + 64 + (48 + 16) * r + 9)
-    for _, _, payloads in run_ranks(_powersgd_once, 2, lambda: PowerSGD(r), shapes):
+    for _, _, payloads in run_ranks(_powersgd_once, 2, lambda: PowerSGD(r, start_iter=0),
+                                    shapes):
         uncompressed, ps, qs = payloads
         assert uncompressed == (64 + 9) * 4
         assert ps == (64 + 48) * r * 4 and qs == (32 + 16) * r * 4
@@ -122,19 +123,21 @@ def test_powersgd_at_full_rank_reproduces_the_average():
     for world_size in (2, 3):
         for result, average, _ in run_ranks(
                 _powersgd_once, world_size,
-                lambda: PowerSGD(9, error_feedback=False, min_compression_rate=0), shapes):
+                lambda: PowerSGD(9, error_feedback=False, min_compression_rate=0, start_iter=0),
+                shapes):
             assert torch.allclose(result, average, atol=1e-5)
 
 
 def test_powersgd_at_low_rank_is_an_approximation():
-    for result, average, _ in run_ranks(_powersgd_once, 2, lambda: PowerSGD(1), [(32, 32)]):
+    for result, average, _ in run_ranks(_powersgd_once, 2, lambda: PowerSGD(1, start_iter=0),
+                                        [(32, 32)]):
         assert not torch.allclose(result, average, atol=1e-2)
 
 
 # -- on each device ----------------------------------------------------------------------------
 
 COMPRESSORS = {"fp16": (FP16, 2**-10), "bf16": (BF16, 2**-7), "topk": (lambda: TopK(0.1), 0.0),
-               "powersgd": (lambda: PowerSGD(8), 1e-5)}
+               "powersgd": (lambda: PowerSGD(8, start_iter=0), 1e-5)}
 
 
 def _compressors_on(rank, world_size, device):
@@ -270,7 +273,8 @@ def test_bad_settings_are_clear_errors(make, message):
         make()
 
 
-@pytest.mark.parametrize("make", [FP16, lambda: TopK(0.1), lambda: PowerSGD(1)])
+@pytest.mark.parametrize("make", [FP16, lambda: TopK(0.1),
+                                  lambda: PowerSGD(1, start_iter=0)])
 def test_integer_gradients_are_a_clear_error(make):
     bucket = FakeBucket([torch.arange(10)])
     with pytest.raises(ValueError, match="floating-point gradients, got a bucket of torch.int64"):
@@ -303,3 +307,21 @@ def test_experiment_counts_topk_bytes_as_n_times_the_ratio_of_dense():
             assert r["bytes_sent"] == 5 * theory.topk_bytes_per_rank(numel, 0.01, world_size)
             assert r["bytes_sent"] / r["dense_bytes"] == pytest.approx(world_size * k / numel)
             assert len(r["losses"]) == 1 and 0 <= r["accuracy"] <= 1
+
+
+def test_powersgd_defaults_are_pytorchs():
+    """Read from PyTorch's own PowerSGDState, not from a typed copy."""
+    import inspect
+
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+    theirs = {name: p.default for name, p in
+              inspect.signature(PowerSGDState.__init__).parameters.items()}
+    ours = {name: p.default for name, p in inspect.signature(PowerSGD.__init__).parameters.items()}
+    same_as = {"rank": "matrix_approximation_rank", "start_iter": "start_powerSGD_iter",
+               "min_compression_rate": "min_compression_rate",
+               "error_feedback": "use_error_feedback", "warm_start": "warm_start",
+               "seed": "random_seed"}
+    assert set(same_as) == set(ours) - {"self"}
+    for mine, pytorch in same_as.items():
+        assert ours[mine] == theirs[pytorch], (mine, ours[mine], pytorch, theirs[pytorch])

@@ -41,7 +41,7 @@ def make_compressor(spec: str):
             cls = TopK if kind == "topk" else RandomK
             return cls(float(rest[0]), error_feedback=rest[1:] != ["no-ef"])
         if kind == "powersgd" and len(rest) == 1:
-            return PowerSGD(int(rest[0]))
+            return PowerSGD(int(rest[0]), start_iter=0)  # compress from the first step
     except ValueError as e:
         raise ValueError(f"bad compressor spec {spec!r}: {e}") from None
     raise ValueError(f"unknown compressor spec {spec!r}; expected one like {', '.join(RUNS)}")

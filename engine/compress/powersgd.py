@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from engine.comm import ops
 from engine.compress.base import Done, Then, check_float_bucket
+from engine.validation import non_negative_int
 
 
 def should_compress(n: int, m: int, rank: int, min_compression_rate: float = 2) -> bool:
@@ -53,14 +54,20 @@ def orthogonalize(matrix: torch.Tensor) -> None:
 
 
 class PowerSGD:
-    """Rank-``rank`` PowerSGD on each bucket; plain averaging before step ``start_iter``."""
+    """Rank-``rank`` PowerSGD on each bucket; plain averaging before step ``start_iter``.
+
+    The defaults are ``PowerSGDState``'s in PyTorch (``matrix_approximation_rank=1``,
+    ``start_powerSGD_iter=1000``, ``min_compression_rate=2``, ``use_error_feedback=True``,
+    ``warm_start=True``, ``random_seed=0``). The 1000 plain steps first are PyTorch's advice:
+    compressing the large, fast-changing gradients of early training hurts accuracy. Pass
+    ``start_iter=0`` to compress from the first step, as the course's experiments do.
+    """
 
     def __init__(self, rank: int = 1, warm_start: bool = True, error_feedback: bool = True,
-                 start_iter: int = 0, min_compression_rate: float = 2, seed: int = 0):
+                 start_iter: int = 1000, min_compression_rate: float = 2, seed: int = 0):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"PowerSGD rank must be an integer >= 1, got {rank!r}")
-        if not isinstance(start_iter, int) or start_iter < 0:
-            raise ValueError(f"start_iter must be an integer >= 0, got {start_iter!r}")
+        non_negative_int("start_iter", start_iter)
         self.rank, self.warm_start, self.error_feedback = rank, warm_start, error_feedback
         self.start_iter, self.min_compression_rate = start_iter, min_compression_rate
         self.rng = np.random.RandomState(seed)
