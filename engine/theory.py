@@ -376,6 +376,77 @@ def tp_activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, h
     return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
 
 
+# -- long sequences: sequence and context parallelism (chapter 09) -------------------------------
+
+
+def sp_activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, heads: int,
+                                  tp: int = 1) -> float:
+    """Activation bytes per layer per GPU with tensor *and* sequence parallelism ``tp``
+    (Korthikanti et al., MLSys 2023, section 4.2.2): ``s b h / t (34 + 5 a s / h)``. Against
+    equation 2 (:func:`tp_activation_bytes_per_layer`) the ``10 s b h`` that tensor parallelism
+    leaves replicated (LayerNorm and dropout regions, and the inputs of the first linear of
+    attention and MLP) is divided by ``t`` too."""
+    _check_n(tp)
+    s, b, h, a, t = seq_len, micro_batch, hidden, heads, tp
+    return s * b * h / t * (34 + 5 * a * s / h)
+
+
+def sp_comm_elements_per_layer(b: int, s: int, h: int, t: int) -> float:
+    """Elements each rank sends per layer per micro-batch under Megatron tensor + sequence
+    parallelism: each of the 4 all-reduces of :func:`tp_comm_elements_per_layer` becomes a
+    reduce-scatter and an all-gather, ``(t-1)/t bsh`` each (the same bytes), plus one more
+    all-gather per column-parallel layer in backward, which rebuilds the layer's input from the
+    stored ``s/t`` shard for the weight gradient (Korthikanti et al. 2023, section 4.2.2):
+    ``10 bsh (t-1)/t``."""
+    _check_n(t)
+    return 10 * b * s * h * (t - 1) / t
+
+
+def ring_attention_bytes(seq: int, kv_hidden: int, n: int, dtype_bytes: float = 2
+                         ) -> dict[str, float]:
+    """Bytes each rank sends (and receives) per attention layer in ring attention over ``n``
+    ranks (Liu et al., "Ring attention", 2023): ``seq`` tokens in all (batch x sequence),
+    ``kv_hidden`` = KV heads x head_dim. Forward: N-1 steps, each passing one ``S/N``-token K
+    and V block on, ``2 (N-1) (S/N) kv_hidden``. Backward: the K/V blocks again and the dK/dV
+    accumulators, twice the forward. Close to ``2 S kv_hidden`` forward whatever N."""
+    _check_n(n)
+    forward = 2 * (n - 1) * seq / n * kv_hidden * dtype_bytes
+    return {"forward": forward, "backward": 2 * forward, "total": 3 * forward}
+
+
+def ulysses_bytes(seq: int, hidden: int, n: int, dtype_bytes: float = 2,
+                  kv_hidden: int | None = None) -> dict[str, float]:
+    """Bytes each rank sends (and receives) per attention layer in DeepSpeed-Ulysses over ``n``
+    ranks (Jacobs et al. 2023, section 3): an all-to-all of q, k and v, one of the output, each
+    sending ``(N-1)/N`` of the rank's ``S/N`` tokens (:func:`all_to_all_bytes`), and the same
+    two backward. ``kv_hidden`` (KV heads x head_dim, grouped-query attention) defaults to
+    ``hidden``: ``(N-1)/N^2 S (2 hidden + 2 kv_hidden)`` each way, falling as 1/N."""
+    _check_n(n)
+    kv = hidden if kv_hidden is None else kv_hidden
+    forward = all_to_all_bytes(seq / n * (2 * hidden + 2 * kv) * dtype_bytes, n)
+    return {"forward": forward, "backward": forward, "total": 2 * forward}
+
+
+def ring_attention_flops(seq: int, n: int, rank: int, layout: str = "zigzag",
+                         causal: bool = True, heads: int = 1, head_dim: int = 1,
+                         batch: int = 1) -> float:
+    """Forward FLOPs ``rank`` executes in ring attention (``QK^T`` and ``PV``, 4 b a d per
+    query-key pair of a computed block; a block on the causal diagonal is computed whole and
+    masked, a block above it skipped). Causal, contiguous: rank r computes ``r + 1`` blocks of
+    ``(S/N)^2``, so the last rank does ``2N/(N+1)`` times the average. Zig-zag: every rank
+    ``2N + 1`` blocks of ``(S/2N)^2``. Not causal: ``S^2/N`` each."""
+    _check_n(n)
+    if layout not in ("zigzag", "contiguous"):
+        raise ValueError(f"layout must be 'zigzag' or 'contiguous', got {layout!r}")
+    if not causal:
+        pairs = seq * seq / n
+    elif layout == "contiguous":
+        pairs = (rank + 1) * (seq / n) ** 2
+    else:
+        pairs = (2 * n + 1) * (seq / (2 * n)) ** 2
+    return 4 * batch * heads * head_dim * pairs
+
+
 # -- mixture of experts (chapter 10) ------------------------------------------------------------
 
 

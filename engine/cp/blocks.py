@@ -1,0 +1,79 @@
+"""Attention on one block of queries against one block of keys, and the online-softmax merge.
+
+Softmax attention over a whole row of keys can be computed block by block (Milakov &
+Gimelshein, "Online normalizer calculation for softmax", 2018; Dao et al., FlashAttention,
+2022, section 3.1). For a block of keys, keep the block's normalised output ``O_j`` and the
+log-sum-exp of its scores ``L_j = log sum_k exp(s_k)``. Two blocks merge exactly:
+
+    L = log(exp(L_1) + exp(L_2))                       (torch.logaddexp)
+    O = exp(L_1 - L) O_1 + exp(L_2 - L) O_2
+
+since each ``O_j`` is its block's ``sum_k exp(s_k - L_j) v_k``. Ring attention merges the
+blocks as they arrive round the ring; nothing of size ``S x S`` is ever held.
+
+Backward needs only ``L`` and ``D = rowsum(dO * O)`` per query (FlashAttention-2, Dao 2023,
+Algorithm 2): with ``P = exp(S - L)``, ``dV = P^T dO``, ``dS = P * (dO V^T - D)``,
+``dQ = dS K * scale``, ``dK = dS^T Q * scale``; the block's ``P`` is recomputed, not stored.
+
+Grouped-query attention (Ainslie et al., "GQA", 2023): ``heads`` query heads share
+``kv_heads`` key/value heads, query head ``i`` reading kv head ``i // (heads / kv_heads)``. The
+blocks expand K and V here, and fold dK and dV back, so only ``kv_heads`` travel.
+
+All arithmetic is in fp32 whatever the input dtype (as FlashAttention accumulates).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FULL, DIAGONAL = "full", "diagonal"  # a block entirely visible, or on the causal diagonal
+
+
+def expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """``(b, kv_heads, s, d)`` -> ``(b, heads, s, d)``: each kv head repeated for its group."""
+    return t.repeat_interleave(heads // t.shape[1], dim=1) if t.shape[1] != heads else t
+
+
+def fold_kv(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The transpose of :func:`expand_kv`: sum the gradients of each group of query heads."""
+    b, heads, s, d = t.shape
+    return t.view(b, kv_heads, heads // kv_heads, s, d).sum(2) if heads != kv_heads else t
+
+
+def _scores(q, k, scale, kind):
+    scores = q @ expand_kv(k, q.shape[1]).transpose(-2, -1) * scale
+    if kind == DIAGONAL:  # query i sees keys 0..i of the same chunk
+        s = scores.shape[-1]
+        visible = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~visible, float("-inf"))
+    return scores
+
+
+def block_forward(q, k, v, scale: float, kind: str = FULL):
+    """``(out, lse)`` of queries ``q`` against one block of keys/values, in fp32."""
+    scores = _scores(q, k, scale, kind)
+    lse = scores.logsumexp(dim=-1)
+    out = torch.exp(scores - lse.unsqueeze(-1)) @ expand_kv(v, q.shape[1])
+    return out, lse
+
+
+def merge(out, lse, block_out, block_lse):
+    """The online-softmax merge of a running ``(out, lse)`` with a new block's: exact.
+
+    Start from ``out = 0`` and ``lse = -inf`` (no keys seen yet): the first merge returns the
+    block itself. Every block merged must have seen at least one key in each row."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    out = (out * torch.exp(lse - new_lse).unsqueeze(-1)
+           + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
+    return out, new_lse
+
+
+def block_backward(q, k, v, lse, dout, delta, scale: float, kind: str = FULL):
+    """``(dq, dk, dv)`` of one block, from the final ``lse`` and ``delta = rowsum(dO * O)``."""
+    p = torch.exp(_scores(q, k, scale, kind) - lse.unsqueeze(-1))
+    kv_heads = k.shape[1]
+    dv = fold_kv(p.transpose(-2, -1) @ dout, kv_heads)
+    ds = p * (dout @ expand_kv(v, q.shape[1]).transpose(-2, -1) - delta.unsqueeze(-1))
+    dq = ds @ expand_kv(k, q.shape[1]) * scale
+    dk = fold_kv(ds.transpose(-2, -1) @ q, kv_heads) * scale
+    return dq, dk, dv

@@ -1,0 +1,103 @@
+"""The tiny GPT with its sequence split over a context-parallel group.
+
+Every rank holds the whole model and ``S/N`` tokens of each sequence (:mod:`engine.cp.layout`).
+Everything but attention works token by token, so it runs unchanged on the local tokens (the
+position embedding looks up the positions this rank holds); attention is
+:func:`engine.cp.ring_attention` (or :func:`engine.cp.ulysses_attention`), so each token still
+attends to every earlier token of its sequence.
+
+The loss is this rank's mean over its own tokens. With equal tokens per rank, the average of
+those means over the ranks is the mean over the whole batch, and the gradients sum exactly as
+they should (a rank's queries send gradient to other ranks' keys and values through the ring's
+backward). So the context-parallel ranks average their gradients like data-parallel ones:
+Megatron-Core reduces gradients over the combined data x context group; here
+:class:`engine.dp.DataParallel` over the group of every replica does it.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from engine.cp.layout import shard_indices
+from engine.cp.ring import ring_attention
+from engine.cp.ulysses import ulysses_attention
+from engine.validation import one_of
+
+ATTENTIONS = ("ring", "ulysses")
+
+
+class ContextParallelAttention(nn.Module):
+    """A :class:`engine.models.CausalSelfAttention` whose attention spans the group's tokens."""
+
+    def __init__(self, attn: nn.Module, group=None, layout: str = "zigzag",
+                 attention: str = "ring"):
+        super().__init__()
+        self.qkv, self.proj, self.heads = attn.qkv, attn.proj, attn.heads
+        self.group, self.layout, self.attention = group, layout, attention
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2)
+                   for t in self.qkv(x).split(h, dim=2))
+        if self.attention == "ring":
+            y = ring_attention(q, k, v, self.group, causal=True, layout=self.layout)
+        else:
+            y = ulysses_attention(q, k, v, self.group, causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, h))
+
+
+class ContextParallelGPT(nn.Module):
+    """A copy of ``gpt`` (an :class:`engine.models.TinyGPT`) that takes this rank's tokens.
+
+    ``attention="ulysses"`` needs the contiguous layout and heads divisible by the group size.
+    """
+
+    def __init__(self, gpt: nn.Module, group=None, layout: str = "zigzag",
+                 attention: str = "ring"):
+        super().__init__()
+        one_of("attention", attention, ATTENTIONS)
+        if attention == "ulysses" and layout != "contiguous":
+            raise ValueError("Ulysses gathers whole sequences in rank order: use "
+                             f"layout='contiguous', not {layout!r}")
+        self.group, self.layout = group, layout
+        self.gpt = copy.deepcopy(gpt)
+        for block in self.gpt.blocks:
+            block.attn = ContextParallelAttention(block.attn, group, layout, attention)
+
+    def positions(self, local_len: int, device=None) -> torch.Tensor:
+        """The positions in the whole sequence of this rank's ``local_len`` tokens."""
+        n, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        return shard_indices(n * local_len, n, rank, self.layout).to(device)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits for this rank's tokens ``idx`` (``(batch, S/N)``, in the layout's order)."""
+        gpt = self.gpt
+        x = gpt.tok(idx) + gpt.pos(self.positions(idx.shape[1], idx.device))
+        for block in gpt.blocks:
+            x = block(x)
+        return gpt.head(gpt.ln_f(x))
+
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over this rank's tokens."""
+        logits = self(idx)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def context_parallel_group(cp: int):
+    """Split the world into groups of ``cp`` consecutive ranks (context parallelism next to
+    tensor parallelism, inside data parallelism, as Megatron-Core orders them); return this
+    rank's group. Every rank must call it (creating a group is collective)."""
+    world = dist.get_world_size()
+    if world % cp:
+        raise ValueError(f"cp = {cp} must divide the world size {world}")
+    mine = None
+    for start in range(0, world, cp):
+        group = dist.new_group(list(range(start, start + cp)))
+        if start <= dist.get_rank() < start + cp:
+            mine = group
+    return mine

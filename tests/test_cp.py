@@ -1,0 +1,248 @@
+"""engine.cp: ring attention (zig-zag and contiguous) and Ulysses equal dense attention, count
+the bytes of engine.theory, balance the causal load as theory says, and train the tiny GPT
+exactly as one process does.
+
+Tolerances, stated once:
+* fp32: outputs and the gradients of q, k and v within ``atol=1e-5`` of PyTorch's
+  ``scaled_dot_product_attention`` on the whole sequence (measured: about 1e-6);
+* bf16: against an fp64 reference, no worse than 1.5x the error of PyTorch's own bf16
+  ``scaled_dot_product_attention`` on the whole sequence, and within ``2^-6`` of the largest
+  magnitude (4 bf16 steps);
+* training: parameters after 3 SGD steps within ``1e-6`` of one process (measured: 6e-8).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from engine import RankError, theory
+from engine.comm import CommMeter
+from engine.cp import (ContextParallelGPT, check_sequence_split, check_ulysses_heads,
+                       context_parallel_group, gather_sequence, ring_attention, ring_schedule,
+                       shard_indices, shard_sequence, ulysses_attention)
+from engine.dp import DataParallel
+from engine.models import GPTConfig, TinyGPT, token_data
+from tests.helpers import run_ranks
+
+# per N: (heads, kv heads, zig-zag length, contiguous and Ulysses length); odd where it can be
+SIZES = {1: (4, 2, 8, 7), 2: (4, 2, 12, 10), 3: (6, 3, 12, 9), 4: (8, 4, 16, 12)}
+ATOL_FP32 = 1e-5
+
+
+def _inputs(n, seq_len, dtype, seed=0, batch=2, head_dim=8):
+    heads, kv_heads = SIZES[n][:2]
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(batch, h, seq_len, head_dim) for h in (heads, kv_heads, kv_heads, heads)]
+    return [torch.randn(s, generator=g).to(dtype) for s in shapes]  # q, k, v, grad of out
+
+
+def _dense(q, k, v, grad, causal, dtype):
+    leaves = [t.to(dtype).clone().requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*leaves, is_causal=causal,
+                                         enable_gqa=k.shape[1] != q.shape[1])
+    out.backward(grad.to(dtype))
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def _parallel(q, k, v, grad, attention, causal, layout):
+    leaves = [shard_sequence(t, None, layout).requires_grad_() for t in (q, k, v)]
+    if attention == "ring":
+        out = ring_attention(*leaves, causal=causal, layout=layout)
+    else:
+        out = ulysses_attention(*leaves, causal=causal)
+    out.backward(shard_sequence(grad, None, layout))
+    return [gather_sequence(t, None, layout) for t in [out] + [t.grad for t in leaves]]
+
+
+CASES = [("ring", "zigzag"), ("ring", "contiguous"), ("ulysses", "contiguous")]
+
+
+def _errors(rank, n, dtype):
+    """{(attention, layout, causal): max errors of (out, dq, dk, dv), and the reference's}."""
+    found = {}
+    for attention, layout in CASES:
+        seq_len = SIZES[n][2] if layout == "zigzag" else SIZES[n][3]
+        q, k, v, grad = _inputs(n, seq_len, dtype)
+        for causal in (True, False):
+            got = _parallel(q, k, v, grad, attention, causal, layout)
+            if dtype == torch.float32:
+                want = _dense(q, k, v, grad, causal, torch.float32)
+                found[attention, layout, causal] = [(g - w).abs().max().item()
+                                                    for g, w in zip(got, want)]
+            else:
+                exact = _dense(q, k, v, grad, causal, torch.float64)
+                builtin = _dense(q, k, v, grad, causal, dtype)
+                found[attention, layout, causal] = [
+                    ((g.double() - e).abs().max().item(), (b.double() - e).abs().max().item(),
+                     e.abs().max().item()) for g, b, e in zip(got, builtin, exact)]
+    return found
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_ring_and_ulysses_equal_dense_attention_and_its_gradients_in_fp32(n):
+    for rank, found in enumerate(run_ranks(_errors, n, torch.float32)):
+        for case, errors in found.items():
+            assert max(errors) <= ATOL_FP32, (rank, case, errors)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_bf16_is_as_close_to_exact_as_pytorchs_own_bf16_attention(n):
+    for found in run_ranks(_errors, n, torch.bfloat16):
+        for case, rows in found.items():
+            for mine, builtin, magnitude in rows:  # out, dq, dk, dv
+                assert mine <= 1.5 * builtin and mine <= 2**-6 * magnitude, (case, rows)
+
+
+def _bytes(rank, n, layout, attention):
+    heads, kv_heads = SIZES[n][:2]
+    seq_len = 8 * n
+    q, k, v, grad = _inputs(n, seq_len, torch.float32, batch=1)
+    leaves = [shard_sequence(t, None, layout).requires_grad_() for t in (q, k, v)]
+    with CommMeter(count="wire") as forward:
+        if attention == "ring":
+            out = ring_attention(*leaves, layout=layout)
+        else:
+            out = ulysses_attention(*leaves)
+    with CommMeter(count="wire") as backward:
+        out.backward(shard_sequence(grad, None, layout))
+    return [(m.bytes_sent, m.bytes_received, m.all_counted, [e.op for e in m.events])
+            for m in (forward, backward)]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_counted_bytes_equal_the_formulas(n):
+    heads, kv_heads = SIZES[n][:2]
+    seq_len, head_dim = 8 * n, 8
+    ring = theory.ring_attention_bytes(seq_len, kv_heads * head_dim, n, dtype_bytes=4)
+    ulysses = theory.ulysses_bytes(seq_len, heads * head_dim, n, dtype_bytes=4,
+                                   kv_hidden=kv_heads * head_dim)
+    for layout in ("zigzag", "contiguous"):
+        for forward, backward in run_ranks(_bytes, n, layout, "ring"):
+            assert forward[:3] == (ring["forward"], ring["forward"], True)
+            assert backward[:3] == (ring["backward"], ring["backward"], True)
+            # one K/V message per step: N-1 forward; K/V and dK/dV backward
+            assert forward[3].count("isend") == n - 1
+            assert backward[3].count("isend") == 2 * (n - 1)
+    for forward, backward in run_ranks(_bytes, n, "contiguous", "ulysses"):
+        assert forward[:3] == (ulysses["forward"], ulysses["forward"], True)
+        assert backward[:3] == (ulysses["backward"], ulysses["backward"], True)
+        assert forward[3] == backward[3] == ["all_to_all", "all_to_all"]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_the_ring_schedule_covers_the_causal_mask_once_and_skips_masked_blocks(n, layout):
+    seq_len = 4 * n
+    chunk = check_sequence_split(seq_len, n, layout)
+    covered = torch.zeros(seq_len, seq_len, dtype=torch.int64)
+    schedule = ring_schedule(n, layout, causal=True)
+    for rank, steps in schedule.items():
+        mine = shard_indices(seq_len, n, rank, layout)
+        pairs = 0
+        for step, block_pairs in enumerate(steps):
+            theirs = shard_indices(seq_len, n, (rank - step) % n, layout)
+            for a, b, kind in block_pairs:
+                rows = mine[a * chunk:(a + 1) * chunk]
+                cols = theirs[b * chunk:(b + 1) * chunk]
+                visible = rows[:, None] >= cols[None, :]
+                assert visible.any()  # no fully masked block is computed
+                assert visible.all() == (kind == "full")
+                covered[rows[:, None], cols[None, :]] += visible.long()
+                pairs += chunk * chunk
+        flops = 4 * pairs  # per (batch, head, head_dim)
+        assert flops == theory.ring_attention_flops(seq_len, n, rank, layout)
+    assert torch.equal(covered, torch.ones(seq_len, seq_len, dtype=torch.int64).tril())
+
+
+def test_zigzag_balances_the_causal_work_and_contiguous_does_not():
+    for n in (2, 4, 8):
+        contiguous = [theory.ring_attention_flops(64 * n, n, r, "contiguous") for r in range(n)]
+        zigzag = [theory.ring_attention_flops(64 * n, n, r, "zigzag") for r in range(n)]
+        assert len(set(zigzag)) == 1  # every rank the same work
+        assert max(contiguous) / (sum(contiguous) / n) == pytest.approx(2 * n / (n + 1))
+        assert max(contiguous) / max(zigzag) == pytest.approx(4 * n / (2 * n + 1))
+
+
+def test_sequences_that_do_not_split_are_clear_errors_before_any_rank_starts():
+    with pytest.raises(ValueError, match=r"sequence length 9 does not split into the 2 x 3 = 6 "
+                                         r"equal chunks the zigzag layout needs on 3 ranks"):
+        check_sequence_split(9, 3, "zigzag")
+    with pytest.raises(ValueError, match="sequence length 10 does not split into the 4 equal"):
+        check_sequence_split(10, 4, "contiguous")
+    with pytest.raises(ValueError, match="layout must be one of 'zigzag', 'contiguous'"):
+        check_sequence_split(8, 2, "striped")
+    assert check_sequence_split(9, 3, "contiguous") == 3
+
+
+def test_heads_that_do_not_split_are_clear_errors_before_any_rank_starts():
+    with pytest.raises(ValueError, match=r"6 query heads do not split over 4 ranks"):
+        check_ulysses_heads(6, 6, 4)
+    with pytest.raises(ValueError, match=r"2 KV heads do not split over 4 ranks"):
+        check_ulysses_heads(8, 2, 4)
+    check_ulysses_heads(8, 4, 4)
+
+
+def _mismatched(rank, n):
+    local = 4 if rank == 0 else 6  # rank 0 holds fewer tokens
+    q = torch.randn(1, 2, local, 8)
+    ring_attention(q, q, q, layout="contiguous")
+
+
+def _ulysses_heads_on_ranks(rank, n):
+    q = torch.randn(1, 3, 4, 8)
+    ulysses_attention(q, q, q)
+
+
+def test_mismatched_shapes_and_heads_on_the_ranks_are_clear_errors():
+    with pytest.raises(RankError, match=r"ranks hold different shapes \(rank 0: q \(1, 2, 4, "
+                                        r"8\), 2 kv heads, torch.float32; rank 1: q \(1, 2, 6"):
+        run_ranks(_mismatched, 2)
+    with pytest.raises(RankError, match="3 query heads do not split over 2 ranks"):
+        run_ranks(_ulysses_heads_on_ranks, 2)
+
+
+def test_gather_undoes_shard_for_both_layouts():
+    def roundtrip(rank, n):
+        x = torch.arange(2 * 3 * 12.0).view(2, 3, 12, 1)
+        return [torch.equal(gather_sequence(shard_sequence(x, None, layout), None, layout), x)
+                for layout in ("zigzag", "contiguous")]
+
+    assert all(all(r) for r in run_ranks(roundtrip, 3))
+    assert shard_indices(8, 2, 0, "zigzag").tolist() == [0, 1, 6, 7]
+    assert shard_indices(8, 2, 1, "zigzag").tolist() == [2, 3, 4, 5]
+
+
+# -- the tiny GPT, trained with context parallelism ---------------------------------------------
+
+
+def _train(rank, world_size, cp, layout, attention, steps=3):
+    cfg = GPTConfig(vocab=32, seq_len=16, layers=2, heads=4, hidden=32)
+    dense = TinyGPT(cfg, seed=0)
+    group = context_parallel_group(cp)
+    model = DataParallel(ContextParallelGPT(dense, group, layout, attention))  # every replica
+    dp, batch = world_size // cp, 4
+    x, y = token_data(batch, cfg.seq_len, cfg.vocab, seed=1)
+    rows = slice(rank // cp * batch // dp, (rank // cp + 1) * batch // dp)
+    x_local, y_local = (shard_sequence(t[rows], group, layout, dim=1) for t in (x, y))
+    # momentum SGD, not Adam: see tests/test_tp.py (Adam magnifies round-off in zero gradients)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (dense, model)]
+    for _ in range(steps):
+        for opt in opts:
+            opt.zero_grad()
+        dense.loss(x, y).backward()
+        model.module.loss(x_local, y_local).backward()
+        for opt in opts:
+            opt.step()
+    return max((a - b).abs().max().item()
+               for a, b in zip(dense.parameters(), model.module.gpt.parameters()))
+
+
+@pytest.mark.parametrize("world_size, cp, layout, attention", [
+    (2, 2, "zigzag", "ring"), (2, 2, "contiguous", "ulysses"), (4, 2, "zigzag", "ring")])
+def test_tiny_gpt_trained_with_context_parallelism_equals_one_process(world_size, cp, layout,
+                                                                        attention):
+    for diff in run_ranks(_train, world_size, cp, layout, attention):
+        assert diff <= 1e-6
