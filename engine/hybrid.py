@@ -123,7 +123,7 @@ def train_3d(rank: int, world_size: int, dp: int, tp: int, pp: int, cfg, steps: 
     for _ in range(steps):
         optimizer.zero_grad()
         with CommMeter() as meter:
-            run = run_pipeline(mesh.coords.pp, [stage], plan, inputs, labels, loss_fn,
+            run = run_pipeline([stage], plan, inputs, labels, loss_fn, stage=mesh.coords.pp,
                                group=mesh.pp_group)
             stage.sync_tied_embedding()
             optimizer.step()

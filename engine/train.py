@@ -198,8 +198,8 @@ def _engine_steps(rank, world_size, cfg: TrainConfig):
             if cfg.compress is not None:
                 run = _accumulate(stage, inputs, labels, loss_fn, rank)
             else:
-                run = run_pipeline(mesh.coords.pp, [stage], plan, inputs, labels, loss_fn,
-                                   group=mesh.pp_group)
+                run = run_pipeline([stage], plan, inputs, labels, loss_fn,
+                                   stage=mesh.coords.pp, group=mesh.pp_group)
                 if cfg.zero != 3:
                     stage.sync_tied_embedding()
             optimizer.step()

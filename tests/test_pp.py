@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from engine import theory
-from engine.pp import (balanced_boundaries, gpipe, interleaved_1f1b, measured_bubble,
+from engine.pp import (Action, balanced_boundaries, gpipe, interleaved_1f1b, measured_bubble,
                        one_f_one_b, run_pipeline, simulate, split_model, uniform_boundaries,
                        validate)
 from tests.helpers import BEYOND_CPU, DEVICE_WORLD_SIZES, rank_device, run_ranks
@@ -87,6 +87,30 @@ def test_validate_names_what_is_wrong():
                   1: [("F", 1), ("B", 1), ("F", 0), ("B", 0)]})
 
 
+def test_actions_are_typed_and_schedules_stay_plain_data():
+    schedule = interleaved_1f1b(2, 4, 2)
+    assert type(schedule) is dict and all(type(a) is Action for a in schedule[0])
+    first = schedule[0][0]
+    assert (first.kind, first.mb, first.chunk) == ("F", 0, 0) and first == ("F", 0, 0)
+    assert Action("B", 3) == Action("B", 3, 0) and repr(Action("F", 2, 1)) == "F2c1"
+    # plain tuples, with or without the chunk, are read as the same schedule
+    as_tuples = {s: [tuple(a) if a.chunk else (a.kind, a.mb) for a in acts]
+                 for s, acts in schedule.items()}
+    assert simulate(as_tuples).bubble == simulate(schedule).bubble
+
+
+@pytest.mark.parametrize("bad, error, message", [
+    ({0: [("F", 0), ("X", 0)]}, ValueError, "action kind must be one of 'F', 'B'; got 'X'"),
+    ({0: [("F", -1), ("B", -1)]}, ValueError, "micro-batch of \\('F', -1\\) must be an int >= 0"),
+    ({0: [("F", 0, 1.5), ("B", 0)]}, ValueError, "chunk of \\('F', 0, 1.5\\) must be an int"),
+    ({0: ["F0", "B0"]}, TypeError, "a pipeline action is \\(kind, micro-batch\\[, chunk\\]\\)"),
+    ([("F", 0)], TypeError, "a schedule is a non-empty dict"),
+])
+def test_a_malformed_action_is_named(bad, error, message):
+    with pytest.raises(error, match=message):
+        validate(bad)
+
+
 def test_one_f_one_b_needs_asynchronous_sends():
     validate(one_f_one_b(4, 8))
     validate(gpipe(4, 8), blocking_sends=True)
@@ -95,8 +119,8 @@ def test_one_f_one_b_needs_asynchronous_sends():
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda: gpipe(2, 0), "m \\(micro-batches\\) must be an int >= 1, got 0"),
-    (lambda: one_f_one_b(0, 4), "p \\(stages\\) must be an int >= 1, got 0"),
+    (lambda: gpipe(2, 0), "m \\(micro-batches\\) must be a positive int, got 0"),
+    (lambda: one_f_one_b(0, 4), "p \\(stages\\) must be a positive int, got 0"),
     (lambda: interleaved_1f1b(4, 6, 2), "m \\(micro-batches\\) to be a multiple of p "
                                         "\\(stages\\): got m=6, p=4"),
     (lambda: uniform_boundaries(3, 4), "cannot cut 3 layers into 4 pipeline stages"),
@@ -160,7 +184,7 @@ def _train(rank, p, kind, m, v, steps, device="cpu"):
         ref_opt.zero_grad()
         (sum(nn.functional.mse_loss(ref(a), b) for a, b in zip(xs, ys)) / m).backward()
         opt.zero_grad()
-        runs.append(run_pipeline(rank, mine, _schedule(kind, p, m, v), xs, ys))
+        runs.append(run_pipeline(mine, _schedule(kind, p, m, v), xs, ys, stage=rank))
         if grad_diff is None:
             grad_diff = max((a.grad - b.grad).abs().max().item() for c in range(v)
                             for a, b in zip(mine[c].parameters(),
@@ -224,11 +248,11 @@ def _against_torch(rank, p, m, which):
     forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
 
     def logged_forward(i, *args, **kwargs):
-        order.append(("F", i))
+        order.append(Action("F", i))
         return forward(i, *args, **kwargs)
 
     def logged_backward(i, *args, **kwargs):
-        order.append(("B", i))
+        order.append(Action("B", i))
         return backward(i, *args, **kwargs)
 
     stage.forward_one_chunk, stage.backward_one_chunk = logged_forward, logged_backward
@@ -241,7 +265,7 @@ def _against_torch(rank, p, m, which):
     else:
         schedule.step()
     ours_schedule = gpipe(p, m) if which == "gpipe" else one_f_one_b(p, m)
-    run_pipeline(rank, [ours], ours_schedule, xs, ys)
+    run_pipeline([ours], ours_schedule, xs, ys, stage=rank)
     grad_diff = max((a.grad - b.grad).abs().max().item()
                     for a, b in zip(piece.parameters(), ours.parameters()))
     return order == ours_schedule[rank], grad_diff
@@ -255,12 +279,46 @@ def test_same_order_and_gradients_as_torch_distributed_pipelining(which, p, m):
         assert grad_diff <= 1e-6
 
 
+def _run_with_stage(rank, world_size, stage, positional):
+    schedule, chunk = one_f_one_b(2, 2), nn.Linear(4, 4)
+    data = [torch.ones(1, 4)] * 2
+    if positional:  # the old call, with the rank first
+        return run_pipeline(rank, [chunk], schedule, data, data)
+    return run_pipeline([chunk], schedule, data, data, stage=stage(rank))
+
+
+@pytest.mark.parametrize("stage, positional, error, message", [
+    (lambda rank: rank + 2, False, ValueError,
+     "stage=[23] is not a stage of this 2-stage schedule \\(expected 0..1\\): pass this rank's "
+     "position in the pipeline group"),
+    (lambda rank: 1 - rank, False, ValueError,
+     "stage=([01]), but this process \\(global rank ([01])\\) is stage \\2 of the pipeline "
+     "group \\[0, 1\\]"),
+    (lambda rank: True, False, ValueError, "stage=True is not a stage"),
+    (None, True, TypeError, "run_pipeline needs stage=, this rank's position in the pipeline"),
+])
+def test_a_wrong_stage_is_a_clear_error(stage, positional, error, message):
+    with pytest.raises(Exception, match=message) as caught:
+        run_ranks(_run_with_stage, 2, stage, positional)
+    assert error.__name__ in str(caught.value)
+
+
+def test_a_schedule_for_another_pipeline_size_is_refused():
+    def run(rank, world_size):
+        data = [torch.ones(1, 4)] * 2
+        run_pipeline([nn.Linear(4, 4)], one_f_one_b(4, 2), data, data, stage=rank)
+
+    with pytest.raises(Exception, match="the schedule has p=4 stages but the pipeline group "
+                                        "has 2 ranks"):
+        run_ranks(run, 2)
+
+
 def test_a_deadlocking_schedule_is_refused_before_any_message():
     def run(rank, world_size):
         bad = {0: [("F", 0), ("B", 0), ("F", 1), ("B", 1)],
                1: [("F", 1), ("B", 1), ("F", 0), ("B", 0)]}
         chunk = nn.Linear(4, 4)
-        run_pipeline(rank, [chunk], bad, [torch.ones(1, 4)] * 2, [torch.ones(1, 4)] * 2)
+        run_pipeline([chunk], bad, [torch.ones(1, 4)] * 2, [torch.ones(1, 4)] * 2, stage=rank)
 
     with pytest.raises(Exception, match="deadlock"):
         run_ranks(run, 2)

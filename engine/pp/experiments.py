@@ -45,7 +45,7 @@ def pipeline_step(rank: int, p: int, kind: str, m: int, starts: list[int], width
         for chunk in mine:
             chunk.zero_grad()
         torch.distributed.barrier()
-        run = run_pipeline(rank, mine, _schedule(kind, p, m, v), xs, ys)
+        run = run_pipeline(mine, _schedule(kind, p, m, v), xs, ys, stage=rank)
     return run
 
 

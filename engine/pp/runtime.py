@@ -25,7 +25,7 @@ from torch import nn
 
 from engine.comm import ops
 from engine.memory import ActivationTracker
-from engine.pp.schedules import _shape, validate
+from engine.pp.schedules import _shape, actions_of, validate
 from engine.trace import Clock, TraceEvent
 
 _MAX_DIMS = 8
@@ -118,21 +118,45 @@ def _recv(src, tag, group, dtype, device):
     return out
 
 
-def run_pipeline(rank: int, chunks: list[nn.Module], schedule, inputs: list[torch.Tensor],
-                 targets: list[torch.Tensor], loss_fn=nn.functional.mse_loss,
-                 group=None) -> PipelineRun:
-    """Execute this rank's part of ``schedule`` (one forward and backward over ``m``
-    micro-batches). ``chunks[c]`` is virtual stage ``c*p + rank``; ``inputs``/``targets``
+def _check_stage(stage, p: int, group) -> tuple[int, ...]:
+    """The pipeline group's ranks, once ``stage`` is known to be this process's place in it."""
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < p:
+        raise ValueError(f"stage={stage!r} is not a stage of this {p}-stage schedule (expected "
+                         f"0..{p - 1}): pass this rank's position in the pipeline group (for "
+                         "example mesh.coords.pp), not its global rank")
+    ranks = ops.group_ranks(group)
+    if len(ranks) != p:
+        raise ValueError(f"the schedule has p={p} stages but the pipeline group has "
+                         f"{len(ranks)} ranks {list(ranks)}")
+    me = torch.distributed.get_rank()
+    if me not in ranks or ranks.index(me) != stage:
+        actual = f"stage {ranks.index(me)}" if me in ranks else "not a member"
+        raise ValueError(f"stage={stage}, but this process (global rank {me}) is {actual} of "
+                         f"the pipeline group {list(ranks)}")
+    return ranks
+
+
+def run_pipeline(chunks: list[nn.Module], schedule, inputs: list[torch.Tensor],
+                 targets: list[torch.Tensor], loss_fn=nn.functional.mse_loss, *,
+                 stage: int | None = None, group=None) -> PipelineRun:
+    """Execute pipeline stage ``stage``'s part of ``schedule`` (one forward and backward over
+    ``m`` micro-batches). ``stage`` is this rank's position in the pipeline ``group`` (its
+    ``mesh.coords.pp``); ``chunks[c]`` is virtual stage ``c*p + stage``; ``inputs``/``targets``
     are the micro-batches (used on the first and last virtual stage). Gradients land in the
     chunks' ``param.grad`` (call ``zero_grad`` between steps)."""
+    if stage is None or isinstance(chunks, int):
+        raise TypeError("run_pipeline needs stage=, this rank's position in the pipeline "
+                        "group: run_pipeline(chunks, schedule, inputs, targets, loss_fn, "
+                        "stage=..., group=...)")
     validate(schedule)  # a schedule that would deadlock is an error here, not a hang
+    schedule = actions_of(schedule)
     p, m, v = _shape(schedule)
+    ranks = _check_stage(stage, p, group)
     if len(chunks) != v:
         raise ValueError(f"the schedule has {v} chunk(s) per rank, got {len(chunks)} modules")
     if len(inputs) != m or len(targets) != m:
         raise ValueError(f"the schedule has m={m} micro-batches, got {len(inputs)} inputs and "
                          f"{len(targets)} targets")
-    ranks = ops.group_ranks(group)
     stages = p * v
     last = stages - 1
     stored, pending, events = {}, [], []
@@ -157,10 +181,8 @@ def run_pipeline(rank: int, chunks: list[nn.Module], schedule, inputs: list[torc
             return here.pop(tag)
         return _recv(ranks[from_vs % p], tag, group, dtype, device)
 
-    for action in schedule[rank]:
-        kind, mb = action[0], action[1]
-        c = action[2] if len(action) > 2 else 0
-        vs = c * p + rank
+    for kind, mb, c in schedule[stage]:
+        vs = c * p + stage
         if kind == "F":
             if vs == 0:  # its own copy: a view would pin (and count) the whole batch
                 x = inputs[mb].detach().clone()
@@ -196,9 +218,9 @@ def run_pipeline(rank: int, chunks: list[nn.Module], schedule, inputs: list[torc
     for work, _ in pending:
         work.wait()
     for kind, mb, c, start, end in marks:
-        events.append(TraceEvent(f"{kind}{mb}", rank, clock.seconds(start), clock.seconds(end),
+        events.append(TraceEvent(f"{kind}{mb}", stage, clock.seconds(start), clock.seconds(end),
                                  lane="compute", args={"kind": kind, "mb": mb, "chunk": c}))
-    return PipelineRun(total_loss if last % p == rank else None, events, peak, per_chunk,
+    return PipelineRun(total_loss if last % p == stage else None, events, peak, per_chunk,
                        peak_flight)
 
 

@@ -1,10 +1,12 @@
 """Pipeline schedules as plain data, a validator, and an event simulator.
 
-A schedule is ``{stage: [action, ...]}``: the order in which each pipeline rank runs its
-work. An action is ``("F", mb)`` or ``("B", mb)`` (forward or backward of micro-batch ``mb``);
-interleaved schedules add the model chunk: ``("F", mb, chunk)``. With ``v`` chunks per rank,
-chunk ``c`` on rank ``s`` is *virtual stage* ``c * p + s`` (Narayanan et al., "Efficient
-large-scale language model training on GPU clusters using Megatron-LM", SC 2021, section 2.2).
+A schedule is ``{stage: [Action, ...]}``: the order in which each pipeline rank runs its
+work. An :class:`Action` is ``Action(kind, mb, chunk=0)``: the forward ``"F"`` or backward
+``"B"`` of micro-batch ``mb`` on the rank's model chunk ``chunk``. It is a ``NamedTuple``, so
+plain tuples ``("F", mb)`` and ``("F", mb, chunk)`` are accepted wherever a schedule is read.
+With ``v`` chunks per rank, chunk ``c`` on rank ``s`` is *virtual stage* ``c * p + s``
+(Narayanan et al., "Efficient large-scale language model training on GPU clusters using
+Megatron-LM", SC 2021, section 2.2).
 
 * :func:`gpipe` (Huang et al., NeurIPS 2019): all forwards, then all backwards. Every stage
   holds the activations of all ``m`` micro-batches at once.
@@ -18,21 +20,53 @@ large-scale language model training on GPU clusters using Megatron-LM", SC 2021,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-Action = tuple  # ("F" | "B", micro-batch[, chunk])
+from engine.validation import non_negative_int, one_of, positive_int
+
+KINDS = ("F", "B")
+
+
+class Action(NamedTuple):
+    """One step of a pipeline rank: ``kind`` ``"F"`` (forward) or ``"B"`` (backward) of
+    micro-batch ``mb`` on this rank's model chunk ``chunk``. Shown as ``F3`` (chunk 0) or
+    ``F3c1``."""
+
+    kind: str
+    mb: int
+    chunk: int = 0
+
+    def __repr__(self) -> str:
+        return f"{self.kind}{self.mb}" + (f"c{self.chunk}" if self.chunk else "")
+
+
+def as_action(item) -> Action:
+    """``item`` (an :class:`Action` or a tuple ``(kind, mb[, chunk])``) as an :class:`Action`;
+    a ``TypeError``/``ValueError`` naming what is wrong otherwise."""
+    if isinstance(item, Action):
+        action = item
+    elif isinstance(item, (tuple, list)) and len(item) in (2, 3):
+        action = Action(*item)
+    else:
+        raise TypeError(f"a pipeline action is (kind, micro-batch[, chunk]), got {item!r}")
+    one_of("action kind", action.kind, KINDS)
+    non_negative_int(f"micro-batch of {item!r}", action.mb)
+    non_negative_int(f"chunk of {item!r}", action.chunk)
+    return action
 
 
 def _check(p, m, v=1):
-    for name, value in (("p (stages)", p), ("m (micro-batches)", m), ("v (chunks)", v)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    positive_int("p (stages)", p)
+    positive_int("m (micro-batches)", m)
+    positive_int("v (chunks)", v)
 
 
 def gpipe(p: int, m: int) -> dict[int, list[Action]]:
     """All ``m`` forwards, then all ``m`` backwards, on every stage (micro-batch order, as
     ``torch.distributed.pipelining.ScheduleGPipe``)."""
     _check(p, m)
-    return {s: [("F", i) for i in range(m)] + [("B", i) for i in range(m)] for s in range(p)}
+    return {s: [Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)]
+            for s in range(p)}
 
 
 def one_f_one_b(p: int, m: int) -> dict[int, list[Action]]:
@@ -42,12 +76,12 @@ def one_f_one_b(p: int, m: int) -> dict[int, list[Action]]:
     schedule = {}
     for s in range(p):
         warmup = min(p - s - 1, m)
-        actions = [("F", i) for i in range(warmup)]
+        actions = [Action("F", i) for i in range(warmup)]
         forward, backward = warmup, 0
         while forward < m:
-            actions += [("F", forward), ("B", backward)]
+            actions += [Action("F", forward), Action("B", backward)]
             forward, backward = forward + 1, backward + 1
-        actions += [("B", i) for i in range(backward, m)]
+        actions += [Action("B", i) for i in range(backward, m)]
         schedule[s] = actions
     return schedule
 
@@ -70,26 +104,28 @@ def interleaved_1f1b(p: int, m: int, v: int) -> dict[int, list[Action]]:
     schedule = {}
     for s in range(p):
         warmup = total if m == p else min((p - s - 1) * 2 + (v - 1) * p, total)
-        actions = [("F", *forward_id(k)) for k in range(warmup)]
+        actions = [Action("F", *forward_id(k)) for k in range(warmup)]
         for i in range(total - warmup):
-            actions += [("F", *forward_id(warmup + i)), ("B", *backward_id(i))]
-        actions += [("B", *backward_id(i)) for i in range(total - warmup, total)]
+            actions += [Action("F", *forward_id(warmup + i)), Action("B", *backward_id(i))]
+        actions += [Action("B", *backward_id(i)) for i in range(total - warmup, total)]
         schedule[s] = actions
     return schedule
 
 
-def _shape(schedule) -> tuple[int, int, int]:
-    """(p, m, v) of a schedule."""
-    p = len(schedule)
+def actions_of(schedule) -> dict[int, list[Action]]:
+    """``schedule`` with every action as an :class:`Action` (checked by :func:`as_action`)."""
+    if not isinstance(schedule, dict) or not schedule:
+        raise TypeError(f"a schedule is a non-empty dict {{stage: [actions]}}, got "
+                        f"{type(schedule).__name__}")
+    return {s: [as_action(a) for a in acts] for s, acts in schedule.items()}
+
+
+def _shape(schedule: dict[int, list[Action]]) -> tuple[int, int, int]:
+    """(p, m, v) of a schedule of :class:`Action` s."""
     actions = [a for acts in schedule.values() for a in acts]
-    m = 1 + max(a[1] for a in actions)
-    v = 1 + max((a[2] if len(a) > 2 else 0) for a in actions)
-    return p, m, v
-
-
-def _virtual(action, stage, p):
-    chunk = action[2] if len(action) > 2 else 0
-    return chunk * p + stage
+    if not actions:
+        raise ValueError("the schedule has no actions")
+    return len(schedule), 1 + max(a.mb for a in actions), 1 + max(a.chunk for a in actions)
 
 
 def validate(schedule: dict[int, list[Action]], blocking_sends: bool = False) -> None:
@@ -103,25 +139,41 @@ def validate(schedule: dict[int, list[Action]], blocking_sends: bool = False) ->
       ``blocking_sends=True`` a send also waits for its receive (a rendezvous), the stricter
       model under which some correct-looking schedules deadlock.
     """
-    if sorted(schedule) != list(range(len(schedule))):
+    if isinstance(schedule, dict) and sorted(schedule) != list(range(len(schedule))):
         raise ValueError(f"stages must be 0..p-1, got {sorted(schedule)}")
+    given = schedule
+    schedule = actions_of(schedule)
     p, m, v = _shape(schedule)
-    expected = sorted((kind, mb, c) for kind in "BF" for mb in range(m) for c in range(v))
+    expected = sorted((kind, mb, c) for kind in KINDS for mb in range(m) for c in range(v))
     for s, actions in schedule.items():
-        seen = sorted((a[0], a[1], a[2] if len(a) > 2 else 0) for a in actions)
+        seen = sorted(actions)
         if seen != expected:
             missing = sorted(set(expected) - set(seen))
             extra = [a for a in seen if seen.count(a) > 1 or a not in expected]
             raise ValueError(f"stage {s} must run F and B of every micro-batch once: missing "
-                             f"{missing[:4]}, repeated or unknown {sorted(set(extra))[:4]}")
+                             f"{[Action(*a) for a in missing[:4]]}, repeated or unknown "
+                             f"{sorted(set(extra))[:4]}")
         done_f = set()
-        for a in actions:
-            key = (a[1], a[2] if len(a) > 2 else 0)
-            if a[0] == "F":
-                done_f.add(key)
-            elif key not in done_f:
-                raise ValueError(f"stage {s} runs {a} before its forward")
+        for raw, a in zip(given[s], actions):
+            if a.kind == "F":
+                done_f.add((a.mb, a.chunk))
+            elif (a.mb, a.chunk) not in done_f:
+                raise ValueError(f"stage {s} runs {raw} before its forward")
     _run_blocking(schedule, p, v, blocking_sends)
+
+
+def _needs(action: Action, vs: int, last: int):
+    """The message ``action`` on virtual stage ``vs`` waits for (None: none)."""
+    if action.kind == "F":
+        return None if vs == 0 else ("act", action.mb, vs - 1)
+    return None if vs == last else ("grad", action.mb, vs + 1)
+
+
+def _produces(action: Action, vs: int, last: int):
+    """The message ``action`` on virtual stage ``vs`` sends (None: none)."""
+    if action.kind == "F":
+        return None if vs == last else ("act", action.mb, vs)
+    return None if vs == 0 else ("grad", action.mb, vs)
 
 
 def _run_blocking(schedule, p, v, blocking_sends):
@@ -130,19 +182,6 @@ def _run_blocking(schedule, p, v, blocking_sends):
     position = {s: 0 for s in schedule}
     sent: set = set()  # messages posted: ("act" | "grad", mb, virtual stage that sent)
     received: set = set()
-
-    def needs(s, a):
-        vs = _virtual(a, s, p)
-        if a[0] == "F":
-            return None if vs == 0 else ("act", a[1], vs - 1)
-        return None if vs == last else ("grad", a[1], vs + 1)
-
-    def produces(s, a):
-        vs = _virtual(a, s, p)
-        if a[0] == "F":
-            return None if vs == last else ("act", a[1], vs)
-        return None if vs == 0 else ("grad", a[1], vs)
-
     pending_send: dict[int, tuple] = {}  # blocking sends: stage -> message not yet received
     progress = True
     while progress:
@@ -156,12 +195,13 @@ def _run_blocking(schedule, p, v, blocking_sends):
             if position[s] == len(actions):
                 continue
             a = actions[position[s]]
-            need = needs(s, a)
+            vs = a.chunk * p + s
+            need = _needs(a, vs, last)
             if need is not None:
                 if need not in sent:
                     continue
                 received.add(need)
-            out = produces(s, a)
+            out = _produces(a, vs, last)
             if out is not None:
                 sent.add(out)
                 if blocking_sends:
@@ -190,12 +230,13 @@ class SimResult:
         return self.bubble / (1 - self.bubble)
 
 
-def simulate(schedule, t_f=1.0, t_b=2.0, t_comm=0.0) -> SimResult:
+def simulate(schedule, *, t_f=1.0, t_b=2.0, t_comm=0.0) -> SimResult:
     """Run ``schedule`` on a clock. ``t_f`` and ``t_b`` are one stage's forward and backward
     times for one micro-batch (a number, or a list per stage for imbalanced stages); with
     ``v`` chunks each chunk takes ``1/v`` of them. ``t_comm`` delays every cross-stage
     message."""
     validate(schedule)
+    schedule = actions_of(schedule)
     p, _, v = _shape(schedule)
     tf = list(t_f) if isinstance(t_f, (list, tuple)) else [t_f] * p
     tb = list(t_b) if isinstance(t_b, (list, tuple)) else [t_b] * p
@@ -214,22 +255,22 @@ def simulate(schedule, t_f=1.0, t_b=2.0, t_comm=0.0) -> SimResult:
         for s, actions in schedule.items():
             while position[s] < len(actions):
                 a = actions[position[s]]
-                vs, chunk = _virtual(a, s, p), (a[2] if len(a) > 2 else 0)
-                if a[0] == "F":
-                    dep = None if vs == 0 else ("F", a[1], vs - 1)
+                vs = a.chunk * p + s
+                if a.kind == "F":
+                    dep = None if vs == 0 else ("F", a.mb, vs - 1)
                 else:
-                    dep = ("F", a[1], vs) if vs == last else ("B", a[1], vs + 1)
+                    dep = ("F", a.mb, vs) if vs == last else ("B", a.mb, vs + 1)
                 if dep is not None and dep not in finished:
                     break
                 ready = 0.0 if dep is None else finished[dep] + (
                     t_comm if dep[2] != vs else 0.0)
                 start = max(free[s], ready)
-                end = start + (tf[s] if a[0] == "F" else tb[s]) / v
-                finished[(a[0], a[1], vs)] = end
+                end = start + (tf[s] if a.kind == "F" else tb[s]) / v
+                finished[(a.kind, a.mb, vs)] = end
                 free[s] = end
-                in_flight[s] += 1 if a[0] == "F" else -1
+                in_flight[s] += 1 if a.kind == "F" else -1
                 peak[s] = max(peak[s], in_flight[s])
-                timeline.append((s, a[0], a[1], chunk, start, end))
+                timeline.append((s, a.kind, a.mb, a.chunk, start, end))
                 position[s] += 1
                 remaining -= 1
     total = max(end for *_, end in timeline)

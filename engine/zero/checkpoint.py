@@ -59,6 +59,7 @@ from torch.serialization import default_restore_location
 
 from engine.comm import ops
 from engine.validation import non_negative_int
+from engine.zero.flat import ShardedBucket
 from engine.zero.optimizer import ZeroOptimizer
 from engine.zero.stage3 import ZeroDataParallel
 
@@ -107,30 +108,19 @@ def file_name(shape: MeshShape, place: Place) -> str:
 
 
 @dataclass(frozen=True)
-class _Bucket:
-    """One flat bucket as a checkpoint reads it. ``offsets``/``shapes`` place each parameter,
-    ``padded`` is the flat length, ``shard`` this rank's slice (the model's precision),
-    ``master`` what the optimizer updates (the shard itself in fp32, or an fp32 copy)."""
-
-    params: list[nn.Parameter]
-    offsets: dict[nn.Parameter, int]
-    shapes: dict[nn.Parameter, torch.Size]
-    padded: int
-    shard: torch.Tensor
-    master: torch.Tensor
-
-
-@dataclass(frozen=True)
 class _Sharded:
-    """A ZeRO model's checkpointable state, and the data-parallel group it is sharded over.
-    ``to_gather``: ZeRO-1/2 buckets whose full ``flat`` is rebuilt from shards after a load."""
+    """A ZeRO model's checkpointable state: its sharded buckets (ZeRO-1/2's flat buckets or
+    ZeRO-3's units, each with typed ``params``, ``offsets``, ``shapes``, ``padded``,
+    ``shard`` and ``master``), the inner optimizer, and the data-parallel group. ``regather``:
+    ZeRO-1/2 keep every parameter whole, so after a load each bucket's ``flat`` is gathered
+    back from the shards."""
 
     module: nn.Module
     stage: int
-    buckets: list[_Bucket]
+    buckets: list[ShardedBucket]
     inner: torch.optim.Optimizer
     group: dist.ProcessGroup | None
-    to_gather: list
+    regather: bool
 
     @property
     def sharded(self) -> bool:
@@ -139,16 +129,11 @@ class _Sharded:
 
 def _sharded(model: nn.Module, optimizer) -> _Sharded:
     if isinstance(model, ZeroDataParallel):
-        units = [_Bucket(u.params, u.offsets, u.shapes, u.padded, u.shard, u.master)
-                 for u in model.all_units]
-        return _Sharded(model.module, 3, units, model.optimizer.inner, model.group, [])
+        return _Sharded(model.module, 3, model.all_units, model.optimizer.inner, model.group,
+                        regather=False)
     if isinstance(optimizer, ZeroOptimizer):
-        buckets = [_Bucket(b.params, b.offsets, {p: p.shape for p in b.params}, b.padded,
-                           b.shard, master)
-                   for b, master in zip(optimizer.buckets, optimizer.masters, strict=True)]
-        gather = optimizer.buckets if optimizer.stage >= 1 else []
-        return _Sharded(model, optimizer.stage, buckets, optimizer.inner, optimizer.group,
-                        gather)
+        return _Sharded(model, optimizer.stage, optimizer.buckets, optimizer.inner,
+                        optimizer.group, regather=optimizer.stage >= 1)
     raise TypeError("save a ZeroDataParallel model, or a model with its ZeroOptimizer; got "
                     f"{type(model).__name__} and {type(optimizer).__name__}")
 
@@ -345,8 +330,9 @@ def load_sharded(directory, model: nn.Module, optimizer=None, mesh=None) -> None
         for name, value in state.module.named_buffers():
             value.copy_(payload["buffers"][name])
     state.inner.load_state_dict(payload["optimizer"])
-    for b in state.to_gather:  # every rank's full parameters, from the loaded shards
-        ops.all_gather_into_tensor(b.flat, b.shard.clone(), group=state.group)
+    if state.regather:  # every rank's full parameters, from the loaded shards
+        for b in state.buckets:
+            ops.all_gather_into_tensor(b.flat, b.shard.clone(), group=state.group)
 
 
 def consolidate(directory, tp: int | None = None, pp: int | None = None
