@@ -45,6 +45,13 @@ def positive_number(name: str, value) -> float:
     return value
 
 
+def non_negative_number(name: str, value) -> float:
+    """``value`` if it is a finite int or float >= 0, else a ValueError naming ``name``."""
+    if not _is_number(value) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    return value
+
+
 def fraction(name: str, value, *, open_low: bool = True) -> float:
     """``value`` if it lies in (0, 1] (or [0, 1] with ``open_low=False``)."""
     low_ok = (value > 0) if open_low else (value >= 0)
