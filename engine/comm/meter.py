@@ -18,7 +18,8 @@ its numbers were obtained (``measured``):
   ``async_op=True`` call runs to completion before it returns, so overlap is not shown.
   Open the meter on *every* rank of a group: ranks that disagree on the mode would run two
   different algorithms against each other.
-* ``count="model"``: the built-in collectives of Gloo or NCCL run, fast and overlapped, and their wire bytes are **modeled** by the bandwidth-optimal ring/chain algorithm
+* ``count="model"``: the built-in collectives of Gloo or NCCL run, fast and overlapped, and
+  their wire bytes are **modeled** by the bandwidth-optimal ring/chain algorithm
   (:func:`engine.theory.collective_wire_bytes`, the model behind nccl-tests' bus bandwidth).
   Use it to time, or to see overlap; every number the course calls measured is counted.
 
@@ -54,6 +55,9 @@ class CommEvent:
     peer: int | None = None  # the other rank of a point-to-point op (the root of a broadcast)
     dtype: str = ""
     messages: int = 0  # counted collectives: the point-to-point messages it was made of
+    # CUDA tensors: events on the stream at issue and at completion, turned into start/end
+    # when the meter closes (the host's clock would time the launch, not the transfer)
+    gpu_marks: list = field(default_factory=list, repr=False)
 
     @property
     def seconds(self) -> float | None:
@@ -66,8 +70,8 @@ class CommMeter:
 
     ``count``: ``"wire"`` (default) to run collectives on the engine's point-to-point algorithms
     and count their bytes, ``"model"`` to run the built-ins, fast and overlapped, and model
-    their bytes (see the module docstring). Meters nest: an op is recorded by every open meter, and collectives are
-    counted while any open meter counts the wire.
+    their bytes (see the module docstring). Meters nest: an op is recorded by every open
+    meter, and collectives are counted while any open meter counts the wire.
     """
 
     count: str = "wire"
@@ -85,6 +89,7 @@ class CommMeter:
 
     def __exit__(self, *exc) -> None:
         OPEN.meters.remove(self)
+        OPEN.resolve_gpu_marks(self.events)
 
     @property
     def bytes_sent(self) -> int:
@@ -150,6 +155,32 @@ class _OpenMeters:
     def __init__(self):
         self.meters: list[CommMeter] = []
         self.parts: list[list[CommEvent]] = []  # stack: messages of counted collectives
+        self.gpu_reference: dict = {}  # device -> (CUDA event, perf_counter at that event)
+
+    def gpu_mark(self, device):
+        """A CUDA event recorded now on ``device``'s current stream (see ``resolve``)."""
+        import torch
+
+        if device not in self.gpu_reference:  # once per device: one synchronisation
+            reference = torch.cuda.Event(enable_timing=True)
+            reference.record(torch.cuda.current_stream(device))
+            reference.synchronize()
+            self.gpu_reference[device] = (reference, time.perf_counter())
+        mark = torch.cuda.Event(enable_timing=True)
+        mark.record(torch.cuda.current_stream(device))
+        return device, mark
+
+    def resolve_gpu_marks(self, events) -> None:
+        """Turn the CUDA events of ``events`` into ``perf_counter`` seconds."""
+        for event in events:
+            times = []
+            for device, mark in event.gpu_marks:
+                reference, host = self.gpu_reference[device]
+                mark.synchronize()
+                times.append(host + reference.elapsed_time(mark) / 1e3)
+            if len(times) == 2:
+                event.start, event.end = times
+                event.gpu_marks = []
 
     def recording(self) -> bool:
         return bool(self.meters)

@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from engine import theory
 from engine.comm import nccl_rules
-from engine.comm.meter import CommEvent, collecting_messages, counting_wire, record, recording
+from engine.comm.meter import (OPEN, CommEvent, collecting_messages, counting_wire, record,
+                               recording)
 
 P2POp = dist.P2POp
 ReduceOp = dist.ReduceOp
@@ -88,6 +89,7 @@ class MeteredWork:
             self._result = self._work.wait(*args, **kwargs)
             self._waited = True
             self._stamp()
+            _gpu_end(self._events)
             self._copy_back()
         return self._result
 
@@ -324,13 +326,24 @@ def _collective(
             dtype=str(payload.dtype),
         )
     )
+    if payload.is_cuda:
+        event.gpu_marks.append(OPEN.gpu_mark(payload.device))
     work = run(async_op)
     if async_op:
         return MeteredWork(work, [event], after=after)
     if after is not None:
         after()
     event.end = time.perf_counter()
+    _gpu_end([event])
     return None
+
+
+def _gpu_end(events) -> None:
+    """Mark completion on the stream of events whose start was marked there: after ``wait``,
+    the current stream waits for the collective, so the mark fires when it is done."""
+    for event in events:
+        if len(event.gpu_marks) == 1:
+            event.gpu_marks.append(OPEN.gpu_mark(event.gpu_marks[0][0]))
 
 
 _ALGORITHM = {"broadcast": "chain", "reduce": "chain", "all_to_all": "pairwise"}
