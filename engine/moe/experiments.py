@@ -1,0 +1,134 @@
+"""Load and drops, measured: synthetic routers, and a short training run with and without the
+balancing loss. The notebook, the tests and the widget draw on these.
+
+**A skewed router.** Real routers prefer some experts. ``zipf_logits`` models that: token t's
+logit for expert i is ``noise + skew * log(1 / (i + 1))``, so expert i's share of the
+probability falls like ``(i + 1)^-skew`` (a power law; ``skew = 0`` is uniform in
+expectation).
+
+**A short training run.** One :class:`MoE` layer learns a fixed random teacher MLP from
+tokens ``x = z + 2u`` (``z`` Gaussian, ``u`` a fixed unit vector every token shares, as hidden
+states of a real model share a mean direction). The skewed router starts with
+``skew * log(1 / (i + 1)) * u / 2`` added to its weight, so its logits carry the power law of
+``zipf_logits``. Every step records the drop rate and every expert's (and, under expert
+parallelism, every rank's) load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.comm import ops
+from engine.moe.layer import MoE, single_rank_group
+from engine.moe.mesh import ExpertMesh, reduce_gradients
+from engine.moe.router import route
+
+
+def zipf_bias(num_experts: int, skew: float) -> torch.Tensor:
+    """``skew * log(1 / (i + 1))`` for each expert i: a power-law preference."""
+    return -skew * torch.log(torch.arange(1, num_experts + 1, dtype=torch.float32))
+
+
+def zipf_logits(tokens: int, num_experts: int, skew: float, seed: int = 0) -> torch.Tensor:
+    """Router logits ``[tokens, E]``: standard normal noise plus :func:`zipf_bias`."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(tokens, num_experts, generator=g) + zipf_bias(num_experts, skew)
+
+
+def drop_rates(logits: torch.Tensor, top_k: int, factors) -> dict[float, float]:
+    """``{capacity_factor: drop rate}`` for these logits."""
+    return {cf: route(logits, top_k, cf).drop_rate for cf in factors}
+
+
+@dataclass
+class BalanceRun:
+    """What a :func:`balance_run` measured, step by step (on one rank)."""
+
+    drop_rate: list[float] = field(default_factory=list)  # this rank's tokens
+    expert_load: list[list[int]] = field(default_factory=list)  # demand per expert, this rank
+    rank_load: list[list[int]] = field(default_factory=list)  # rows each rank's experts ran
+    loss: list[float] = field(default_factory=list)  # the task loss
+    final_logits: torch.Tensor | None = None  # the trained router on fresh tokens
+
+
+def _tokens(step: int, rank: int, tokens: int, hidden: int, direction: torch.Tensor):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(tokens, hidden, generator=g) + 2 * direction
+
+
+def balance_run(skew: float, aux_coef: float, steps: int = 60, tokens: int = 128,
+                hidden: int = 16, num_experts: int = 8, top_k: int = 2,
+                capacity_factor: float = 1.25, lr: float = 0.01, seed: int = 0,
+                mesh: ExpertMesh | None = None) -> BalanceRun:
+    """Train one MoE layer ``steps`` Adam steps (see the module docstring), in this process,
+    or with its experts spread over ``mesh.ep_group`` (each rank its own tokens, gradients
+    reduced by :func:`engine.moe.mesh.reduce_gradients`)."""
+    group = mesh.ep_group if mesh is not None else None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        direction = F.normalize(torch.randn(hidden), dim=0)
+        teacher = nn.Sequential(nn.Linear(hidden, 32), nn.Tanh(), nn.Linear(32, hidden))
+        dense = MoE(hidden, 2 * hidden, num_experts, top_k, capacity_factor,
+                    group=_one_rank(mesh), aux_loss_coef=aux_coef)
+        with torch.no_grad():
+            dense.router.weight.normal_(0, 1 / math.sqrt(hidden))
+            dense.router.weight += zipf_bias(num_experts, skew)[:, None] * direction / 2
+    moe = MoE.from_dense(dense, group) if mesh is not None else dense
+    with one_thread():
+        return _train(moe, teacher, direction, steps, tokens, hidden, lr, mesh)
+
+
+def _train(moe, teacher, direction, steps, tokens, hidden, lr, mesh) -> BalanceRun:
+    group, n = moe.group, moe.ep_size
+    rank = mesh.rank if mesh is not None else 0  # each rank reads its own tokens
+    optimizer = torch.optim.Adam(moe.parameters(), lr=lr)
+    run = BalanceRun()
+    for step in range(steps):
+        x = _tokens(step, rank, tokens, hidden, direction)
+        with torch.no_grad():
+            target = teacher(x)
+        task = F.mse_loss(x + moe(x), x + target)
+        optimizer.zero_grad()
+        (task + moe.aux_loss).backward()
+        if mesh is not None:
+            reduce_gradients(moe, mesh)
+        optimizer.step()
+        run.drop_rate.append(moe.stats.drop_rate)
+        run.expert_load.append(moe.stats.demand)
+        run.rank_load.append(_rank_loads(sum(moe.stats.processed), group, n))
+        run.loss.append(task.item())
+    with torch.no_grad():
+        run.final_logits = moe.router(_tokens(steps, rank, tokens, hidden, direction))
+    return run
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run tiny tensors on one thread: on a busy 2-core machine, two OpenMP threads per op made
+    a 20-step run 40x slower here (16 s instead of 0.4 s)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _one_rank(mesh):
+    """A group of this rank alone inside launched ranks (to build the full layer), else None."""
+    return single_rank_group() if mesh is not None else None
+
+
+def _rank_loads(processed: int, group, n: int) -> list[int]:
+    """Rows processed by each rank's experts (one small all-gather)."""
+    if n == 1:
+        return [processed]
+    everyone = torch.zeros(n, dtype=torch.long)
+    ops.all_gather_into_tensor(everyone, torch.tensor([processed]), group=group)
+    return everyone.tolist()
