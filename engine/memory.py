@@ -5,30 +5,71 @@ states* (parameters, gradients, optimizer states: 2Ψ + 2Ψ + 12Ψ bytes for mix
 with Ψ parameters) and *residual states* (activations, buffers). This module measures both on a
 live rank.
 
+Every strategy answers "what do I hold?" through one protocol: a method ``state_tensors()``
+returning :class:`StateTensors` (its parameters, gradients, optimizer state, communication
+buffers and host-offloaded tensors). :func:`model_state_bytes` counts those; a plain
+``nn.Module`` (tensor- and pipeline-parallel modules keep their shards as ordinary parameters)
+and a plain ``torch.optim.Optimizer`` are counted directly, and anything else is a
+``TypeError``, never a silent 0.
+
 Bytes are counted per unique storage: two tensors that share memory (tied weights, views into
 one flat buffer, ZeRO shards) are counted once. On the CPU that count matches the formulas
 exactly; process RSS does not (the allocator and the interpreter add noise), and
-``tracemalloc`` does not see tensors at all (DESIGN.md section 6).
+``tracemalloc`` does not see tensors at all: it traces Python's allocator, and tensor storage
+is allocated outside it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
+import weakref
+from dataclasses import dataclass, field, replace
 from typing import Iterable
 
 import torch
+from torch import nn
 
 
 @dataclass(frozen=True)
 class StateBytes:
-    """Bytes held by this rank. ``total`` counts a storage shared between fields once."""
+    """Bytes held by this rank, each storage counted once per field.
+
+    ``params``, ``grads`` and ``optimizer`` are the ZeRO paper's model states (section 3.1).
+    ``buffers`` are communication buffers kept between steps (data parallelism's gradient
+    buckets: one of the paper's residual states, "temporary buffers", section 3.2).
+    ``total`` is everything on the device: those four, a storage shared between fields counted
+    once. ``offloaded`` is kept in host memory instead (ZeRO-Offload's fp32 master weights and
+    optimizer state) and is not in ``total``.
+    """
 
     params: int
     grads: int
     optimizer: int
     total: int
+    buffers: int = 0
+    offloaded: int = 0
     memory_allocated: int | None = None  # CUDA only: torch.cuda.memory_allocated()
     max_memory_allocated: int | None = None  # CUDA only: the peak since the last reset
+
+
+@dataclass
+class StateTensors:
+    """What one strategy holds on this rank, by kind: the answer of ``state_tensors()``.
+
+    Fields as in :class:`StateBytes`. A tensor may be listed by two holders (a model and its
+    optimizer both list the parameters): storages are counted once.
+    """
+
+    params: list[torch.Tensor] = field(default_factory=list)
+    grads: list[torch.Tensor] = field(default_factory=list)
+    optimizer: list[torch.Tensor] = field(default_factory=list)
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    offloaded: list[torch.Tensor] = field(default_factory=list)
+
+    def __add__(self, other: "StateTensors") -> "StateTensors":
+        return StateTensors(self.params + other.params, self.grads + other.grads,
+                            self.optimizer + other.optimizer, self.buffers + other.buffers,
+                            self.offloaded + other.offloaded)
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
@@ -64,34 +105,82 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return found
 
 
-def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
-                      ) -> StateBytes:
-    """Bytes this rank holds for ``model``'s parameters and gradients and ``optimizer``'s state.
+def mark_held_by(params: Iterable[nn.Parameter], holder) -> None:
+    """Record that ``holder`` keeps ``params``' memory (ZeRO-3 empties ``param.data`` between
+    uses): counting a module with these parameters counts ``holder`` instead."""
+    for p in params:
+        p._state_holder = weakref.ref(holder)
 
+
+def module_state_tensors(module: nn.Module) -> StateTensors:
+    """A plain module's state: its parameters and their ``.grad``; for parameters whose memory
+    a strategy took over (:func:`mark_held_by`), that strategy's state."""
+    params = list(module.parameters())
+    held = StateTensors(params=params, grads=[p.grad for p in params if p.grad is not None])
+    holders = {}
+    for p in params:
+        ref = getattr(p, "_state_holder", None)
+        if ref is not None and ref() is not None:
+            holders[id(ref())] = ref()
+    for holder in holders.values():
+        held = held + holder.state_tensors()
+    return held
+
+
+def state_tensors_of(holder) -> StateTensors:
+    """The protocol: ``holder.state_tensors()`` where it has one; a plain module's parameters
+    and gradients; a plain optimizer's state. Anything else is a TypeError."""
+    if callable(getattr(holder, "state_tensors", None)):
+        return holder.state_tensors()
+    if isinstance(holder, nn.Module):
+        return module_state_tensors(holder)
+    if isinstance(holder, torch.optim.Optimizer):
+        inner = _torch_zero_inner(holder)
+        return StateTensors(optimizer=optimizer_tensors(inner or holder))
+    raise TypeError(
+        f"model_state_bytes cannot count a {type(holder).__name__}: expected an nn.Module, a "
+        "torch.optim.Optimizer, or an object with a state_tensors() method returning "
+        "engine.memory.StateTensors (every engine strategy has one)")
+
+
+def _torch_zero_inner(optimizer: torch.optim.Optimizer):
+    """PyTorch's ZeroRedundancyOptimizer keeps its shard's state in ``.optim``, not in
+    ``.state``: the optimizer to read, or None for any other optimizer."""
+    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    if module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer):
+        return optimizer.optim
+    return None  # not one (if it were, its module would be imported)
+
+
+def model_state_bytes(model, optimizer=None) -> StateBytes:
+    """Bytes this rank holds for ``model`` and ``optimizer`` (see :class:`StateBytes`).
+
+    ``model`` is a module or any strategy (``DataParallel``, ``ZeroDataParallel``, ...);
+    ``optimizer`` a plain optimizer, a ``ZeroOptimizer`` or ``ZeroDataParallel.optimizer``.
     For fp32 Adam after one step this is exactly ``4Ψ`` / ``4Ψ`` / ``8Ψ`` plus one 4-byte
-    ``step`` counter per parameter tensor. Each field counts its own unique storages; ``total``
-    counts every storage once even if it appears in two fields.
+    ``step`` counter per parameter tensor. Raises TypeError for what it cannot count.
     """
-    params = [p for p in model.parameters()]
-    grads = [p.grad for p in params if p.grad is not None]
-    opt = optimizer_tensors(optimizer) if optimizer is not None else []
-    counted = count_state_bytes(params, grads, opt)
-    if any(p.is_cuda for p in params):
-        counted = StateBytes(counted.params, counted.grads, counted.optimizer, counted.total,
-                             torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated())
+    held = state_tensors_of(model)
+    if optimizer is not None:
+        held = held + state_tensors_of(optimizer)
+    counted = count_state_bytes(held)
+    if any(t.is_cuda for t in held.params):
+        counted = replace(counted, memory_allocated=torch.cuda.memory_allocated(),
+                          max_memory_allocated=torch.cuda.max_memory_allocated())
     return counted
 
 
-def count_state_bytes(params: Iterable[torch.Tensor], grads: Iterable[torch.Tensor],
-                      optimizer: Iterable[torch.Tensor]) -> StateBytes:
-    """:class:`StateBytes` of three groups of tensors, each storage counted once per field
-    and once in ``total`` (a storage shared between two fields is not counted twice)."""
-    groups = [list(params), list(grads), list(optimizer)]
+def count_state_bytes(held: StateTensors) -> StateBytes:
+    """:class:`StateBytes` of ``held``: each storage counted once per field, and once in
+    ``total`` (a storage shared between two device fields is not counted twice)."""
+    device = [held.params, held.grads, held.optimizer, held.buffers]
     seen: set = set()
-    total = sum(unique_storage_bytes(group, seen) for group in groups)
-    return StateBytes(params=unique_storage_bytes(groups[0]),
-                      grads=unique_storage_bytes(groups[1]),
-                      optimizer=unique_storage_bytes(groups[2]), total=total)
+    total = sum(unique_storage_bytes(group, seen) for group in device)
+    return StateBytes(params=unique_storage_bytes(held.params),
+                      grads=unique_storage_bytes(held.grads),
+                      optimizer=unique_storage_bytes(held.optimizer), total=total,
+                      buffers=unique_storage_bytes(held.buffers),
+                      offloaded=unique_storage_bytes(held.offloaded))
 
 
 class ActivationTracker:

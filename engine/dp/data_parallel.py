@@ -2,11 +2,12 @@
 
 ``NaiveDataParallel`` all-reduces each gradient, one at a time, once backward is done.
 ``DataParallel`` does what ``torch.nn.parallel.DistributedDataParallel`` does (Li et al., VLDB
-2020): gradients are packed into buckets in reverse order (:mod:`engine.dp.buckets`), a hook on
-each parameter's gradient accumulation notices when a bucket is complete, and that bucket's
+2020, section 3.2): gradients are packed into buckets in reverse order, a hook on each
+parameter's gradient accumulation notices when a bucket is complete, and that bucket's
 all-reduce starts at once, asynchronously, while backward goes on computing earlier layers. At
 the end of backward (an autograd callback, no call needed from the user) every bucket is
-waited on and the averaged gradients are written back to ``param.grad``.
+waited on and the averaged gradients are written back to ``param.grad``. The buckets and that
+launch logic are :mod:`engine.grad_buckets`, shared with ZeRO.
 
 Buckets are launched strictly in bucket order on every rank, so the ranks' collectives always
 pair up, even when a parameter is unused on some ranks (its gradient counts as zero).
@@ -22,7 +23,15 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.comm import ops
-from engine.dp.buckets import assign_buckets
+from engine.grad_buckets import BucketLauncher, EndOfBackward, GradBucket, assign_buckets
+from engine.memory import StateTensors, module_state_tensors
+from engine.validation import positive_number
+
+# PyTorch's DDP defaults (2.13): 25 MiB buckets, and a first bucket of 1 MiB when the cap is
+# left at its default, so that the first all-reduce starts early
+DEFAULT_BUCKET_CAP_MB = 25
+DEFAULT_FIRST_BUCKET_MB = 1
+MB = 2**20
 
 
 def _checked_params(module: nn.Module) -> list[nn.Parameter]:
@@ -42,22 +51,6 @@ def broadcast_module(module: nn.Module, group=None) -> None:
     with torch.no_grad():
         for tensor in list(module.parameters()) + list(module.buffers()):
             ops.broadcast(tensor.data, src, group)
-
-
-class EndOfBackward:
-    """Runs ``fn`` once when the current backward pass finishes (queued from a grad hook)."""
-
-    def __init__(self, fn):
-        self.fn, self.queued = fn, False
-
-    def queue(self) -> None:
-        if not self.queued:
-            self.queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._run)
-
-    def _run(self) -> None:
-        self.queued = False
-        self.fn()
 
 
 class NaiveDataParallel(nn.Module):
@@ -84,64 +77,66 @@ class NaiveDataParallel(nn.Module):
             p.grad.div_(n)
 
 
-class _Bucket:
-    """One bucket: a flat gradient buffer and each parameter's view of it. Compressors get
-    this object (``index``, ``is_last``, ``buffer``, ``params``, ``views``), as PyTorch's comm
-    hooks get a ``GradBucket``."""
-
-    def __init__(self, index: int, params: list[nn.Parameter], is_last: bool):
-        self.index, self.params, self.is_last = index, params, is_last
-        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
-                                  device=params[0].device)
-        self.views = {}
-        offset = 0
-        for p in params:
-            self.views[p] = self.buffer[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
-        self.ready: set[nn.Parameter] = set()
-        self.work = None
-
-
 class DataParallel(nn.Module):
     """Bucketed data parallelism with communication overlapped with backward.
 
     Args:
-        module: the replica; its parameters are broadcast from the group's first rank.
-        bucket_cap_mb: close a bucket once it holds this many MB of gradients.
+        module: the replica; its parameters and buffers are broadcast from the group's first
+            rank.
+        bucket_cap_mb: close a bucket once it holds this many MiB of gradients. ``None``, as in
+            PyTorch: 25 MiB, with a first bucket of 1 MiB.
         overlap: start each bucket's all-reduce as soon as it is full (True), or all of them
             after backward (False), to measure what overlap buys.
         compressor: ``None`` (plain all-reduce) or a callable ``(bucket, group) -> work``
             that leaves the *average* over ranks in ``bucket.buffer`` once ``work.wait()``
             returns, like a PyTorch comm hook (:mod:`engine.compress`).
         group: the data-parallel process group (default: the world).
-        first_bucket_mb: a smaller first bucket gets communication going sooner (DDP: 1 MB).
+        first_bucket_mb: the first bucket's cap; ``None``: 1 MiB if ``bucket_cap_mb`` is left
+            at its default, else ``bucket_cap_mb`` (PyTorch's rule). A smaller first bucket
+            gets communication going sooner.
+        broadcast_buffers: broadcast the module's buffers (e.g. BatchNorm's running
+            statistics) from the group's first rank at the start of each forward, as PyTorch
+            does (it skips the forward after one run under ``no_sync()`` or without grad).
     """
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, overlap: bool = True,
-                 compressor=None, group=None, first_bucket_mb: float | None = None):
+    def __init__(self, module: nn.Module, bucket_cap_mb: float | None = None,
+                 overlap: bool = True, compressor=None, group=None,
+                 first_bucket_mb: float | None = None, broadcast_buffers: bool = True):
         super().__init__()
-        if not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
-        if first_bucket_mb is not None and not first_bucket_mb > 0:
-            raise ValueError(f"first_bucket_mb must be positive or None, got {first_bucket_mb!r}")
+        if bucket_cap_mb is None:
+            bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
+            first_bucket_mb = DEFAULT_FIRST_BUCKET_MB if first_bucket_mb is None \
+                else first_bucket_mb
+        positive_number("bucket_cap_mb", bucket_cap_mb)
+        if first_bucket_mb is not None:
+            positive_number("first_bucket_mb", first_bucket_mb)
         if compressor is not None and not callable(compressor):
             raise ValueError(f"compressor must be None or callable, got {compressor!r}")
         params = [p for p in _checked_params(module) if p.requires_grad]  # frozen: skipped
         self.module, self.group, self.overlap, self.compressor = module, group, overlap, compressor
+        self.broadcast_buffers = broadcast_buffers
         broadcast_module(module, group)
-        mb = 2**20
-        first_cap = int(first_bucket_mb * mb) if first_bucket_mb else None
-        groups = assign_buckets(params, int(bucket_cap_mb * mb), first_cap)
-        self.buckets = [_Bucket(i, ps, i == len(groups) - 1) for i, ps in enumerate(groups)]
-        self._bucket_of = {p: b for b in self.buckets for p in b.params}
-        self._next = 0  # the next bucket to launch: launches go in bucket order on every rank
+        self.bucket_cap_bytes = int(bucket_cap_mb * MB)
+        self.first_bucket_bytes = int((first_bucket_mb or bucket_cap_mb) * MB)
+        groups = assign_buckets(params, self.bucket_cap_bytes, self.first_bucket_bytes)
+        self.buckets = [GradBucket(ps, i, i == len(groups) - 1) for i, ps in enumerate(groups)]
+        for bucket in self.buckets:
+            bucket.buffer = bucket.new_flat()  # kept: every backward writes into it
+        self.launcher = BucketLauncher(self.buckets, self._launch, self._average_into_grads,
+                                       at_end=self._backward_done)
         self.backward_done_at: float | None = None
         self._sync = True
-        self._end = EndOfBackward(self._finish)
+        self._sync_buffers_next = True
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def forward(self, *args, **kwargs):
+        if self.broadcast_buffers and self._sync_buffers_next:
+            src = ops.group_ranks(self.group)[0]
+            with torch.no_grad():
+                for buffer in self.module.buffers():
+                    ops.broadcast(buffer, src, self.group)
+        self._sync_buffers_next = torch.is_grad_enabled() and self._sync
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -153,52 +148,44 @@ class DataParallel(nn.Module):
         finally:
             self._sync = previous
 
+    def state_tensors(self) -> StateTensors:
+        """What this rank holds (see :mod:`engine.memory`): the replica's parameters and
+        gradients, and the bucket buffers, a second copy of the gradients (what PyTorch's
+        ``gradient_as_bucket_view=True`` saves)."""
+        return module_state_tensors(self.module) + \
+            StateTensors(buffers=[b.buffer for b in self.buckets])
+
     # -- during backward ---------------------------------------------------------------------
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         if not self._sync:
             return
-        self._end.queue()
-        bucket = self._bucket_of[p]
-        bucket.views[p].copy_(p.grad)
-        bucket.ready.add(p)
-        if self.overlap:
-            self._launch_ready_buckets()
+        bucket = self.launcher.bucket_of[p]
+        bucket.view_of(p, bucket.buffer).copy_(p.grad)
+        self.launcher.grad_ready(p, launch=self.overlap)
 
-    def _launch_ready_buckets(self) -> None:
-        while (self._next < len(self.buckets)
-               and len(self.buckets[self._next].ready) == len(self.buckets[self._next].params)):
-            self._launch(self.buckets[self._next])
-
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: GradBucket):
+        for p in bucket.params:  # launched at the end of backward: some gradients never came
+            if p in bucket.ready:
+                continue
+            if p.grad is not None:  # accumulated earlier, not touched this pass
+                bucket.view_of(p, bucket.buffer).copy_(p.grad)
+            else:  # unused on this rank: its gradient counts as zero
+                bucket.view_of(p, bucket.buffer).zero_()
         if self.compressor is not None:
-            bucket.work = self.compressor(bucket, self.group)
-        else:
-            bucket.work = ops.all_reduce(bucket.buffer, group=self.group, async_op=True)
-        self._next += 1
+            return self.compressor(bucket, self.group)
+        return ops.all_reduce(bucket.buffer, group=self.group, async_op=True)
 
     # -- at the end of backward ----------------------------------------------------------------
 
-    def _finish(self) -> None:
+    def _backward_done(self) -> None:
         self.backward_done_at = time.perf_counter()  # for timelines: compute ends here
-        for bucket in self.buckets[self._next:]:  # not full: unused parameters, or no overlap
-            for p in bucket.params:
-                if p not in bucket.ready:
-                    if p.grad is not None:  # accumulated earlier, not touched this pass
-                        bucket.views[p].copy_(p.grad)
-                    else:
-                        bucket.views[p].zero_()
-            self._launch(bucket)
-        n = dist.get_world_size(self.group)
-        for bucket in self.buckets:
-            bucket.work.wait()
-            if self.compressor is None:  # a compressor leaves the average already
-                bucket.buffer.div_(n)
-            for p in bucket.params:
-                if p.grad is None:
-                    p.grad = bucket.views[p].clone()
-                else:
-                    p.grad.copy_(bucket.views[p])
-            bucket.ready.clear()
-            bucket.work = None
-        self._next = 0
+
+    def _average_into_grads(self, bucket: GradBucket) -> None:
+        if self.compressor is None:  # a compressor leaves the average already
+            bucket.buffer.div_(dist.get_world_size(self.group))
+        for p in bucket.params:
+            if p.grad is None:
+                p.grad = bucket.view_of(p, bucket.buffer).clone()
+            else:
+                p.grad.copy_(bucket.view_of(p, bucket.buffer))

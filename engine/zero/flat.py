@@ -11,52 +11,92 @@ same).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from engine.comm import ops
-from engine.dp.buckets import assign_buckets
+from engine.grad_buckets import GradBucket, assign_buckets
+from engine.validation import positive_number
 
 
-class FlatBucket:
-    """One bucket: ``flat`` (padded, every parameter a view of it) and this rank's slice."""
+class ShardedBucket(GradBucket):
+    """A gradient bucket padded to a multiple of ``world_size``, of which rank ``rank`` owns
+    the ``shard_numel`` elements from ``rank * shard_numel``. Its gradients are
+    reduce-scattered: each rank receives the average over ranks of its own slice (ZeRO-2 and
+    ZeRO-3) and adds it to ``shard_grad``.
 
-    def __init__(self, params: list[nn.Parameter], rank: int, world_size: int):
-        self.params = params
-        self.numel = sum(p.numel() for p in params)
-        self.padded = math.ceil(self.numel / world_size) * world_size
-        self.shard_numel = self.padded // world_size
+    Typed fields a checkpoint reads: ``params``, ``offsets``, ``shapes``, ``padded``,
+    ``shard`` (this rank's slice of the parameters, provided by the subclass) and ``master``
+    (what the optimizer updates: the shard itself in fp32, else an fp32 copy of it).
+    """
+
+    def __init__(self, params: list[nn.Parameter], rank: int, world_size: int,
+                 index: int = 0, is_last: bool = False):
+        super().__init__(params, index, is_last, pad_to=world_size)
         self.rank, self.world_size = rank, world_size
-        first = params[0]
-        self.flat = torch.zeros(self.padded, dtype=first.dtype, device=first.device)
-        self.offsets: dict[nn.Parameter, int] = {}
-        at = 0
+        self.shard_numel = self.padded // world_size
+        self.master: nn.Parameter | None = None
+        self.shard_grad: torch.Tensor | None = None  # the averaged gradient of the shard
+        self.received: torch.Tensor | None = None  # the reduce-scatter's output, in flight
+
+    shard: torch.Tensor
+
+    def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a bucket-shaped ``flat`` tensor (a view)."""
+        lo = self.rank * self.shard_numel
+        return flat[lo:lo + self.shard_numel]
+
+    def flatten(self, tensor_of) -> torch.Tensor:
+        """A new flat tensor holding ``tensor_of(p)`` at each parameter's place (zeros for
+        ``None`` and for the padding)."""
+        out = self.new_flat()
+        for p in self.params:
+            tensor = tensor_of(p)
+            if tensor is not None:
+                self.view_of(p, out).copy_(tensor)
+        return out
+
+    def accumulate_grad(self, p: nn.Parameter) -> None:
+        """Add ``p.grad`` into ``buffer`` and drop it: from here only the bucket holds it."""
+        if self.buffer is None:
+            self.buffer = self.new_flat()
+        self.view_of(p, self.buffer).add_(p.grad)
+        p.grad = None
+
+    def start_reduce_scatter(self, group):
+        """Launch the async reduce-scatter of ``buffer`` (zeros if no gradient came)."""
+        if self.buffer is None:  # none of its parameters was used in this backward
+            self.buffer = self.new_flat()
+        self.received = torch.empty_like(self.shard)
+        return ops.reduce_scatter_tensor(self.received, self.buffer, group=group,
+                                         async_op=True)
+
+    def add_reduced_grad(self) -> None:
+        """Once the reduce-scatter is done: add the average to ``shard_grad``, drop the full
+        gradient."""
+        self.shard_grad.add_(self.received.div_(self.world_size))
+        self.buffer = self.received = None
+
+
+class FlatBucket(ShardedBucket):
+    """A ZeRO-1/2 bucket: ``flat`` (padded, every parameter's ``.data`` a view of it) and
+    ``shard``, this rank's slice of it."""
+
+    def __init__(self, params: list[nn.Parameter], rank: int, world_size: int,
+                 index: int = 0, is_last: bool = False):
+        super().__init__(params, rank, world_size, index, is_last)
+        self.flat = self.flatten(lambda p: p.detach())
         for p in params:
-            self.offsets[p] = at
-            self.flat[at:at + p.numel()].copy_(p.detach().reshape(-1))
-            p.data = self.flat[at:at + p.numel()].view_as(p)
-            at += p.numel()
+            p.data = self.view_of(p, self.flat)
 
     @property
     def shard(self) -> torch.Tensor:
         """This rank's slice of ``flat`` (a view)."""
-        lo = self.rank * self.shard_numel
-        return self.flat[lo:lo + self.shard_numel]
-
-    def view_of(self, p: nn.Parameter, buffer: torch.Tensor) -> torch.Tensor:
-        """``p``'s place in a bucket-shaped ``buffer`` (e.g. a flat gradient)."""
-        at = self.offsets[p]
-        return buffer[at:at + p.numel()].view_as(p)
+        return self.shard_of(self.flat)
 
     def flatten_grads(self) -> torch.Tensor:
         """The parameters' gradients packed like ``flat`` (zeros for missing ones and padding)."""
-        out = torch.zeros_like(self.flat)
-        for p in self.params:
-            if p.grad is not None:
-                self.view_of(p, out).copy_(p.grad)
-        return out
+        return self.flatten(lambda p: p.grad)
 
 
 def check_params(params) -> list[nn.Parameter]:
@@ -81,32 +121,7 @@ def check_params(params) -> list[nn.Parameter]:
 def make_buckets(params: list[nn.Parameter], bucket_cap_mb: float, rank: int,
                  world_size: int) -> list[FlatBucket]:
     """Pack ``params`` (forward order) into flat buckets, last parameter first."""
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
-            or not bucket_cap_mb > 0:
-        raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
+    positive_number("bucket_cap_mb", bucket_cap_mb)
     groups = assign_buckets(params, int(bucket_cap_mb * 2**20))
-    return [FlatBucket(group, rank, world_size) for group in groups]
-
-
-# -- reduce-scattering gradients into shards (stages 2 and 3) ----------------------------------
-#
-# A "piece" is a FlatBucket (stage 2) or a stage-3 unit: it has ``padded``, ``shard``,
-# ``shard_grad`` (this rank's accumulated gradients), ``grad_buffer`` (the full flat gradient
-# being filled during backward), ``received``, ``work`` and ``ready``.
-
-
-def start_reduce_scatter(piece, group) -> None:
-    """Launch the async reduce-scatter of ``piece.grad_buffer`` (zeros if no gradient came)."""
-    if piece.grad_buffer is None:  # none of its parameters was used in this backward
-        piece.grad_buffer = piece.shard.new_zeros(piece.padded)
-    piece.received = torch.empty_like(piece.shard)
-    piece.work = ops.reduce_scatter_tensor(piece.received, piece.grad_buffer, group=group,
-                                           async_op=True)
-
-
-def finish_reduce_scatter(piece, world_size: int) -> None:
-    """Wait, add the average to ``piece.shard_grad``, and drop the full gradient."""
-    piece.work.wait()
-    piece.shard_grad.add_(piece.received.div_(world_size))
-    piece.grad_buffer = piece.received = piece.work = None
-    piece.ready.clear()
+    return [FlatBucket(group, rank, world_size, i, i == len(groups) - 1)
+            for i, group in enumerate(groups)]

@@ -28,11 +28,9 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.comm import ops
-from engine.dp.data_parallel import EndOfBackward
-from engine.memory import (StateBytes, count_state_bytes, optimizer_tensors,
-                           unique_storage_bytes)
-from engine.zero.flat import (check_params, finish_reduce_scatter, make_buckets,
-                              start_reduce_scatter)
+from engine.grad_buckets import BucketLauncher
+from engine.memory import StateBytes, StateTensors, count_state_bytes, optimizer_tensors
+from engine.zero.flat import check_params, make_buckets
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -78,48 +76,35 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # fp32 on the device: the optimizer updates the shard in place. fp16/bf16, or offload:
         # a separate fp32 master copy (on the CPU when offloading).
         self.separate_masters = self.mixed or offload
-        self.masters = [nn.Parameter(b.shard.detach().to("cpu" if offload else b.shard.device,
-                                                         torch.float32, copy=True)
-                                     if self.separate_masters else b.shard.detach())
-                        for b in self.buckets]
+        for b in self.buckets:
+            b.master = nn.Parameter(b.shard.detach().to("cpu" if offload else b.shard.device,
+                                                        torch.float32, copy=True)
+                                    if self.separate_masters else b.shard.detach())
         self.inner = optimizer_cls(self.masters, **kwargs)
-        self._bucket_of = {p: b for b in self.buckets for p in b.params}
         if stage == 2:
             self._setup_stage2()
+
+    @property
+    def masters(self) -> list[nn.Parameter]:
+        """Each bucket's ``master``: what the inner optimizer updates."""
+        return [b.master for b in self.buckets]
 
     # -- stage 2: reduce-scatter during backward -----------------------------------------------
 
     def _setup_stage2(self) -> None:
         for b in self.buckets:
             b.shard_grad = torch.zeros_like(b.shard)  # this rank's gradients, accumulated
-            b.grad_buffer, b.received, b.work, b.ready = None, None, None, set()
-        self._next = 0
-        self._end = EndOfBackward(self._finish_backward)
-        for p in self._bucket_of:
+        self.launcher = BucketLauncher(self.buckets,
+                                       launch=lambda b: b.start_reduce_scatter(self.group),
+                                       finish=lambda b: b.add_reduced_grad())
+        for p in self.launcher.bucket_of:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        self._end.queue()
-        b = self._bucket_of[p]
-        if b.grad_buffer is None:
-            b.grad_buffer = torch.zeros_like(b.flat)
-        b.view_of(p, b.grad_buffer).add_(p.grad)
-        p.grad = None  # the full gradient is gone; only the bucket holds it, until sent
-        b.ready.add(p)
-        while self._next < len(self.buckets) and \
-                len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
-            self._reduce_scatter(self.buckets[self._next])
-
-    def _reduce_scatter(self, b) -> None:
-        start_reduce_scatter(b, self.group)
-        self._next += 1
-
-    def _finish_backward(self) -> None:
-        for b in self.buckets[self._next:]:  # unused parameters: their gradient is zero
-            self._reduce_scatter(b)
-        for b in self.buckets:
-            finish_reduce_scatter(b, self.world_size)
-        self._next = 0
+        # the full gradient goes into the bucket and is dropped: only the bucket holds it,
+        # until its reduce-scatter has sent it
+        self.launcher.bucket_of[p].accumulate_grad(p)
+        self.launcher.grad_ready(p)
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -165,21 +150,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # -- measuring -----------------------------------------------------------------------------
 
-    def offloaded_bytes(self) -> int:
-        """Bytes of master weights and optimizer state kept in CPU memory (``offload=True``)."""
-        if not self.offload:
-            return 0
-        return unique_storage_bytes(optimizer_tensors(self.inner) + list(self.masters))
-
-    def state_bytes(self) -> StateBytes:
-        """Bytes this rank holds on its device, by unique storage: parameters (the flat
-        buckets, padding included), gradients (full ones and stage 2's shards) and optimizer
-        state (the inner optimizer's, and fp32 master weights in mixed precision). With
-        ``offload`` the optimizer state is elsewhere: see :meth:`offloaded_bytes`."""
-        params = [b.flat for b in self.buckets]
-        grads = [p.grad for p in self._bucket_of if p.grad is not None]
+    def state_tensors(self) -> StateTensors:
+        """What this rank holds (see :mod:`engine.memory`): parameters (the flat buckets,
+        padding included), gradients (full ones and stage 2's shards) and optimizer state (the
+        inner optimizer's, and fp32 master weights in mixed precision). With ``offload`` the
+        optimizer state and the masters are in host memory: ``offloaded``."""
+        grads = [p.grad for b in self.buckets for p in b.params if p.grad is not None]
         if self.stage == 2:
             grads += [b.shard_grad for b in self.buckets]
-        optim = [] if self.offload else \
-            optimizer_tensors(self.inner) + (list(self.masters) if self.mixed else [])
-        return count_state_bytes(params, grads, optim)
+        state = optimizer_tensors(self.inner) + (self.masters if self.separate_masters else [])
+        return StateTensors(params=[b.flat for b in self.buckets], grads=grads,
+                            optimizer=[] if self.offload else state,
+                            offloaded=state if self.offload else [])
+
+    def state_bytes(self) -> StateBytes:
+        """Bytes this rank holds on its device (and ``offloaded`` to the host), each storage
+        counted once."""
+        return count_state_bytes(self.state_tensors())
+
+    def offloaded_bytes(self) -> int:
+        """Bytes of master weights and optimizer state kept in CPU memory (``offload=True``)."""
+        return self.state_bytes().offloaded

@@ -29,31 +29,28 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.comm import ops
-from engine.dp.data_parallel import EndOfBackward
-from engine.memory import StateBytes, count_state_bytes, optimizer_tensors
-from engine.zero.flat import (FlatBucket, check_params, finish_reduce_scatter,
-                              start_reduce_scatter)
+from engine.grad_buckets import BucketLauncher
+from engine.memory import (StateBytes, StateTensors, count_state_bytes, mark_held_by,
+                           optimizer_tensors)
+from engine.zero.flat import ShardedBucket, check_params
 
 _EMPTY = torch.empty(0)
 
 
-class _Unit:
+class _Unit(ShardedBucket):
     """One unit: its parameters as a flat sharded bucket, gathered only while needed."""
 
-    def __init__(self, name: str, params: list[nn.Parameter], rank: int, n: int):
-        self.name, self.params = name, params
-        self.shapes = {p: p.shape for p in params}  # .data is emptied while not gathered
-        bucket = FlatBucket(params, rank, n)  # packs the current values, then we keep 1/N
-        self.offsets, self.padded = bucket.offsets, bucket.padded
-        self.shard = bucket.shard.detach().clone()  # gathered in the model's precision
+    def __init__(self, name: str, params: list[nn.Parameter], rank: int, n: int, index: int):
+        super().__init__(params, rank, n, index)
+        self.name = name
+        # pack the current values, keep 1/N, in the model's precision (what is gathered)
+        self.shard = self.shard_of(self.flatten(lambda p: p.detach())).clone()
         # what the optimizer updates: the shard itself (fp32), or an fp32 master copy of it
         self.master = nn.Parameter(self.shard if self.shard.dtype == torch.float32
                                    else self.shard.float())
         self.shard_grad = torch.zeros_like(self.shard)
         self.full: torch.Tensor | None = None
         self.pending = None  # an async gather in flight (prefetch)
-        self.grad_buffer: torch.Tensor | None = None
-        self.received, self.work, self.ready = None, None, set()
         self.free()
 
     @property
@@ -73,8 +70,7 @@ class _Unit:
             work.wait()
             self.full, self.pending = buffer, None
             for p in self.params:
-                at, shape = self.offsets[p], self.shapes[p]
-                p.data = self.full[at:at + shape.numel()].view(shape)
+                p.data = self.view_of(p, self.full)
 
     def free(self) -> None:
         self.full = None
@@ -109,22 +105,26 @@ class ZeroDataParallel(nn.Module):
         with torch.no_grad():
             for p in module.parameters():
                 ops.broadcast(p.data, root, group)
-        self.units, root_params = self._make_units(module, units, rank)
-        self.root = _Unit("(root)", root_params, rank, self.world_size) if root_params else None
+        self.root, self.units = self._make_units(module, units, rank)
         self.all_units = ([self.root] if self.root else []) + self.units
-        self._unit_of = {p: u for u in self.all_units for p in u.params}
+        # units launch their reduce-scatter as soon as their gradients are complete (the
+        # reverse of the forward's order, the same on every rank); unused ones and the root
+        # at the end of backward
+        self.launcher = BucketLauncher(self.all_units, ordered=False,
+                                       launch=lambda u: u.start_reduce_scatter(self.group),
+                                       finish=self._finish_unit)
         self.optimizer = _ShardOptimizer(self, optimizer_cls([u.master for u in self.all_units],
                                                              **kwargs))
         self._order: list[_Unit] = []  # units in the order the last forward ran them
-        self._end = EndOfBackward(self._finish_backward)
         self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
         self.memory_timeline: list[tuple[float, int, str]] = []  # (time, bytes gathered, event)
         for unit, mod in zip(self.units, self._unit_modules, strict=True):
             mod.register_forward_pre_hook(lambda _m, _a, u=unit: self._before_forward(u))
             mod.register_forward_hook(lambda _m, _a, out, u=unit: self._after_forward(u, out))
-        for p in self._unit_of:
+        for p in self.launcher.bucket_of:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        mark_held_by(self.launcher.bucket_of, self)  # module.parameters() are empty between uses
 
     def _make_units(self, module, units, rank):
         if units is None:
@@ -135,16 +135,19 @@ class ZeroDataParallel(nn.Module):
             for p in mod.parameters():
                 if p.requires_grad:
                     claimed.setdefault(p, i) if p not in claimed else claimed.__setitem__(p, -1)
-        self._unit_modules, made = [], []
+        self._unit_modules, groups = [], []
         for i, mod in enumerate(units):
             mine = [p for p in mod.parameters() if claimed.get(p) == i]
             if mine:
                 self._unit_modules.append(mod)
-                made.append(_Unit(type(mod).__name__, list(dict.fromkeys(mine)), rank,
-                                  self.world_size))
+                groups.append((type(mod).__name__, list(dict.fromkeys(mine))))
         root = [p for p in dict.fromkeys(module.parameters())
                 if p.requires_grad and claimed.get(p, -1) == -1]
-        return made, root
+        if root:  # the root unit comes first: gathered for the whole step
+            groups.insert(0, ("(root)", root))
+        made = [_Unit(name, params, rank, self.world_size, i)
+                for i, (name, params) in enumerate(groups)]
+        return (made.pop(0) if root else None), made
 
     # -- bookkeeping of what is gathered ------------------------------------------------------
 
@@ -201,7 +204,7 @@ class ZeroDataParallel(nn.Module):
     # -- backward -------------------------------------------------------------------------------
 
     def _before_backward(self, unit: _Unit) -> None:
-        self._end.queue()
+        self.launcher.end.queue()
         self._gather(unit, "backward")
         if self.prefetch:  # backward runs the units in reverse
             earlier = self._next_in(self._order[::-1], unit)
@@ -209,45 +212,34 @@ class ZeroDataParallel(nn.Module):
                 self._start(earlier, "backward prefetch")
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        self._end.queue()
-        unit = self._unit_of[p]
-        if unit.grad_buffer is None:
-            unit.grad_buffer = torch.zeros(unit.padded, dtype=unit.shard.dtype,
-                                           device=unit.shard.device)
-        at = unit.offsets[p]
-        unit.grad_buffer[at:at + p.numel()].add_(p.grad.reshape(-1))
-        p.grad = None
-        unit.ready.add(p)
-        if len(unit.ready) == len(unit.params) and unit is not self.root:
-            self._reduce_scatter(unit)
+        unit = self.launcher.bucket_of[p]
+        unit.accumulate_grad(p)
+        self.launcher.grad_ready(p, launch=unit is not self.root)  # the root waits for the end
+        if unit.work is not None:  # its gradients are on their way: its parameters can go
             self._free(unit, "after backward")
 
-    def _reduce_scatter(self, unit: _Unit) -> None:
-        start_reduce_scatter(unit, self.group)
-
-    def _finish_backward(self) -> None:
-        # units launch in the order their gradients complete, the same on every rank; units
-        # whose parameters got no gradient (unused) and the root go last, in a fixed order
-        for unit in self.all_units:
-            if unit.work is None:
-                self._reduce_scatter(unit)
-        for unit in self.all_units:
-            finish_reduce_scatter(unit, self.world_size)
-            if unit.pending is not None:  # prefetched, but its backward never came
-                unit.finish_gather()
-            self._free(unit, "end of backward")
+    def _finish_unit(self, unit: _Unit) -> None:
+        unit.add_reduced_grad()
+        if unit.pending is not None:  # prefetched, but its backward never came
+            unit.finish_gather()
+        self._free(unit, "end of backward")
 
     # -- measuring ------------------------------------------------------------------------------
 
-    def state_bytes(self) -> StateBytes:
-        """Bytes this rank holds between steps: shards of parameters and gradients, optimizer
-        state, and any unit still gathered."""
+    def state_tensors(self) -> StateTensors:
+        """What this rank holds (see :mod:`engine.memory`): shards of parameters and gradients,
+        any unit still gathered, the optimizer state and the fp32 masters (where the shards
+        are not fp32 themselves)."""
         params = [u.shard for u in self.all_units] + \
             [u.full for u in self.all_units if u.full is not None]
-        grads = [u.shard_grad for u in self.all_units]
         optim = optimizer_tensors(self.optimizer.inner) + \
             [u.master for u in self.all_units if u.master.dtype != u.shard.dtype]
-        return count_state_bytes(params, grads, optim)
+        return StateTensors(params=params, grads=[u.shard_grad for u in self.all_units],
+                            optimizer=optim)
+
+    def state_bytes(self) -> StateBytes:
+        """Bytes this rank holds, each storage counted once."""
+        return count_state_bytes(self.state_tensors())
 
 
 class _ShardOptimizer:
@@ -273,6 +265,10 @@ class _ShardOptimizer:
     @property
     def param_groups(self):
         return self.inner.param_groups
+
+    def state_tensors(self) -> StateTensors:
+        """The model's: the optimizer state lives with the shards it updates."""
+        return self.model.state_tensors()
 
 
 def _tensors(output):
