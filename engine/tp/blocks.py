@@ -5,6 +5,14 @@ Per layer (Megatron-LM, section 3, Figure 3): the MLP is column-parallel ``fc`` 
 heads (each rank a/t heads: its slice of q, k and v is column-parallel, the output projection
 row-parallel). Each costs one all-reduce forward (g) and one backward (f): **2 + 2 per
 layer**, each of b*s*h elements. LayerNorms and the position embedding are replicated.
+
+``sequence_parallel=True`` (Korthikanti et al., MLSys 2023, section 4.2.2): between the
+parallel blocks each rank holds ``s/t`` tokens, so the LayerNorms (and dropout, where a model
+has it) run on ``s/t`` tokens and their activations shrink by ``t``. Each all-reduce becomes a
+reduce-scatter (leaving a block) and an all-gather (entering the next): the same bytes, plus
+one all-gather per column-parallel layer in backward (:func:`engine.tp.mappings.
+gathered_linear`): ``10 bsh (t-1)/t`` per layer (:func:`engine.theory.
+sp_comm_elements_per_layer`), and the sequence length must divide by ``t``.
 """
 
 from __future__ import annotations
@@ -16,9 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.tp.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                              check_divisible, tp_rank_and_size, vocab_parallel_cross_entropy)
-from engine.tp.mappings import copy_to_tp, gather_from_tp
+from engine.tp.layers import (ColumnParallelLinear, RowParallelLinear,
+                              SequenceParallelLayerNorm, VocabParallelEmbedding, check_divisible,
+                              tp_rank_and_size, vocab_parallel_cross_entropy)
+from engine.tp.mappings import (check_sequence_split, copy_to_tp, gather_from_tp,
+                                gathered_linear, scatter_to_sequence_parallel)
 
 
 class ParallelMLP(nn.Module):
@@ -27,9 +37,12 @@ class ParallelMLP(nn.Module):
         self.fc, self.out = fc, out
 
     @classmethod
-    def from_dense(cls, fc: nn.Linear, out: nn.Linear, group=None):
-        return cls(ColumnParallelLinear.from_dense(fc, group, gather_output=False),
-                   RowParallelLinear.from_dense(out, group, input_is_parallel=True))
+    def from_dense(cls, fc: nn.Linear, out: nn.Linear, group=None,
+                   sequence_parallel: bool = False):
+        return cls(ColumnParallelLinear.from_dense(fc, group, gather_output=False,
+                                                   sequence_parallel=sequence_parallel),
+                   RowParallelLinear.from_dense(out, group, input_is_parallel=True,
+                                                sequence_parallel=sequence_parallel))
 
     def forward(self, x):
         return self.out(F.gelu(self.fc(x)))
@@ -43,22 +56,25 @@ class ParallelAttention(nn.Module):
         self.qkv, self.proj, self.local_heads = qkv, proj, local_heads
 
     @classmethod
-    def from_dense(cls, attn: nn.Module, group=None):
+    def from_dense(cls, attn: nn.Module, group=None, sequence_parallel: bool = False):
         rank, t = tp_rank_and_size(group)
         local_heads = check_divisible("heads", attn.heads, t)
         hidden = attn.proj.in_features
         qkv = ColumnParallelLinear(hidden, 3 * hidden, gather_output=False, group=group,
-                                   device=attn.qkv.weight.device, dtype=attn.qkv.weight.dtype)
+                                   device=attn.qkv.weight.device, dtype=attn.qkv.weight.dtype,
+                                   sequence_parallel=sequence_parallel)
         with torch.no_grad():  # rank r's heads of q, of k and of v, side by side
             qkv.weight.copy_(torch.cat([w.chunk(t, dim=0)[rank]
                                         for w in attn.qkv.weight.split(hidden, dim=0)]))
             qkv.bias.copy_(torch.cat([b.chunk(t)[rank] for b in attn.qkv.bias.split(hidden)]))
-        proj = RowParallelLinear.from_dense(attn.proj, group, input_is_parallel=True)
+        proj = RowParallelLinear.from_dense(attn.proj, group, input_is_parallel=True,
+                                            sequence_parallel=sequence_parallel)
         return cls(qkv, proj, local_heads)
 
     def forward(self, x):
-        b, s, _ = x.shape
-        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        qkv = self.qkv(x)  # with sequence parallelism x holds s/t tokens, qkv all s
+        b, s, _ = qkv.shape
+        q, k, v = qkv.chunk(3, dim=-1)
         d = q.shape[-1] // self.local_heads
         q, k, v = (t.view(b, s, self.local_heads, d).transpose(1, 2) for t in (q, k, v))
         att = (q @ k.transpose(-2, -1)) / math.sqrt(d)
@@ -69,11 +85,15 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelBlock(nn.Module):
-    def __init__(self, block: nn.Module, group=None):
+    def __init__(self, block: nn.Module, group=None, sequence_parallel: bool = False):
         super().__init__()
-        self.ln1, self.ln2 = copy.deepcopy(block.ln1), copy.deepcopy(block.ln2)
-        self.attn = ParallelAttention.from_dense(block.attn, group)
-        self.mlp = ParallelMLP.from_dense(block.fc, block.out, group)
+        if sequence_parallel:
+            self.ln1, self.ln2 = (SequenceParallelLayerNorm.from_dense(ln, group)
+                                  for ln in (block.ln1, block.ln2))
+        else:
+            self.ln1, self.ln2 = copy.deepcopy(block.ln1), copy.deepcopy(block.ln2)
+        self.attn = ParallelAttention.from_dense(block.attn, group, sequence_parallel)
+        self.mlp = ParallelMLP.from_dense(block.fc, block.out, group, sequence_parallel)
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
@@ -92,30 +112,41 @@ def check_tp_degree(cfg, t: int) -> None:
 
 class TensorParallelGPT(nn.Module):
     """A :class:`engine.models.TinyGPT` split over the tensor-parallel group: vocab-parallel
-    embedding (tied to a vocab-parallel output layer), parallel blocks, vocab-parallel loss."""
+    embedding (tied to a vocab-parallel output layer), parallel blocks, vocab-parallel loss.
+    ``sequence_parallel=True``: the embedding is reduce-scattered along the sequence, every
+    LayerNorm runs on ``s/t`` tokens, and the final one's output is gathered for the logits."""
 
-    def __init__(self, gpt: nn.Module, group=None):
+    def __init__(self, gpt: nn.Module, group=None, sequence_parallel: bool = False):
         super().__init__()
         _, t = tp_rank_and_size(group)
         cfg = gpt.cfg
         check_tp_degree(cfg, t)
-        self.group, self.cfg = group, cfg
-        self.tok = VocabParallelEmbedding.from_dense(gpt.tok, group)
+        self.group, self.cfg, self.sequence_parallel = group, cfg, sequence_parallel
+        self.tok = VocabParallelEmbedding.from_dense(gpt.tok, group, sequence_parallel)
         self.pos = copy.deepcopy(gpt.pos)
-        self.blocks = nn.ModuleList(ParallelBlock(block, group) for block in gpt.blocks)
-        self.ln_f = copy.deepcopy(gpt.ln_f)
+        self.blocks = nn.ModuleList(ParallelBlock(block, group, sequence_parallel)
+                                    for block in gpt.blocks)
+        self.ln_f = (SequenceParallelLayerNorm.from_dense(gpt.ln_f, group) if sequence_parallel
+                     else copy.deepcopy(gpt.ln_f))
 
     @classmethod
-    def from_dense(cls, gpt: nn.Module, group=None):
-        return cls(gpt, group)
+    def from_dense(cls, gpt: nn.Module, group=None, sequence_parallel: bool = False):
+        return cls(gpt, group, sequence_parallel)
 
     def forward(self, idx: torch.Tensor, gather: bool = False) -> torch.Tensor:
         """Logits for this rank's slice of the vocabulary (``gather=True``: all of them)."""
         s = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(s, device=idx.device))
+        pos = self.pos(torch.arange(s, device=idx.device))
+        if self.sequence_parallel:
+            check_sequence_split(s, tp_rank_and_size(self.group)[1])
+            pos = scatter_to_sequence_parallel(pos, self.group, dim=0)
+        x = self.tok(idx) + pos
         for block in self.blocks:
             x = block(x)
-        logits = F.linear(copy_to_tp(self.ln_f(x), self.group), self.tok.weight)
+        if self.sequence_parallel:
+            logits = gathered_linear(self.ln_f(x), self.tok.weight, None, self.group)
+        else:
+            logits = F.linear(copy_to_tp(self.ln_f(x), self.group), self.tok.weight)
         return gather_from_tp(logits, self.group) if gather else logits
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -15,12 +15,25 @@ a row-parallel one costs one all-reduce forward (g) and one backward (f).
 :func:`scatter_to_tp` and :func:`gather_from_tp` split or concatenate the last dimension
 (used when a layer's input or output must be whole on every rank). All communication goes
 through :mod:`engine.comm.ops`, so ``CommMeter`` counts it.
+
+**Sequence parallelism** (Korthikanti et al., "Reducing activation recomputation in large
+transformer models", MLSys 2023, section 4.2.2) keeps the activations between the parallel
+blocks split along the *sequence* (dim 1 of ``(batch, seq, hidden)``), and replaces each
+all-reduce by its two halves (a ring all-reduce *is* a reduce-scatter then an all-gather):
+
+* :func:`gather_from_sequence_parallel` (Megatron's g): all-gather of the sequence forward,
+  reduce-scatter of the gradient backward. It enters a column-parallel layer, where f was;
+* :func:`reduce_scatter_to_sequence_parallel` (g-bar): reduce-scatter forward, all-gather
+  backward. It leaves a row-parallel layer, where g was;
+* :func:`scatter_to_sequence_parallel`: this rank's part of a whole sequence, all-gather of
+  the gradient backward.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from engine.comm import ops
 
@@ -111,3 +124,121 @@ def scatter_to_tp(x: torch.Tensor, group=None) -> torch.Tensor:
 def gather_from_tp(x: torch.Tensor, group=None) -> torch.Tensor:
     """Concatenate every rank's slice along the last dimension; backward keeps this rank's."""
     return _GatherFromTP.apply(x, group)
+
+
+# -- sequence parallelism ----------------------------------------------------------------------
+
+
+def check_sequence_split(seq_len: int, t: int) -> None:
+    """A clear error unless ``t`` ranks can each take ``seq_len / t`` tokens (call it before
+    any collective, or before any rank starts)."""
+    if seq_len % t:
+        raise ValueError(f"sequence parallelism splits the sequence: length {seq_len} is not "
+                         f"divisible by the tensor-parallel degree {t}")
+
+
+def _split_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    t, r = dist.get_world_size(group), dist.get_rank(group)
+    check_sequence_split(x.shape[dim], t)
+    return x.chunk(t, dim=dim)[r].contiguous()
+
+
+def _gather_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    t = dist.get_world_size(group)
+    if t == 1:
+        return x
+    local = x.movedim(dim, 0).contiguous()
+    out = torch.empty((t * local.shape[0],) + tuple(local.shape[1:]), dtype=x.dtype,
+                      device=x.device)
+    ops.all_gather_into_tensor(out, local, group=group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    t = dist.get_world_size(group)
+    if t == 1:
+        return x
+    check_sequence_split(x.shape[dim], t)
+    whole = x.movedim(dim, 0).contiguous()
+    out = torch.empty((whole.shape[0] // t,) + tuple(whole.shape[1:]), dtype=x.dtype,
+                      device=x.device)
+    ops.reduce_scatter_tensor(out, whole, group=group)
+    return out.movedim(0, dim)
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _split_sequence(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_sequence(grad, ctx.group, ctx.dim), None, None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_sequence(grad, ctx.group), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_sequence(grad, ctx.group), None
+
+
+class _GatheredLinear(torch.autograd.Function):
+    """``linear(all_gather(x_r))`` keeping only ``x_r`` for backward, which gathers it again
+    for the weight gradient (Korthikanti et al. 2023, section 4.2.2; Megatron-LM overlaps this
+    all-gather with the input gradient): the layer's input costs ``s/t`` tokens of memory, at
+    the price of one more all-gather per layer in backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(_gather_sequence(x, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        whole = _gather_sequence(x, ctx.group)  # again: only the shard was kept
+        grad_input = _reduce_scatter_sequence(grad @ weight, ctx.group)
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        grad_weight = flat_grad.t() @ whole.reshape(-1, whole.shape[-1])
+        grad_bias = flat_grad.sum(0) if ctx.has_bias else None
+        return grad_input, grad_weight, grad_bias, None
+
+
+def scatter_to_sequence_parallel(x: torch.Tensor, group=None, dim: int = 1) -> torch.Tensor:
+    """This rank's ``1/t`` of the sequence (along ``dim``); backward all-gathers the gradient."""
+    return _ScatterToSequence.apply(x, group, dim)
+
+
+def gather_from_sequence_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
+    """All-gather the sequence forward, reduce-scatter the gradient backward."""
+    return _GatherFromSequence.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum the ranks' partial outputs and keep this rank's ``1/t`` of the sequence (forward);
+    all-gather the gradient (backward)."""
+    return _ReduceScatterToSequence.apply(x, group)
+
+
+def gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    group=None) -> torch.Tensor:
+    """``F.linear(gather_from_sequence_parallel(x), weight, bias)``, storing only ``x``."""
+    return _GatheredLinear.apply(x, weight, bias, group)
