@@ -1,0 +1,418 @@
+"""Mixture of experts: the router and its capacity, the losses, expert parallelism equal to one
+process (outputs, losses, every gradient; with and without drops), the gradient rule under
+EP x DP, counted all-to-all bytes against the formula, and the load experiments.
+
+Tolerances: fp32 throughout. A layer at EP = 2 and 4 against one process: atol 1e-6 (the
+experts multiply the same rows in a different batch, so the last bits of a matmul may differ;
+measured up to 4e-7). Training 3 SGD steps under EP x DP: atol 1e-6 (measured 1.5e-8).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from engine import theory
+from engine.comm import CommMeter
+from engine.models import GPTConfig, token_data
+from engine.moe import (ExpertMesh, MoE, TinyMoEGPT, check_layout, expert_parallel,
+                        expert_parameters, load_balancing_loss, reduce_gradients, route,
+                        router_z_loss, single_rank_group)
+from engine.moe.experiments import balance_run, drop_rates, zipf_logits
+from tests.helpers import run_ranks
+
+ATOL = 1e-6
+
+
+# -- the router ------------------------------------------------------------------------------
+
+def test_capacity_is_ceil_of_tokens_k_factor_over_experts():
+    assert theory.expert_capacity(64, 8, 2, 1.25) == 20  # 64*2*1.25/8 = 20
+    assert theory.expert_capacity(10, 4, 1, 1.0) == 3  # ceil(2.5)
+    assert theory.expert_capacity(7, 3, 2, 0.1) == 1  # ceil(0.47)
+    logits = torch.randn(10, 4)
+    assert route(logits, 1, 1.0).capacity == 3
+
+
+def test_first_choices_claim_slots_before_second_choices_in_token_order():
+    # 4 tokens, 2 experts, top-2, capacity ceil(4*2*0.5/2) = 2 slots each.
+    logits = torch.tensor([[2.0, 0.0],   # token 0: expert 0 first, 1 second
+                           [0.0, 2.0],   # token 1: expert 1 first
+                           [2.0, 1.0],   # token 2: expert 0 first
+                           [3.0, 0.0]])  # token 3: expert 0 first (third claim: dropped)
+    r = route(logits, 2, 0.5)
+    assert r.capacity == 2
+    assert r.expert.tolist() == [[0, 1], [1, 0], [0, 1], [0, 1]]
+    # first choices: t0->e0 slot 0, t1->e1 slot 0, t2->e0 slot 1, t3->e0 slot 2 (dropped);
+    # second choices: t0->e1 slot 1, t1->e0 slot 3, t2->e1 slot 2, t3->e1 slot 3 (dropped)
+    assert r.slot.tolist() == [[0, 1], [0, 3], [1, 2], [2, 3]]
+    assert r.keep.tolist() == [[True, True], [True, False], [True, False], [False, False]]
+    assert r.dropped == 4 and r.drop_rate == 0.5
+    assert r.demand.tolist() == [4, 4] and r.load.tolist() == [2, 2]
+
+
+def test_gates_are_the_probability_for_k1_and_renormalised_for_k2():
+    logits = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
+    probs = logits.softmax(-1)
+    one = route(logits, 1, 2.0)
+    assert torch.equal(one.gate[:, 0], probs.max(-1).values)
+    two = route(logits, 2, 2.0)
+    top2 = probs.topk(2).values
+    assert torch.allclose(two.gate, top2 / top2.sum(-1, keepdim=True))
+    assert torch.allclose(two.gate.sum(-1), torch.ones(16))
+
+
+def test_balancing_loss_is_alpha_when_balanced_and_its_gradient_flows_only_through_p():
+    uniform = torch.full((8, 4), 0.25)
+    balanced = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2], [0, 1], [2, 3], [1, 0], [3, 2]])
+    assert math.isclose(load_balancing_loss(uniform, balanced, 0.01).item(), 0.01, rel_tol=1e-6)
+    confident = torch.tensor([[0.7, 0.1, 0.1, 0.1]]).expand(8, 4)
+    all_to_0 = torch.zeros(8, 1, dtype=torch.long)  # every assignment to expert 0
+    assert math.isclose(load_balancing_loss(confident, all_to_0, 0.01).item(), 0.028,
+                        rel_tol=1e-5)  # 0.01 x 4 x (1 x 0.7)
+    logits = torch.randn(8, 4, requires_grad=True)
+    probs = logits.softmax(-1)
+    probs.retain_grad()
+    expert = probs.topk(2).indices
+    load_balancing_loss(probs, expert, 0.1).backward()
+    f = torch.bincount(expert.reshape(-1), minlength=4).float() / expert.numel()
+    # d/dprobs[t, i] of alpha E sum_i f_i mean_t probs[t, i] = alpha E f_i / T
+    assert torch.allclose(probs.grad, (0.1 * 4 * f / 8).expand(8, 4))
+
+
+def test_router_z_loss_is_the_mean_squared_logsumexp():
+    logits = torch.tensor([[0.0, 0.0], [math.log(3.0), 0.0]])
+    expected = (math.log(2.0) ** 2 + math.log(4.0) ** 2) / 2
+    assert math.isclose(router_z_loss(logits, coef=1.0).item(), expected, rel_tol=1e-6)
+
+
+def test_dropped_tokens_leave_the_layer_as_zeros_so_the_residual_carries_them():
+    torch.manual_seed(0)
+    moe = MoE(8, 16, 4, top_k=1, capacity_factor=0.25)
+    x = torch.randn(32, 8)
+    y = moe(x)
+    fully_dropped = ~route(moe.router(x), 1, 0.25).keep.any(-1)
+    assert fully_dropped.sum() > 0 and moe.stats.drop_rate > 0.5
+    assert torch.equal(y[fully_dropped], torch.zeros_like(y[fully_dropped]))
+    assert torch.equal((x + y)[fully_dropped], x[fully_dropped])
+    assert (y[~fully_dropped].abs().sum(-1) > 0).all()
+
+
+def test_expert_weights_get_gradients_only_from_their_own_tokens():
+    torch.manual_seed(0)
+    moe = MoE(8, 16, 4, top_k=2, capacity_factor=1.0)
+    with torch.no_grad():  # expert 3 is never among anyone's top 2
+        moe.router.weight[3] = -10 * moe.router.weight[:3].abs().sum(0)
+    x = torch.randn(24, 8).abs()
+    upstream = torch.randn(24, 8)
+    (moe(x) * upstream).sum().backward()
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in moe.experts[3].parameters())
+    r = route(moe.router(x), 2, 1.0)
+    for e in range(3):  # each expert's gradient from its kept tokens alone, by hand
+        mine = (r.expert == e) & r.keep
+        token, choice = mine.nonzero(as_tuple=True)
+        expert = moe.experts[e]
+        grads = torch.autograd.grad(
+            (expert(x[token]) * r.gate[token, choice, None].detach() * upstream[token]).sum(),
+            list(expert.parameters()))
+        for p, g in zip(expert.parameters(), grads):
+            assert torch.allclose(p.grad, g, atol=ATOL)
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+def test_bad_arguments_are_refused_with_the_value_named():
+    with pytest.raises(ValueError, match="top_k = 5 is larger than num_experts = 4"):
+        MoE(8, 16, 4, top_k=5)
+    with pytest.raises(ValueError, match="top_k = 3 is larger than num_experts = 2"):
+        route(torch.randn(4, 2), 3, 1.0)
+    for bad in (0, -1.0, float("nan"), True):
+        with pytest.raises(ValueError, match=f"capacity_factor must be a positive number, got "
+                                             f"{bad!r}"):
+            MoE(8, 16, 4, capacity_factor=bad)
+    with pytest.raises(ValueError, match="ep = 3 must divide num_experts = 8"):
+        check_layout(3, 1, 3, num_experts=8)
+    with pytest.raises(ValueError, match="ep x dp = 2 x 2 = 4 does not match the world size 8"):
+        check_layout(2, 2, 8)
+
+
+def _three_ranks_eight_experts(rank, world_size):
+    MoE(8, 16, 8)
+
+
+def test_experts_not_divisible_by_the_group_are_refused_on_every_rank():
+    from engine.launch import RankError
+    with pytest.raises(RankError, match=r"the expert-parallel degree \(ranks in group\) = 3 "
+                                        r"must divide num_experts = 8"):
+        run_ranks(_three_ranks_eight_experts, 3)
+
+
+def _from_dense_of_a_sharded_layer(rank, world_size):
+    MoE.from_dense(MoE(8, 16, 4))
+
+
+def test_from_dense_refuses_a_layer_already_spread_over_ranks():
+    from engine.launch import RankError
+    with pytest.raises(RankError, match="takes a layer holding all its experts"):
+        run_ranks(_from_dense_of_a_sharded_layer, 2)
+
+
+# -- expert parallelism equals one process ---------------------------------------------------
+
+def _ep_against_one_process(rank, world_size):
+    """For each capacity factor: the layer on this rank's tokens under EP, and the same layer
+    holding all experts run on every rank's tokens; the differences, and the drop rate."""
+    one = single_rank_group()
+    out = {}
+    for cf in (4.0, 0.75):  # nothing dropped / about a third dropped
+        torch.manual_seed(0)
+        dense = MoE(16, 32, 8, top_k=2, capacity_factor=cf, group=one)
+        xs = [torch.randn(24, 16) for _ in range(world_size)]
+        upstream = [torch.randn(24, 16) for _ in range(world_size)]
+        ref_out, ref_aux, ref_z, ref_xgrad = [], [], [], []
+        for x, u in zip(xs, upstream):  # one process: every rank's tokens, one call each
+            x = x.clone().requires_grad_()
+            y = dense(x)
+            ((y * u).sum() + dense.aux_loss + dense.z_loss).backward()
+            ref_out.append(y.detach())
+            ref_aux.append(dense.aux_loss.detach())
+            ref_z.append(dense.z_loss.detach())
+            ref_xgrad.append(x.grad)
+        ep = MoE.from_dense(dense, group=None)
+        x = xs[rank].clone().requires_grad_()
+        y = ep(x)
+        ((y * upstream[rank]).sum() + ep.aux_loss + ep.z_loss).backward()
+        router_grad = ep.router.weight.grad.clone()
+        dist.all_reduce(router_grad)  # the router is replicated: its gradients add up
+        expert_err = max((p.grad - dense.experts[ep.first_expert + i].get_parameter(name).grad)
+                         .abs().max().item()
+                         for i, e in enumerate(ep.experts) for name, p in e.named_parameters())
+        out[cf] = dict(
+            output=(y - ref_out[rank]).abs().max().item(),
+            aux=(ep.aux_loss - ref_aux[rank]).abs().item(),
+            z=(ep.z_loss - ref_z[rank]).abs().item(),
+            input_grad=(x.grad - ref_xgrad[rank]).abs().max().item(),
+            router_grad=(router_grad - dense.router.weight.grad).abs().max().item(),
+            expert_grads=expert_err,
+            drop_rate=ep.stats.drop_rate,
+            experts_held=[ep.first_expert + i for i in range(len(ep.experts))])
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_expert_parallel_layer_equals_one_process_with_and_without_drops(world_size):
+    results = run_ranks(_ep_against_one_process, world_size)
+    for rank, per_cf in enumerate(results):
+        assert per_cf[4.0]["drop_rate"] == 0
+        assert per_cf[0.75]["drop_rate"] > 0.1
+        local = 8 // world_size
+        assert per_cf[4.0]["experts_held"] == list(range(rank * local, (rank + 1) * local))
+        for cf, diffs in per_cf.items():
+            for what in ("output", "aux", "z", "input_grad", "router_grad", "expert_grads"):
+                assert diffs[what] <= ATOL, (rank, cf, what, diffs[what])
+
+
+# -- dispatch and combine: what crosses the wire ---------------------------------------------
+
+def _uniform_layer(hidden, num_experts, group):
+    """A top-2 layer whose router sends token t to experts t and t+1 (mod E): every expert
+    gets exactly T k / E assignments, and capacity factor 1 drops nothing."""
+    moe = MoE(hidden, 2 * hidden, num_experts, top_k=2, capacity_factor=1.0, group=group)
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[:, :num_experts] = torch.eye(num_experts)
+    return moe
+
+
+def _uniform_tokens(tokens, hidden, num_experts):
+    x = torch.zeros(tokens, hidden)
+    t = torch.arange(tokens)
+    x[t, t % num_experts] = 4.0
+    x[t, (t + 1) % num_experts] = 2.0
+    return x + 0.01 * torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1))
+
+
+def _wire(rank, world_size, tokens, hidden, num_experts):
+    moe = _uniform_layer(hidden, num_experts, None)
+    x = _uniform_tokens(tokens, hidden, num_experts).requires_grad_()
+    with CommMeter(count="wire") as forward:
+        y = moe(x)
+    with CommMeter(count="wire") as backward:
+        y.sum().backward()
+
+    def kinds(meter):
+        return [(e.op, e.dtype.removeprefix("torch."), e.bytes_sent, e.bytes_received)
+                for e in meter.events]
+    return kinds(forward), kinds(backward), moe.stats.drop_rate, moe.stats.processed
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_counted_all_to_all_bytes_equal_the_formula_under_uniform_routing(world_size):
+    tokens, hidden, experts = 32, 16, 8
+    formula = theory.moe_all_to_all_bytes(tokens, hidden, 2, world_size, 4)
+    counts = theory.all_to_all_bytes(experts * 8, world_size)  # E int64 counts
+    for fwd, bwd, drop_rate, processed in run_ranks(_wire, world_size, tokens, hidden, experts):
+        assert drop_rate == 0
+        assert processed == [tokens * 2 // experts * world_size] * (experts // world_size)
+        # forward: the counts, then the tokens out (dispatch) and back (combine)
+        assert [(op, dtype) for op, dtype, _, _ in fwd] == [
+            ("all_to_all", "int64"), ("all_to_all", "float32"), ("all_to_all", "float32")]
+        assert fwd[0][2] == fwd[0][3] == counts
+        assert fwd[1][2] == fwd[1][3] == formula["dispatch"]
+        assert fwd[2][2] == fwd[2][3] == formula["combine"]
+        assert sum(e[2] for e in fwd[1:]) == formula["forward"]
+        # backward: the same two all-to-alls reversed, nothing else
+        assert [(op, dtype) for op, dtype, _, _ in bwd] == [("all_to_all", "float32")] * 2
+        assert sum(e[2] for e in bwd) == sum(e[3] for e in bwd) == formula["backward"]
+
+
+def test_moe_all_to_all_bytes_formula():
+    b = theory.moe_all_to_all_bytes(tokens=4096, hidden=4096, top_k=2, n=8, dtype_bytes=2)
+    one = 7 / 8 * 4096 * 2 * 4096 * 2
+    assert b == dict(dispatch=one, combine=one, forward=2 * one, backward=2 * one,
+                     total=4 * one)
+
+
+# -- active and total parameters -------------------------------------------------------------
+
+def test_mixtral_total_and_active_parameters_match_the_published_counts():
+    # Mixtral-8x7B (Jiang et al. 2024, table 1): 46.7 B total, 12.9 B active per token.
+    p = theory.moe_params(32, 4096, 14336, 8, 2, 32000, kv_hidden=1024)
+    assert round(p["total"] / 1e9, 1) == 46.7 and round(p["active"] / 1e9, 1) == 12.9
+    everything = theory.moe_params(32, 4096, 14336, 8, 8, 32000, kv_hidden=1024)
+    assert everything["active"] == everything["total"] == p["total"]
+    dense = theory.moe_forward_flops_per_token(32, 4096, 14336, 8, 8, 4096, 1024)
+    sparse = theory.moe_forward_flops_per_token(32, 4096, 14336, 8, 2, 4096, 1024)
+    assert sparse < 0.3 * dense
+
+
+def test_tiny_moe_gpt_counts_its_experts():
+    cfg = GPTConfig(vocab=64, seq_len=16, layers=2, heads=2, hidden=32)
+    model = TinyMoEGPT(cfg, num_experts=4, top_k=2)
+    per_expert = 32 * 128 + 128 + 128 * 32 + 32
+    assert sum(p.numel() for p in expert_parameters(model)) == 2 * 4 * per_expert
+
+
+# -- EP x DP: the gradient rule and training equal to one process ----------------------------
+
+CFG = GPTConfig(vocab=64, seq_len=16, layers=2, heads=2, hidden=32)
+STEPS, ROWS = 3, 2
+
+
+def _batches(step, shards):
+    x, y = token_data(shards * ROWS, CFG.seq_len, CFG.vocab, seed=step)
+    return list(zip(x.chunk(shards), y.chunk(shards)))
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
+def _train_ep_dp(rank, world_size, ep, dp, capacity_factor):
+    """3 steps under the rule, and under a wrong rule (expert gradients averaged over their
+    replicas only, as if they were dense weights)."""
+    one = single_rank_group()
+    mesh = ExpertMesh(ep, dp)
+    full = TinyMoEGPT(CFG, num_experts=4, capacity_factor=capacity_factor, seed=0, group=one)
+    out = {}
+    for rule in ("right", "replicas only"):
+        model = expert_parallel(full, mesh.ep_group)
+        optimizer = _sgd(model.parameters())
+        losses, drops = [], []
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            x, y = _batches(step, world_size)[rank]
+            loss = model.loss(x, y)
+            loss.backward()
+            reduce_gradients(model, mesh)
+            if rule == "replicas only":
+                for p in expert_parameters(model):
+                    p.grad *= ep  # divided by dp instead of dp x ep
+            optimizer.step()
+            losses.append(loss.item())
+            drops.append(max(m.stats.drop_rate for m in model.moe_layers()))
+        out[rule] = ({k: v.detach().clone() for k, v in model.state_dict().items()},
+                     losses, drops)
+    return out, mesh.ep_index
+
+
+def _one_process(shards, capacity_factor):
+    model = TinyMoEGPT(CFG, num_experts=4, capacity_factor=capacity_factor, seed=0)
+    optimizer = _sgd(model.parameters())
+    losses = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        step_losses = []
+        for x, y in _batches(step, shards):  # every rank's tokens, one call each
+            loss = model.loss(x, y)
+            (loss / shards).backward()
+            step_losses.append(loss.item())
+        optimizer.step()
+        losses.append(step_losses)
+    return model.state_dict(), losses
+
+
+def _reference_name(name: str, ep_index: int, local: int) -> str:
+    """``blocks.0.moe.experts.1.fc.weight`` on EP slot e -> expert ``e * local + 1``."""
+    if ".experts." not in name:
+        return name
+    head, tail = name.split(".experts.")
+    index, rest = tail.split(".", 1)
+    return f"{head}.experts.{ep_index * local + int(index)}.{rest}"
+
+
+def test_tiny_moe_gpt_trains_under_ep2_dp2_equal_to_one_process():
+    ep, dp, cf = 2, 2, 1.0  # capacity factor 1: tokens are dropped, and still equal
+    reference, ref_losses = _one_process(ep * dp, cf)
+    for rank, (runs, ep_index) in enumerate(run_ranks(_train_ep_dp, 4, ep, dp, cf,
+                                                      timeout=60)):
+        state, losses, drops = runs["right"]
+        assert max(drops) > 0  # the capacity bites
+        assert losses == pytest.approx([step[rank] for step in ref_losses], abs=ATOL)
+        for name, value in state.items():
+            expected = reference[_reference_name(name, ep_index, 4 // ep)]
+            assert (value - expected).abs().max().item() <= ATOL, (rank, name)
+        wrong, _, _ = runs["replicas only"]
+        worst = max((wrong[n] - reference[_reference_name(n, ep_index, 2)]).abs().max().item()
+                    for n in wrong if ".experts." in n)
+        assert worst > 1e-3  # the rule is not a detail: ep times too large a gradient shows
+
+
+# -- load, drops and the balancing loss -------------------------------------------------------
+
+def test_a_skewed_router_drops_more_and_more_capacity_drops_less():
+    factors = (0.5, 1.0, 1.25, 1.5, 2.0)
+    uniform = drop_rates(zipf_logits(1024, 8, 0.0), 2, factors)
+    skewed = drop_rates(zipf_logits(1024, 8, 1.5), 2, factors)
+    for rates in (uniform, skewed):
+        assert all(a >= b for a, b in zip(list(rates.values()), list(rates.values())[1:]))
+        assert rates[0.5] >= 0.5  # half the assignments cannot fit
+    assert all(skewed[f] > uniform[f] for f in factors[1:])
+    assert uniform[2.0] == 0 and skewed[2.0] > 0.1
+
+
+def test_the_balancing_loss_evens_the_load_of_a_skewed_router_in_a_short_run():
+    without = balance_run(skew=1.5, aux_coef=0.0, steps=60)
+    with_loss = balance_run(skew=1.5, aux_coef=0.01, steps=60)  # Switch's alpha
+    assert without.drop_rate[0] == with_loss.drop_rate[0] > 0.2  # the same start
+    late = slice(50, 60)
+    assert sum(with_loss.drop_rate[late]) < 0.5 * sum(without.drop_rate[late])
+    starved = [min(min(load) for load in run.expert_load[late]) for run in (without, with_loss)]
+    assert starved[1] > 2 * starved[0] + 5  # without the loss some experts stay starved
+
+
+def _rank_load(rank, world_size, aux):
+    return balance_run(skew=1.5, aux_coef=aux, steps=30, mesh=ExpertMesh(world_size, 1)).rank_load
+
+
+def test_per_rank_load_under_expert_parallelism_evens_out_with_the_balancing_loss():
+    without = run_ranks(_rank_load, 4, 0.0)
+    with_loss = run_ranks(_rank_load, 4, 0.01)
+    assert without == [without[0]] * 4 and with_loss == [with_loss[0]] * 4  # all ranks agree
+    first, last = with_loss[0][0], with_loss[0][-1]
+    assert sum(last) >= sum(first)  # fewer drops: more rows processed
+    assert min(last) > 2 * min(first)
+    assert min(last) > min(without[0][-1])
