@@ -1,0 +1,65 @@
+"""How evenly ring attention spreads causal work: FLOPs counted and seconds measured per rank.
+
+Under a causal mask a rank computes only the (query chunk, key chunk) blocks at or below the
+diagonal (:func:`engine.cp.ring.block_pairs`). In the contiguous layout rank ``r`` computes
+``r + 1`` blocks, so the last rank works about twice as long as the average while the first
+waits; in the zig-zag layout every rank computes the same ``2N + 1`` smaller blocks
+(:func:`engine.theory.ring_attention_flops`).
+
+The seconds are measured by running each rank's own schedule with the ring's own kernels
+(:func:`engine.cp.blocks.block_forward` and :func:`~engine.cp.blocks.merge`), one rank after
+another in this process: that is the time a rank spends computing, free of the ranks sharing
+the machine's cores. The ring finishes no sooner than its busiest rank.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from engine.cp.blocks import block_forward, merge
+from engine.cp.layout import check_sequence_split
+from engine.cp.ring import ring_schedule
+
+
+def rank_flops(seq: int, n: int, layout: str, causal: bool = True, batch: int = 1,
+               heads: int = 1, head_dim: int = 1) -> list[float]:
+    """Forward FLOPs each rank executes, counted from the ring's schedule."""
+    chunk = check_sequence_split(seq, n, layout)
+    return [4 * batch * heads * head_dim * chunk * chunk * sum(len(pairs) for pairs in steps)
+            for steps in ring_schedule(n, layout, causal).values()]
+
+
+def rank_seconds(seq: int, n: int, layout: str, causal: bool = True, batch: int = 1,
+                 heads: int = 4, head_dim: int = 32, repeats: int = 3) -> list[float]:
+    """Seconds each rank spends in the forward's block arithmetic (best of ``repeats``)."""
+    chunk = check_sequence_split(seq, n, layout)
+    per_rank = seq // n
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, heads, per_rank, head_dim, generator=g).chunk(per_rank // chunk, -2)
+    k = torch.randn(batch, heads, per_rank, head_dim, generator=g).chunk(per_rank // chunk, -2)
+    scale = 1 / math.sqrt(head_dim)
+
+    def run(steps) -> float:
+        outs = [torch.zeros_like(c) for c in q]
+        lses = [torch.full(c.shape[:-1], float("-inf")) for c in q]
+        start = time.perf_counter()
+        for pairs in steps:
+            for a, b, kind in pairs:
+                outs[a], lses[a] = merge(outs[a], lses[a],
+                                         *block_forward(q[a], k[b], k[b], scale, kind))
+        return time.perf_counter() - start
+
+    schedule = ring_schedule(n, layout, causal)
+    best = [float("inf")] * n
+    for _ in range(repeats):  # ranks interleaved, so a slow moment does not hit one rank only
+        for rank, steps in schedule.items():
+            best[rank] = min(best[rank], run(steps))
+    return best
+
+
+def imbalance(per_rank: list[float]) -> float:
+    """The busiest rank's load over the average: 1 is perfect balance."""
+    return max(per_rank) / (sum(per_rank) / len(per_rank))
