@@ -333,6 +333,56 @@ def bubble_fraction(p: int, m: int, v: int = 1, relative_to: str = "total") -> f
     raise ValueError(f"relative_to must be 'total' or 'ideal', got {relative_to!r}")
 
 
+# -- zero-bubble pipelines (chapter 06): the backward split into B (input) and W (weights) -------
+
+
+def _stage_times(t_f: float, t_b: float, t_w: float) -> None:
+    from engine.validation import non_negative_number, positive_number
+
+    positive_number("t_f", t_f)
+    positive_number("t_b", t_b)
+    non_negative_number("t_w", t_w)
+
+
+def one_f_one_b_bubble_time(p: int, t_f: float, t_b: float, t_w: float = 0.0) -> float:
+    """Idle time of each stage under GPipe or 1F1B: ``(p-1)(T_F + T_B + T_W)``, the warm-up
+    and cool-down of ``p-1`` forward and *full* backward slots (the full backward is the input
+    gradient ``T_B`` plus the weight gradient ``T_W``; Qi et al., "Zero Bubble Pipeline
+    Parallelism", ICLR 2024, section 3.1). With ``t_w = 0``, ``t_b`` is the whole backward."""
+    _check_n(p)
+    _stage_times(t_f, t_b, t_w)
+    return (p - 1) * (t_f + t_b + t_w)
+
+
+def zb_h1_bubble_time(p: int, t_f: float, t_b: float, t_w: float, b: str = "input") -> float:
+    """Idle time of each stage under ZB-H1 (Qi et al., ICLR 2024, section 3.1, Figure 3):
+    ``(p-1)(T_F + T_B - T_W)`` where ``T_B`` is the *input* gradient alone (``b="input"``, the
+    paper's B). The DualPipe README (deepseek-ai/DualPipe, its row "ZB1P") writes
+    ``(PP-1)(F + B - 2W)`` where B is the *full* backward, input and weights (``b="full"``):
+    the same number, since ``B_full = T_B + T_W``. Exact when ``m >= p`` and
+    ``T_W <= T_F, T_B`` (the simulator's ZB-H1 matches it there); other times are refused."""
+    from engine.validation import one_of
+
+    one_of("b", b, ("input", "full"))
+    t_input = t_b - t_w if b == "full" else t_b
+    _check_n(p)
+    _stage_times(t_f, t_input, t_w)
+    if t_w > min(t_f, t_input):
+        raise ValueError(f"the ZB-H1 formula holds for T_W <= T_F and T_W <= T_B (input "
+                         f"gradient); got T_F={t_f}, T_B={t_input}, T_W={t_w}")
+    return (p - 1) * (t_f + t_input - t_w)
+
+
+def zb_h1_bubble_fraction(p: int, m: int, t_f: float, t_b: float, t_w: float) -> float:
+    """ZB-H1's idle share of the total time: ``(p-1)(T_F+T_B-T_W)`` over
+    ``m(T_F+T_B+T_W) + (p-1)(T_F+T_B-T_W)``, with ``T_B`` the input gradient alone."""
+    from engine.validation import positive_int
+
+    positive_int("m", m)
+    idle = zb_h1_bubble_time(p, t_f, t_b, t_w)
+    return idle / (m * (t_f + t_b + t_w) + idle)
+
+
 # -- model size, compute and time at scale (chapters 07-08) -------------------------------------
 
 

@@ -11,6 +11,7 @@ from engine import theory
 from engine.pp import (Action, balanced_boundaries, gpipe, interleaved_1f1b, measured_bubble,
                        one_f_one_b, run_pipeline, simulate, split_model, uniform_boundaries,
                        validate)
+from engine.pp.reference import torch_order
 from tests.helpers import BEYOND_CPU, DEVICE_WORLD_SIZES, rank_device, run_ranks
 
 # -- schedules ------------------------------------------------------------------------------
@@ -51,16 +52,7 @@ def test_one_f_one_b_warm_up_is_p_minus_s_minus_1_forwards():
 
 
 def _torch_interleaved_order(p, m, v):
-    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
-
-    schedule = object.__new__(ScheduleInterleaved1F1B)  # only the order, no stages needed
-    schedule.pp_group_size, schedule.n_local_stages, schedule._n_microbatches = p, v, m
-    schedule.number_of_rounds = max(1, m // p)
-    schedule.microbatches_per_round = m // schedule.number_of_rounds
-    return {r: [("F" if a.computation_type.name == "FORWARD" else "B", a.microbatch_index,
-                 a.stage_index // p)
-                for a in schedule._calculate_single_rank_operations(r) if a is not None]
-            for r in range(p)}
+    return torch_order("interleaved_1f1b", p, m, v)  # built from PyTorch's schedule itself
 
 
 @pytest.mark.parametrize("p, m, v", [(2, 4, 2), (4, 8, 2), (4, 12, 3), (2, 8, 3)])
@@ -100,7 +92,7 @@ def test_actions_are_typed_and_schedules_stay_plain_data():
 
 
 @pytest.mark.parametrize("bad, error, message", [
-    ({0: [("F", 0), ("X", 0)]}, ValueError, "action kind must be one of 'F', 'B'; got 'X'"),
+    ({0: [("F", 0), ("X", 0)]}, ValueError, "action kind must be one of 'F', 'B', 'W'; got 'X'"),
     ({0: [("F", -1), ("B", -1)]}, ValueError, "micro-batch of \\('F', -1\\) must be an int >= 0"),
     ({0: [("F", 0, 1.5), ("B", 0)]}, ValueError, "chunk of \\('F', 0, 1.5\\) must be an int"),
     ({0: ["F0", "B0"]}, TypeError, "a pipeline action is \\(kind, micro-batch\\[, chunk\\]\\)"),

@@ -1,34 +1,38 @@
 """Run any pipeline schedule (:mod:`engine.pp.schedules`) on real ranks.
 
-Rank ``s`` holds model chunks ``c = 0..v-1``, chunk ``c`` being virtual stage ``c*p + s`` of
-a model cut into ``p*v`` consecutive pieces. For each action, in the schedule's order:
+Rank ``s`` holds model chunks ``c = 0..v-1`` of a model cut into ``p*v`` consecutive pieces;
+chunk ``c`` is virtual stage :func:`engine.pp.actions.virtual_stage` ``(s, c, p, placement)``
+(``c*p + s`` when interleaved). For each action, in the schedule's order:
 
 * ``F(mb, c)``: take micro-batch ``mb``'s input (virtual stage 0) or receive the activation
   from the previous virtual stage; run the chunk; send the output on, or, on the last
   virtual stage, compute ``loss / m``. What autograd keeps for backward is counted.
 * ``B(mb, c)``: backward from the loss, or from the gradient received from the next virtual
-  stage; send the input's gradient back.
+  stage; send the input's gradient back. In a schedule with W actions this is the input
+  gradient only: the linear layers' weight gradients wait, with the inputs and output
+  gradients they need (:mod:`engine.pp.weight_grad`), and the rest of the graph is freed.
+* ``W(mb, c)``: those weight gradients, ``dW = dYᵀ X``.
 
-Receives block; sends are posted (``isend``) and completed at the end, so no schedule that
-:func:`engine.pp.validate` accepts can deadlock. A tensor travels as a small shape message and
-then its data, both tagged by (micro-batch, virtual stage, direction): any shapes work, and
-messages between the same two ranks never mix. Gradients accumulate across micro-batches in
-``param.grad``; scaling each loss by ``1/m`` makes the sum the full batch's mean gradient.
+Messages go through :class:`engine.pp.link.Link` (no tags: received in the order they were
+sent, as NCCL needs). Gradients accumulate across micro-batches in ``param.grad``; scaling
+each loss by ``1/m`` makes the sum the full batch's mean gradient.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from engine.comm import ops
-from engine.memory import ActivationTracker
-from engine.pp.schedules import _shape, actions_of, validate
+from engine.memory import ActivationTracker, unique_storage_bytes
+from engine.pp.actions import actions_of, rank_of, shape, splits_backward, virtual_stages
+from engine.pp.link import Link
+from engine.pp.schedules import validate
+from engine.pp.weight_grad import apply_weight_grads, deferred_weight_grads
 from engine.trace import Clock, TraceEvent
-
-_MAX_DIMS = 8
 
 
 def uniform_boundaries(n_layers: int, parts: int) -> list[int]:
@@ -86,36 +90,21 @@ def split_model(layers: nn.Sequential, starts: list[int]) -> list[nn.Sequential]
 @dataclass
 class PipelineRun:
     """What one rank saw: ``loss`` (the last stage's mean loss, else None), ``events``
-    (compute timeline), ``peak_activation_bytes`` held at once, ``activation_bytes`` of one
-    micro-batch's forward per chunk, and ``peak_in_flight`` micro-batch chunks."""
+    (compute timeline), ``peak_activation_bytes``: the most bytes held at once for backward
+    (activations until B; in a schedule with W, then the inputs and output gradients W needs),
+    ``activation_bytes`` of one micro-batch's forward per chunk, ``peak_in_flight`` micro-batch
+    chunks between F and B; with W also ``weight_stash_bytes`` (per chunk, what one micro-batch
+    holds between B and W), ``peak_grad_stash_bytes`` (the most output-gradient bytes held for
+    W at once) and ``peak_held`` (micro-batch chunks between F and W)."""
 
     loss: float | None
     events: list[TraceEvent] = field(default_factory=list)
     peak_activation_bytes: int = 0
     activation_bytes: dict[int, int] = field(default_factory=dict)
     peak_in_flight: int = 0
-
-
-def _tag(kind: str, mb: int, vs: int, stages: int) -> int:
-    return 4 * (mb * stages + vs) + (0 if kind == "act" else 2)
-
-
-def _send(tensor, dst, tag, group, pending):
-    shape = torch.zeros(_MAX_DIMS + 1, dtype=torch.int64, device=tensor.device)
-    shape[0] = tensor.dim()
-    shape[1:1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64,
-                                             device=tensor.device)
-    data = tensor.detach().contiguous()
-    pending += [(ops.isend(shape, dst, group, tag), shape),
-                (ops.isend(data, dst, group, tag + 1), data)]
-
-
-def _recv(src, tag, group, dtype, device):
-    shape = torch.empty(_MAX_DIMS + 1, dtype=torch.int64, device=device)
-    ops.recv(shape, src, group, tag)
-    out = torch.empty(tuple(shape[1:1 + int(shape[0])].tolist()), dtype=dtype, device=device)
-    ops.recv(out, src, group, tag + 1)
-    return out
+    weight_stash_bytes: dict[int, int] = field(default_factory=dict)
+    peak_grad_stash_bytes: int = 0
+    peak_held: int = 0
 
 
 def _check_stage(stage, p: int, group) -> tuple[int, ...]:
@@ -138,90 +127,106 @@ def _check_stage(stage, p: int, group) -> tuple[int, ...]:
 
 def run_pipeline(chunks: list[nn.Module], schedule, inputs: list[torch.Tensor],
                  targets: list[torch.Tensor], loss_fn=nn.functional.mse_loss, *,
-                 stage: int | None = None, group=None) -> PipelineRun:
+                 stage: int | None = None, group=None,
+                 placement: str = "interleaved") -> PipelineRun:
     """Execute pipeline stage ``stage``'s part of ``schedule`` (one forward and backward over
     ``m`` micro-batches). ``stage`` is this rank's position in the pipeline ``group`` (its
-    ``mesh.coords.pp``); ``chunks[c]`` is virtual stage ``c*p + stage``; ``inputs``/``targets``
-    are the micro-batches (used on the first and last virtual stage). Gradients land in the
-    chunks' ``param.grad`` (call ``zero_grad`` between steps)."""
+    ``mesh.coords.pp``); ``chunks[c]`` is the virtual stage
+    ``virtual_stages(stage, p, v, placement)[c]``; ``inputs``/``targets`` are the
+    micro-batches (used on the first and last virtual stage). Gradients land in the chunks'
+    ``param.grad`` (call ``zero_grad`` between steps)."""
     if stage is None or isinstance(chunks, int):
         raise TypeError("run_pipeline needs stage=, this rank's position in the pipeline "
                         "group: run_pipeline(chunks, schedule, inputs, targets, loss_fn, "
                         "stage=..., group=...)")
-    validate(schedule)  # a schedule that would deadlock is an error here, not a hang
+    validate(schedule, placement=placement)  # a schedule that would deadlock: an error here
     schedule = actions_of(schedule)
-    p, m, v = _shape(schedule)
+    p, m, v = shape(schedule)
     ranks = _check_stage(stage, p, group)
     if len(chunks) != v:
         raise ValueError(f"the schedule has {v} chunk(s) per rank, got {len(chunks)} modules")
     if len(inputs) != m or len(targets) != m:
         raise ValueError(f"the schedule has m={m} micro-batches, got {len(inputs)} inputs and "
                          f"{len(targets)} targets")
-    stages = p * v
-    last = stages - 1
-    stored, pending, events = {}, [], []
-    held = peak = in_flight = peak_flight = 0
-    per_chunk: dict[int, int] = {}
-    total_loss = 0.0
+    split = splits_backward(schedule)
+    mine = virtual_stages(stage, p, v, placement)
+    last = p * v - 1
     first_param = next(chunks[0].parameters())
-    dtype, device = first_param.dtype, first_param.device
-    clock = Clock(device)  # CUDA events on a GPU: the timeline shows execution, not launch
-    marks = []
+    link = Link(schedule, stage, ranks, group, placement, first_param.dtype,
+                first_param.device)
+    clock = Clock(first_param.device)  # CUDA events on a GPU: execution, not launch, times
     params = [q for c in chunks for q in c.parameters()]
-    here: dict[int, torch.Tensor] = {}  # p = 1: neighbouring chunks share this rank
-
-    def send(tensor, to_vs, tag):
-        if p == 1:  # a copy, detached, as a receiver would get; Gloo cannot send to itself
-            here[tag] = tensor.detach().clone()
-        else:
-            _send(tensor, ranks[to_vs % p], tag, group, pending)
-
-    def recv(from_vs, tag):
-        if p == 1:
-            return here.pop(tag)
-        return _recv(ranks[from_vs % p], tag, group, dtype, device)
+    stored, waiting, marks = {}, {}, []
+    held = peak = in_flight = peak_flight = grads_held = peak_grads = 0
+    per_chunk: dict[int, int] = {}
+    stash_per_chunk: dict[int, int] = {}
+    total_loss = 0.0
 
     for kind, mb, c in schedule[stage]:
-        vs = c * p + stage
+        vs = mine[c]
         if kind == "F":
             if vs == 0:  # its own copy: a view would pin (and count) the whole batch
                 x = inputs[mb].detach().clone()
             else:
-                x = recv(vs - 1, _tag("act", mb, vs - 1, stages))
+                x = link.receive(("act", mb, vs - 1), rank_of(vs - 1, p, placement))
                 x.requires_grad_()
+            defer = deferred_weight_grads(chunks[c].parameters()) if split else nullcontext()
             start = clock.mark()
-            with ActivationTracker(exclude=params) as acts:
+            with ActivationTracker(exclude=params) as acts, defer as stash:
                 out = chunks[c](x)
                 if vs == last:
                     out = loss_fn(out, targets[mb].detach().clone()) / m
             end = clock.mark()
-            stored[mb, c] = (x, out, acts.bytes)
+            stored[mb, c] = (x, out, acts.bytes, stash)
             per_chunk.setdefault(c, acts.bytes)
             held += acts.bytes
             in_flight += 1
-            peak, peak_flight = max(peak, held), max(peak_flight, in_flight)
             if vs == last:
                 total_loss += out.item()
             else:
-                send(out, vs + 1, _tag("act", mb, vs, stages))
-        else:
-            x, out, nbytes = stored.pop((mb, c))
-            grad = None if vs == last else recv(vs + 1, _tag("grad", mb, vs + 1, stages))
+                link.send(out, ("act", mb, vs), rank_of(vs + 1, p, placement))
+        elif kind == "B":
+            x, out, nbytes, stash = stored.pop((mb, c))
+            grad = None if vs == last else \
+                link.receive(("grad", mb, vs + 1), rank_of(vs + 1, p, placement))
             start = clock.mark()
             out.backward(grad)
             end = clock.mark()
             held -= nbytes
             in_flight -= 1
+            if split:  # what W needs stays: each linear layer's input and output gradient
+                kept = unique_storage_bytes([t for x_, dy, *_ in stash for t in (x_, dy)])
+                grads = unique_storage_bytes([dy for _, dy, *_ in stash])
+                waiting[mb, c] = (stash, kept, grads)
+                stash_per_chunk.setdefault(c, kept)
+                held, grads_held = held + kept, grads_held + grads
             if vs != 0:
-                send(x.grad, vs - 1, _tag("grad", mb, vs, stages))
+                link.send(x.grad, ("grad", mb, vs), rank_of(vs - 1, p, placement))
+        else:
+            stash, kept, grads = waiting.pop((mb, c))
+            start = clock.mark()
+            apply_weight_grads(stash)
+            end = clock.mark()
+            held, grads_held = held - kept, grads_held - grads
+        peak, peak_flight = max(peak, held), max(peak_flight, in_flight)
+        peak_grads = max(peak_grads, grads_held)
         marks.append((kind, mb, c, start, end))
-    for work, _ in pending:
-        work.wait()
-    for kind, mb, c, start, end in marks:
-        events.append(TraceEvent(f"{kind}{mb}", stage, clock.seconds(start), clock.seconds(end),
-                                 lane="compute", args={"kind": kind, "mb": mb, "chunk": c}))
-    return PipelineRun(total_loss if last % p == stage else None, events, peak, per_chunk,
-                       peak_flight)
+    link.finish()
+    events = [TraceEvent(f"{kind}{mb}", stage, clock.seconds(start), clock.seconds(end),
+                         lane="compute", args={"kind": kind, "mb": mb, "chunk": c})
+              for kind, mb, c, start, end in marks]
+    holds_last = rank_of(last, p, placement) == stage
+    return PipelineRun(total_loss if holds_last else None, events, peak, per_chunk, peak_flight,
+                       stash_per_chunk, peak_grads, _peak_held(schedule[stage], split))
+
+
+def _peak_held(actions, split: bool) -> int:
+    """The most micro-batch chunks between their F and their last backward action."""
+    held = peak = 0
+    for a in actions:
+        held += {"F": 1, "B": 0 if split else -1, "W": -1}[a.kind]
+        peak = max(peak, held)
+    return peak
 
 
 def measured_bubble(events: list[TraceEvent], p: int) -> float:

@@ -1,12 +1,11 @@
 """Pipeline schedules as plain data, a validator, and an event simulator.
 
-A schedule is ``{stage: [Action, ...]}``: the order in which each pipeline rank runs its
-work. An :class:`Action` is ``Action(kind, mb, chunk=0)``: the forward ``"F"`` or backward
-``"B"`` of micro-batch ``mb`` on the rank's model chunk ``chunk``. It is a ``NamedTuple``, so
-plain tuples ``("F", mb)`` and ``("F", mb, chunk)`` are accepted wherever a schedule is read.
-With ``v`` chunks per rank, chunk ``c`` on rank ``s`` is *virtual stage* ``c * p + s``
-(Narayanan et al., "Efficient large-scale language model training on GPU clusters using
-Megatron-LM", SC 2021, section 2.2).
+A schedule is ``{stage: [Action, ...]}`` (:mod:`engine.pp.actions`): the order in which each
+pipeline rank runs forwards ``F``, backwards ``B`` and, in zero-bubble schedules
+(:mod:`engine.pp.zero_bubble`), weight gradients ``W``. With ``v`` chunks per rank, chunk ``c``
+on rank ``s`` is *virtual stage* ``c * p + s`` (Narayanan et al., "Efficient large-scale
+language model training on GPU clusters using Megatron-LM", SC 2021, section 2.2), or, with
+``placement="v"``, the V shape of :func:`engine.pp.actions.virtual_stage`.
 
 * :func:`gpipe` (Huang et al., NeurIPS 2019): all forwards, then all backwards. Every stage
   holds the activations of all ``m`` micro-batches at once.
@@ -20,39 +19,13 @@ Megatron-LM", SC 2021, section 2.2).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
-from engine.validation import non_negative_int, one_of, positive_int
+from engine.pp.actions import (KINDS, PLACEMENTS, Action, actions_of, as_action, rank_of, shape,
+                               splits_backward, virtual_stage)
+from engine.validation import non_negative_number, one_of, positive_int, positive_number
 
-KINDS = ("F", "B")
-
-
-class Action(NamedTuple):
-    """One step of a pipeline rank: ``kind`` ``"F"`` (forward) or ``"B"`` (backward) of
-    micro-batch ``mb`` on this rank's model chunk ``chunk``. Shown as ``F3`` (chunk 0) or
-    ``F3c1``."""
-
-    kind: str
-    mb: int
-    chunk: int = 0
-
-    def __repr__(self) -> str:
-        return f"{self.kind}{self.mb}" + (f"c{self.chunk}" if self.chunk else "")
-
-
-def as_action(item) -> Action:
-    """``item`` (an :class:`Action` or a tuple ``(kind, mb[, chunk])``) as an :class:`Action`;
-    a ``TypeError``/``ValueError`` naming what is wrong otherwise."""
-    if isinstance(item, Action):
-        action = item
-    elif isinstance(item, (tuple, list)) and len(item) in (2, 3):
-        action = Action(*item)
-    else:
-        raise TypeError(f"a pipeline action is (kind, micro-batch[, chunk]), got {item!r}")
-    one_of("action kind", action.kind, KINDS)
-    non_negative_int(f"micro-batch of {item!r}", action.mb)
-    non_negative_int(f"chunk of {item!r}", action.chunk)
-    return action
+__all__ = ["Action", "as_action", "gpipe", "one_f_one_b", "interleaved_1f1b", "validate",
+           "simulate", "SimResult"]
 
 
 def _check(p, m, v=1):
@@ -112,72 +85,89 @@ def interleaved_1f1b(p: int, m: int, v: int) -> dict[int, list[Action]]:
     return schedule
 
 
-def actions_of(schedule) -> dict[int, list[Action]]:
-    """``schedule`` with every action as an :class:`Action` (checked by :func:`as_action`)."""
-    if not isinstance(schedule, dict) or not schedule:
-        raise TypeError(f"a schedule is a non-empty dict {{stage: [actions]}}, got "
-                        f"{type(schedule).__name__}")
-    return {s: [as_action(a) for a in acts] for s, acts in schedule.items()}
-
-
-def _shape(schedule: dict[int, list[Action]]) -> tuple[int, int, int]:
-    """(p, m, v) of a schedule of :class:`Action` s."""
-    actions = [a for acts in schedule.values() for a in acts]
-    if not actions:
-        raise ValueError("the schedule has no actions")
-    return len(schedule), 1 + max(a.mb for a in actions), 1 + max(a.chunk for a in actions)
-
-
-def validate(schedule: dict[int, list[Action]], blocking_sends: bool = False) -> None:
+def validate(schedule: dict[int, list[Action]], blocking_sends: bool = False,
+             placement: str = "interleaved") -> None:
     """Raise ``ValueError`` naming the problem unless ``schedule`` is runnable:
 
-    * stages are ``0..p-1``; every stage runs F and B of every (micro-batch, chunk) exactly
-      once, and each B after its own F;
+    * stages are ``0..p-1``; every stage runs F and B (and W, if the schedule has any) of
+      every (micro-batch, chunk) exactly once, each B after its own F and each W after its B;
     * executed in order with *blocking receives*, every cross-stage dependency is met and no
       stage waits forever. Sends are asynchronous (posted, then completed later), as in
       :mod:`engine.pp.runtime` and ``torch.distributed.pipelining``. With
       ``blocking_sends=True`` a send also waits for its receive (a rendezvous), the stricter
       model under which some correct-looking schedules deadlock.
+
+    ``placement`` (``"interleaved"`` or ``"v"``) says which virtual stage each chunk is
+    (:func:`engine.pp.actions.virtual_stage`).
     """
+    one_of("placement", placement, PLACEMENTS)
     if isinstance(schedule, dict) and sorted(schedule) != list(range(len(schedule))):
         raise ValueError(f"stages must be 0..p-1, got {sorted(schedule)}")
     given = schedule
     schedule = actions_of(schedule)
-    p, m, v = _shape(schedule)
-    expected = sorted((kind, mb, c) for kind in KINDS for mb in range(m) for c in range(v))
+    p, m, v = shape(schedule)
+    kinds = KINDS if splits_backward(schedule) else ("F", "B")
+    expected = sorted(Action(kind, mb, c) for kind in kinds for mb in range(m) for c in range(v))
     for s, actions in schedule.items():
         seen = sorted(actions)
         if seen != expected:
             missing = sorted(set(expected) - set(seen))
             extra = [a for a in seen if seen.count(a) > 1 or a not in expected]
-            raise ValueError(f"stage {s} must run F and B of every micro-batch once: missing "
-                             f"{[Action(*a) for a in missing[:4]]}, repeated or unknown "
-                             f"{sorted(set(extra))[:4]}")
-        done_f = set()
+            raise ValueError(f"stage {s} must run {', '.join(kinds[:-1])} and {kinds[-1]} of "
+                             f"every micro-batch once: missing {missing[:4]}, repeated or "
+                             f"unknown {sorted(set(extra))[:4]}")
+        done = set()
         for raw, a in zip(given[s], actions):
-            if a.kind == "F":
-                done_f.add((a.mb, a.chunk))
-            elif (a.mb, a.chunk) not in done_f:
-                raise ValueError(f"stage {s} runs {raw} before its forward")
-    _run_blocking(schedule, p, v, blocking_sends)
+            before = {"B": "F", "W": "B"}.get(a.kind)
+            if before and (before, a.mb, a.chunk) not in done:
+                raise ValueError(f"stage {s} runs {raw} before its "
+                                 f"{'forward' if before == 'F' else 'B'}")
+            done.add(a)
+    stuck = _run_blocking(schedule, p, v, blocking_sends, placement)
+    if stuck:
+        hint = ""
+        if placement == "interleaved" and v > 1 and \
+                not _run_blocking(schedule, p, v, blocking_sends, "v"):
+            hint = " (it runs with placement='v': rank 0 holding the first and last stage)"
+        raise ValueError(f"deadlock: stages wait forever at {stuck}{hint}")
 
 
 def _needs(action: Action, vs: int, last: int):
     """The message ``action`` on virtual stage ``vs`` waits for (None: none)."""
     if action.kind == "F":
         return None if vs == 0 else ("act", action.mb, vs - 1)
-    return None if vs == last else ("grad", action.mb, vs + 1)
+    if action.kind == "B":
+        return None if vs == last else ("grad", action.mb, vs + 1)
+    return None  # W: this stage's own B, checked by the order
 
 
 def _produces(action: Action, vs: int, last: int):
     """The message ``action`` on virtual stage ``vs`` sends (None: none)."""
     if action.kind == "F":
         return None if vs == last else ("act", action.mb, vs)
-    return None if vs == 0 else ("grad", action.mb, vs)
+    if action.kind == "B":
+        return None if vs == 0 else ("grad", action.mb, vs)
+    return None
 
 
-def _run_blocking(schedule, p, v, blocking_sends):
-    """Execute the orders with blocking receives; raise on deadlock."""
+def messages(schedule: dict[int, list[Action]], placement: str = "interleaved"):
+    """Every message of ``schedule`` in its sender's order: ``(sender, receiver, message)``
+    with ``message = ("act" | "grad", mb, virtual stage that sends)``. Messages a rank sends
+    to itself (the middle of a V) are included; the runtime hands those over locally."""
+    p, _, v = shape(schedule)
+    last = p * v - 1
+    out = []
+    for s, actions in schedule.items():
+        for a in actions:
+            msg = _produces(a, virtual_stage(s, a.chunk, p, placement), last)
+            if msg is not None:
+                to = msg[2] + (1 if msg[0] == "act" else -1)
+                out.append((s, rank_of(to, p, placement), msg))
+    return out
+
+
+def _run_blocking(schedule, p, v, blocking_sends, placement) -> dict:
+    """Execute the orders with blocking receives; the actions the stages are stuck at."""
     last = p * v - 1
     position = {s: 0 for s in schedule}
     sent: set = set()  # messages posted: ("act" | "grad", mb, virtual stage that sent)
@@ -195,7 +185,7 @@ def _run_blocking(schedule, p, v, blocking_sends):
             if position[s] == len(actions):
                 continue
             a = actions[position[s]]
-            vs = a.chunk * p + s
+            vs = virtual_stage(s, a.chunk, p, placement)
             need = _needs(a, vs, last)
             if need is not None:
                 if need not in sent:
@@ -204,75 +194,105 @@ def _run_blocking(schedule, p, v, blocking_sends):
             out = _produces(a, vs, last)
             if out is not None:
                 sent.add(out)
-                if blocking_sends:
+                to = out[2] + (1 if out[0] == "act" else -1)
+                if blocking_sends and rank_of(to, p, placement) != s:
                     pending_send[s] = out
             position[s] += 1
             progress = True
     stuck = {s: schedule[s][position[s]] for s in schedule if position[s] < len(schedule[s])}
     stuck.update({s: ("send", msg) for s, msg in pending_send.items()})
-    if stuck:
-        raise ValueError(f"deadlock: stages wait forever at {stuck}")
+    return stuck
 
 
 @dataclass
 class SimResult:
     """``timeline``: ``[(stage, kind, mb, chunk, start, end)]``; ``total`` time; ``bubble``:
-    the idle fraction of ``p * total``; ``peak_in_flight``: per stage, the most micro-batches
-    whose forward ran and backward did not yet (activations held)."""
+    the idle fraction of ``p * total``; per stage, ``peak_in_flight``: the most micro-batch
+    chunks whose forward ran and backward (B) did not yet (activations held for B), and
+    ``peak_held``: the most whose forward ran and W did not yet (anything held: activations,
+    or the inputs and output gradients a later W needs); without W the two are equal."""
 
     timeline: list
     total: float
     bubble: float
     peak_in_flight: dict[int, int] = field(default_factory=dict)
+    peak_held: dict[int, int] = field(default_factory=dict)
 
     def bubble_vs_ideal(self) -> float:
         """Idle time relative to the busy (ideal) time, the other common definition."""
         return self.bubble / (1 - self.bubble)
 
+    def idle(self) -> dict[int, float]:
+        """Idle time of each stage between the start and the end of the whole run."""
+        busy: dict[int, float] = {}
+        for stage, _, _, _, start, end in self.timeline:
+            busy[stage] = busy.get(stage, 0.0) + end - start
+        return {s: self.total - b for s, b in sorted(busy.items())}
 
-def simulate(schedule, *, t_f=1.0, t_b=2.0, t_comm=0.0) -> SimResult:
-    """Run ``schedule`` on a clock. ``t_f`` and ``t_b`` are one stage's forward and backward
-    times for one micro-batch (a number, or a list per stage for imbalanced stages); with
-    ``v`` chunks each chunk takes ``1/v`` of them. ``t_comm`` delays every cross-stage
-    message."""
-    validate(schedule)
+
+def _per_stage(name: str, value, p: int, check) -> list[float]:
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * p
+    if len(values) != p:
+        raise ValueError(f"{name} needs one value per stage ({p}), got {len(values)}")
+    return [check(name, x) for x in values]
+
+
+def simulate(schedule, *, t_f=1.0, t_b=2.0, t_w=0.0, t_comm=0.0,
+             placement: str = "interleaved") -> SimResult:
+    """Run ``schedule`` on a clock. Times are one stage's, for one micro-batch (a number, or a
+    list per stage for imbalanced stages); with ``v`` chunks each chunk takes ``1/v`` of them:
+
+    * ``t_f``: the forward;
+    * ``t_b``: the input gradient (B) and ``t_w``: the weight gradient (W). A schedule with W
+      actions runs them apart; in one without, each B is the whole backward and takes
+      ``t_b + t_w`` (so ``t_w = 0`` gives the usual single backward time ``t_b``);
+    * ``t_comm``: the delay of every message between two ranks.
+
+    ``placement``: see :func:`validate`."""
+    validate(schedule, placement=placement)
     schedule = actions_of(schedule)
-    p, _, v = _shape(schedule)
-    tf = list(t_f) if isinstance(t_f, (list, tuple)) else [t_f] * p
-    tb = list(t_b) if isinstance(t_b, (list, tuple)) else [t_b] * p
-    if len(tf) != p or len(tb) != p:
-        raise ValueError(f"t_f and t_b need one value per stage ({p}), got {len(tf)} and "
-                         f"{len(tb)}")
+    p, _, v = shape(schedule)
+    tf = _per_stage("t_f", t_f, p, positive_number)
+    tb = _per_stage("t_b", t_b, p, positive_number)
+    tw = _per_stage("t_w", t_w, p, non_negative_number)
+    non_negative_number("t_comm", t_comm)
+    split = splits_backward(schedule)
+    duration = {"F": tf, "B": tb if split else [b + w for b, w in zip(tb, tw)], "W": tw}
     last = p * v - 1
     finished: dict[tuple, float] = {}  # (kind, mb, virtual stage) -> end time
     free = {s: 0.0 for s in schedule}
     position = {s: 0 for s in schedule}
-    in_flight = {s: 0 for s in schedule}
+    count = {s: {"F": 0, "B": 0, "W": 0} for s in schedule}
     peak = {s: 0 for s in schedule}
+    peak_held = {s: 0 for s in schedule}
     timeline = []
     remaining = sum(len(a) for a in schedule.values())
     while remaining:
         for s, actions in schedule.items():
             while position[s] < len(actions):
                 a = actions[position[s]]
-                vs = a.chunk * p + s
+                vs = virtual_stage(s, a.chunk, p, placement)
                 if a.kind == "F":
                     dep = None if vs == 0 else ("F", a.mb, vs - 1)
-                else:
+                elif a.kind == "B":
                     dep = ("F", a.mb, vs) if vs == last else ("B", a.mb, vs + 1)
+                else:
+                    dep = ("B", a.mb, vs)
                 if dep is not None and dep not in finished:
                     break
                 ready = 0.0 if dep is None else finished[dep] + (
-                    t_comm if dep[2] != vs else 0.0)
+                    t_comm if rank_of(dep[2], p, placement) != s else 0.0)
                 start = max(free[s], ready)
-                end = start + (tf[s] if a.kind == "F" else tb[s]) / v
+                end = start + duration[a.kind][s] / v
                 finished[(a.kind, a.mb, vs)] = end
                 free[s] = end
-                in_flight[s] += 1 if a.kind == "F" else -1
-                peak[s] = max(peak[s], in_flight[s])
+                n = count[s]
+                n[a.kind] += 1
+                peak[s] = max(peak[s], n["F"] - n["B"])
+                peak_held[s] = max(peak_held[s], n["F"] - (n["W"] if split else n["B"]))
                 timeline.append((s, a.kind, a.mb, a.chunk, start, end))
                 position[s] += 1
                 remaining -= 1
     total = max(end for *_, end in timeline)
     busy = sum(end - start for *_, start, end in timeline)
-    return SimResult(timeline, total, 1 - busy / (p * total), peak)
+    return SimResult(timeline, total, 1 - busy / (p * total), peak, peak_held)
