@@ -18,12 +18,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.comm import CommMeter, ops
+from engine.comm import ops
+from engine.device import rank_device
 from engine.models import TinyGPT
-from engine.pp import gpipe, one_f_one_b, run_pipeline, uniform_boundaries
+from engine.pp import uniform_boundaries
+from engine.strategy import (SCHEDULES, Strategy, autocast, global_batch, parameter_count,
+                             pipeline_step)
+from engine.timed_steps import run_steps
 from engine.topology import Mesh
 from engine.tp.blocks import TensorParallelGPT, _gather_dim, block_dense_state
-from engine.tp.layers import vocab_parallel_cross_entropy
 from engine.tp.mappings import copy_to_tp
 from engine.zero import ZeroOptimizer
 
@@ -81,6 +84,25 @@ class GPTStage(nn.Module):
         return state
 
 
+def hybrid_strategy(gpt: TinyGPT, mesh: Mesh, optimizer_cls, zero: int = 1,
+                    schedule: str = "1f1b", micro_batches: int = 2,
+                    device: torch.device = torch.device("cpu"), precision: str = "fp32",
+                    **optimizer_kwargs) -> Strategy:
+    """This rank's :class:`engine.strategy.Strategy` for 3D parallelism: its
+    :class:`GPTStage` of ``gpt`` (cut on the CPU, then moved to ``device``), a
+    :class:`engine.zero.ZeroOptimizer` of ``optimizer_cls`` at ZeRO stage ``zero`` over the
+    data-parallel group, and a step that runs ``schedule`` over ``micro_batches`` and sums the
+    tied embedding's gradient before the optimizer step."""
+    stage = GPTStage(gpt, mesh).to(device)
+    optimizer = ZeroOptimizer(list(stage.parameters()), optimizer_cls, stage=zero,
+                              group=mesh.dp_group, **optimizer_kwargs)
+    plan = SCHEDULES[schedule](mesh.pp, micro_batches)
+    step = pipeline_step(autocast(stage, precision), optimizer, mesh, plan,
+                         before_step=stage.sync_tied_embedding)
+    return Strategy(f"3D, ZeRO-{zero}", stage, optimizer, step, parameter_count(stage), mesh,
+                    device)
+
+
 def train_3d(rank: int, world_size: int, dp: int, tp: int, pp: int, cfg, steps: int = 3,
              micro_batches: int = 2, rows: int = 2, lr: float = 0.5, schedule: str = "1f1b",
              seed: int = 0, device: str | None = None) -> dict:
@@ -88,52 +110,21 @@ def train_3d(rank: int, world_size: int, dp: int, tp: int, pp: int, cfg, steps: 
     ``dp x tp x pp`` mesh with ZeRO-1 over dp. Every dp rank takes ``micro_batches *
     rows`` sequences of one fixed global batch. Returns this rank's stage as a dense-layout
     state, the losses (last stage), the rank's coordinates, and the bytes it sent per step
-    through each kind of group. ``device``: "cuda" or "cpu"; by default this rank's GPU under
-    NCCL, else the CPU ("cuda" on Gloo: CUDA tensors, see :mod:`engine.comm.ops`)."""
-    from engine.models import token_data
-
-    import torch.distributed as dist
-
+    through each kind of group. ``device``: "cuda" or "cpu"; by default
+    :func:`engine.device.rank_device` ("cuda" on Gloo: CUDA tensors, see
+    :mod:`engine.comm.ops`)."""
     if device is None:
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" \
-        else torch.device(device)
+        device = rank_device()
+    elif device == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device)
     mesh = Mesh(dp=dp, tp=tp, pp=pp)
-    stage = GPTStage(TinyGPT(cfg, seed=seed).to(device), mesh)
-    optimizer = ZeroOptimizer(list(stage.parameters()), torch.optim.SGD, stage=1,
-                              group=mesh.dp_group, lr=lr, momentum=0.9)
-    ids, targets = token_data(dp * micro_batches * rows, cfg.seq_len, cfg.vocab, seed=seed + 1)
-    ids, targets = ids.to(device), targets.to(device)
-    mine = slice(mesh.coords.dp * micro_batches * rows, (mesh.coords.dp + 1) * micro_batches
-                 * rows)
-    inputs, labels = list(ids[mine].chunk(micro_batches)), list(targets[mine].chunk(micro_batches))
-    plan = (one_f_one_b if schedule == "1f1b" else gpipe)(pp, micro_batches)
-
-    def loss_fn(logits, y):
-        return vocab_parallel_cross_entropy(logits, y, mesh.tp_group).mean()
-
-    losses = []
-    groups = {"tp": mesh.tp_group, "dp": mesh.dp_group, "pp": mesh.pp_group,
-              "embedding": mesh.embedding_group}
-    # collectives by their group (the pp and embedding groups can hold the same two ranks:
-    # point-to-point traffic is the pipeline's, collectives there are the embedding's)
-    kinds = {ops.group_ranks(g): kind for kind, g in groups.items()
-             if g is not None and kind != "pp"}
-    traffic = dict.fromkeys(groups, 0)
-    for _ in range(steps):
-        optimizer.zero_grad()
-        with CommMeter() as meter:
-            run = run_pipeline([stage], plan, inputs, labels, loss_fn, stage=mesh.coords.pp,
-                               group=mesh.pp_group)
-            stage.sync_tied_embedding()
-            optimizer.step()
-        for event in meter.events:  # bytes this rank sent, by the group they went through
-            point_to_point = event.op in ("send", "recv", "isend", "irecv")
-            kind = "pp" if point_to_point else kinds.get(event.group, "other")
-            traffic[kind] = traffic.get(kind, 0) + event.bytes_sent
-        losses.append(run.loss)
-    return {"state": stage.dense_state(), "losses": losses, "coords": mesh.coords,
-            "traffic_per_step": {k: v / steps for k, v in traffic.items()}}
+    strategy = hybrid_strategy(TinyGPT(cfg, seed=seed), mesh, torch.optim.SGD, 1, schedule,
+                               micro_batches, device, lr=lr, momentum=0.9)
+    inputs, labels = global_batch(cfg, mesh, micro_batches, rows, device, seed=seed + 1)
+    steps_run = run_steps(strategy, inputs, labels, steps, warmup=0)
+    return {"state": strategy.model.dense_state(), "losses": steps_run.losses,
+            "coords": mesh.coords, "traffic_per_step": steps_run.traffic}
 
 
 def train_reference(cfg, dp: int, steps: int = 3, micro_batches: int = 2, rows: int = 2,

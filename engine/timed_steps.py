@@ -1,0 +1,106 @@
+"""The training loop every strategy runs: warm-up, timed steps, the bytes sent by group.
+
+:func:`run_steps` runs a :class:`engine.strategy.Strategy` for ``warmup + steps`` steps on
+every rank, the engine's strategies and PyTorch's alike, and measures what a lab needs:
+
+* **time**: each step starts together on every rank (a one-element all-reduce lines them
+  up), and is marked with :class:`engine.trace.Clock`: CUDA events on a GPU, read only after
+  the run (each read waits for its event), ``perf_counter`` on the CPU. A step takes as long
+  as its slowest rank, so the per-step times are all-reduced with MAX;
+* **bytes**: the first step runs under a :class:`engine.comm.CommMeter` that counts every
+  collective on the wire (``count="wire"``), split by the mesh group each op went through.
+  The timed steps run without a meter, on the built-in collectives;
+* **memory**: on a GPU, what is allocated once the model is sharded (before the first step),
+  and the peak over the timed steps (the peak is reset after the warm-up).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.comm import CommMeter, ops
+from engine.pp import PipelineRun
+from engine.topology import Mesh
+from engine.trace import Clock
+
+GROUP_KINDS = ("dp", "tp", "pp", "embedding")
+
+
+@dataclass
+class StepsRun:
+    """What one rank measured. Per timed step: ``step_s`` (the slowest rank's seconds, the
+    same on every rank), ``own_step_s`` and ``compute_s`` (this rank's forward and backward).
+    ``losses``: every step's, warm-up included (None off the last pipeline stage).
+    ``traffic``: bytes this rank sent in one step through each kind of group."""
+
+    step_s: list[float]
+    own_step_s: list[float]
+    compute_s: list[float]
+    losses: list[float | None]
+    traffic: dict[str, int]
+    last: PipelineRun
+    cuda_allocated: int | None = None
+    cuda_peak: int | None = None
+    counted: bool = True  # False where some bytes were modeled, not counted
+
+
+def run_steps(strategy, inputs: list[torch.Tensor], labels: list[torch.Tensor], steps: int,
+              warmup: int = 1) -> StepsRun:
+    """``warmup`` untimed steps (the first counts the bytes), then ``steps`` timed ones."""
+    device = strategy.device
+    cuda = device.type == "cuda"
+    allocated = torch.cuda.memory_allocated(device) if cuda else None
+    clock = Clock(device)
+    marks, computes, losses = [], [], []
+    traffic, counted = {}, True
+    for i in range(warmup + steps):
+        if i == warmup and cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        line_up(device)
+        start = clock.mark()
+        if i == 0:
+            with CommMeter(count="wire") as meter:
+                run = strategy.step(inputs, labels)
+            traffic = traffic_by_group(meter.events, strategy.mesh)
+            counted = all(e.measured for e in meter.events)
+        else:
+            run = strategy.step(inputs, labels)
+        end = clock.mark()
+        losses.append(run.loss)
+        if i >= warmup:
+            marks.append((start, end))
+            computes.append(sum(e.seconds for e in run.events))
+    own = [clock.seconds(end) - clock.seconds(start) for start, end in marks]
+    return StepsRun(slowest(own, device), own, computes, losses, traffic, run, allocated,
+                    torch.cuda.max_memory_allocated(device) if cuda else None, counted)
+
+
+def line_up(device: torch.device) -> None:
+    """Wait for every rank: a one-element all-reduce on the rank's ``device``."""
+    ops.all_reduce(torch.zeros(1, device=device))
+
+
+def slowest(seconds: list[float], device: torch.device) -> list[float]:
+    """Per step, the largest of every rank's ``seconds`` (all-reduced on ``device``)."""
+    if not seconds:
+        return []
+    times = torch.tensor(seconds, dtype=torch.float64, device=device)
+    ops.all_reduce(times, op=ops.ReduceOp.MAX)
+    return times.tolist()
+
+
+def traffic_by_group(events, mesh: Mesh) -> dict[str, int]:
+    """Bytes sent, by the kind of mesh group each op went through: point-to-point traffic
+    is the pipeline's (``pp``); a collective is ``dp``, ``tp`` or ``embedding`` by its group's
+    ranks (the pp and embedding groups can hold the same two ranks: collectives there are the
+    tied embedding's), ``other`` if none."""
+    groups = {"tp": mesh.tp_group, "dp": mesh.dp_group, "embedding": mesh.embedding_group}
+    kinds = {ops.group_ranks(g): kind for kind, g in groups.items() if g is not None}
+    traffic = dict.fromkeys(GROUP_KINDS, 0)
+    for event in events:
+        point_to_point = event.op in ("send", "recv", "isend", "irecv")
+        kind = "pp" if point_to_point else kinds.get(event.group, "other")
+        traffic[kind] = traffic.get(kind, 0) + event.bytes_sent
+    return traffic
