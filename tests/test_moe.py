@@ -416,3 +416,93 @@ def test_per_rank_load_under_expert_parallelism_evens_out_with_the_balancing_los
     assert sum(last) >= sum(first)  # fewer drops: more rows processed
     assert min(last) > 2 * min(first)
     assert min(last) > min(without[0][-1])
+
+
+# -- the chapter's exercises: wrong answers fail the check aimed at their mistake -------------
+
+def _route_token_major(logits, top_k, capacity_factor):
+    """Right experts and gates, but slots claimed token by token (both choices of token 0,
+    then token 1, ...) instead of all first choices first."""
+    r = route(logits, top_k, capacity_factor)
+    taken, keep = [0] * logits.shape[1], torch.zeros_like(r.keep)
+    for t in range(logits.shape[0]):
+        for j in range(top_k):
+            e = int(r.expert[t, j])
+            keep[t, j] = taken[e] < r.capacity
+            taken[e] += int(keep[t, j])
+    return r.expert, r.gate, keep
+
+
+def _route_raw_gates(logits, top_k, capacity_factor):
+    r = route(logits, top_k, capacity_factor)
+    return r.expert, r.probs.gather(1, r.expert), r.keep  # not renormalised for k > 1
+
+
+def _loss_over_tokens(probs, expert, alpha=0.01):
+    f = torch.bincount(expert.reshape(-1), minlength=probs.shape[1]).float() / expert.shape[0]
+    return alpha * probs.shape[1] * (f * probs.mean(0)).sum()  # k times too large for k > 1
+
+
+def _loss_with_soft_f(probs, expert, alpha=0.01):
+    mask = torch.zeros_like(probs).scatter(1, expert, 1.0)
+    f = (mask * probs / probs.detach()).sum(0) / expert.numel()  # the count, with a gradient
+    return alpha * probs.shape[1] * (f * probs.mean(0)).sum()
+
+
+class _CountsByAllGather:
+    """Right rows both ways, but the counts travel by an all-gather of everyone's counts
+    (n x more than needed, and not what the check asks for)."""
+
+    @staticmethod
+    def dispatch(tokens, expert, num_experts, group=None):
+        from engine.comm import ops
+        from engine.moe import all_to_all
+        n, rank = dist.get_world_size(), dist.get_rank()
+        local = num_experts // n
+        order = torch.argsort(expert, stable=True)
+        counts = torch.bincount(expert, minlength=num_experts)
+        table = torch.zeros(n * num_experts, dtype=torch.long)
+        ops.all_gather_into_tensor(table, counts)
+        incoming = table.view(n, num_experts)[:, rank * local:(rank + 1) * local]
+        sent, received = counts.view(n, local).sum(1).tolist(), incoming.sum(1).tolist()
+        arrived = all_to_all(tokens[order], received, sent)
+        block = torch.arange(local).repeat(n) * n + torch.arange(n).repeat_interleave(local)
+        regroup = torch.argsort(torch.repeat_interleave(block, incoming.reshape(-1)),
+                                stable=True)
+        return arrived[regroup], incoming.sum(0).tolist(), (order, regroup, sent, received)
+
+    @staticmethod
+    def combine(outputs, state):
+        from engine.moe import all_to_all
+        from engine.moe.dispatch import inverse
+        order, regroup, sent, received = state
+        return all_to_all(outputs[inverse(regroup)], sent, received)[inverse(order)]
+
+
+@pytest.mark.parametrize("impl, passes, fails", [
+    (_route_token_major, "top_k_and_gates", "capacity_and_drop_mask"),
+    (_route_raw_gates, "capacity_and_drop_mask", "top_k_and_gates"),
+])
+def test_router_mistakes_fail_their_check(impl, passes, fails):
+    from engine.grading import run_checks
+    results = {r.name: r for r in run_checks("ch10.router", impl=impl).results}
+    assert results[passes].passed and not results[fails].passed, results[fails].message
+
+
+@pytest.mark.parametrize("impl, fails", [(_loss_over_tokens, "value"),
+                                         (_loss_with_soft_f, "gradient_only_through_p")])
+def test_balancing_loss_mistakes_fail_their_check(impl, fails):
+    from engine.grading import run_checks
+    results = {r.name: r for r in run_checks("ch10.balancing_loss", impl=impl).results}
+    assert not results[fails].passed
+    if fails == "gradient_only_through_p":
+        assert results["value"].passed
+
+
+def test_a_dispatch_that_gathers_the_counts_fails_the_meter_check():
+    from engine.grading.chapters import ch10
+    from engine.grading.core import CheckFailed
+    ch10.check_experts_receive_their_rows(_CountsByAllGather)  # the rows are right
+    ch10.check_combine_returns_every_row_home(_CountsByAllGather)
+    with pytest.raises(CheckFailed, match="dispatch must be one all-to-all of the rows"):
+        ch10.check_one_all_to_all_each_way(_CountsByAllGather)
