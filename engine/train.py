@@ -1,55 +1,43 @@
 """``python -m engine train``: train the GPT on a dp x tp x pp mesh and report what a lab
-cares about: memory per rank, tokens/s, MFU, the share of the step not spent computing, and
-the pipeline bubble.
+measures, each number beside the formula it checks (:mod:`engine.train_report`).
 
     python -m engine train --world-size 4 --dp 2 --tp 2 --steps 3          # CPU ranks, Gloo
     torchrun --nproc-per-node 8 -m engine train --dp 2 --tp 4 --pp 1        # one GPU node
     python -m engine train --world-size 2 --dp 2 --impl both               # vs torch DDP
     python -m engine train --world-size 2 --dp 2 --zero 0 --compress fp16 --impl both
 
-Each rank builds its pipeline stage of a tensor-parallel TinyGPT (:mod:`engine.hybrid`), runs
-the schedule (:mod:`engine.pp`), sums the tied embedding's gradient and steps a
-:class:`engine.zero.ZeroOptimizer` over the data-parallel group. ``--impl torch`` runs a data-
-parallel configuration on PyTorch's own DDP / ZeroRedundancyOptimizer / FSDP instead, and
-``--impl both`` runs the two one after the other in the same launch for a side-by-side
-tokens/s.
+Every rank builds one :class:`engine.strategy.Strategy` from the configuration: the 3D
+composition of :mod:`engine.hybrid` (a tensor-parallel pipeline stage, ZeRO-0/1/2 over dp),
+ZeRO-3, :class:`engine.dp.DataParallel` with a chapter-03 gradient compressor (``--compress``),
+or, with ``--impl torch``, PyTorch's own DDP / ZeroRedundancyOptimizer / FSDP for the same
+data-parallel configuration (``--impl both`` runs the two one after the other in the same
+launch). Each runs through the one loop of :mod:`engine.timed_steps`. Only global rank 0
+prints the report and writes the trace, under torchrun too.
 
-``--compress SPEC`` (``fp16``, ``bf16``, ``topk:0.01``, ``randomk:0.01``, ``powersgd:2``, as in
-chapter 03) trains data-parallel without ZeRO through :class:`engine.dp.DataParallel` with that
-compressor on its bucket all-reduce; with ``--impl torch|both`` the torch side registers
-PyTorch's own DDP communication hook for fp16 or bf16 (``fp16_compress_hook``,
-``bf16_compress_hook``). PyTorch has no hook for Top-K or Random-K, and its ``powerSGD_hook``
-desynchronised the ranks inside this trainer, so those compare with ``--impl engine`` only
-(chapter 03 checks our PowerSGD against that hook step by step).
-
-MFU = model FLOPs per step (Megatron-LM eq. 3 without recomputation, ``72 B s l h^2 (...)``)
-/ (step time x GPUs x peak FLOP/s). The peak comes from the GPU's name (A100 312, H100/H200
-989 TFLOP/s bf16 dense) or ``--peak-tflops``; on CPUs MFU is shown only with that flag.
+PyTorch has no DDP hook for Top-K or Random-K, and its ``powerSGD_hook`` desynchronised the
+ranks inside this trainer, so those compare with ``--impl engine`` only (chapter 03 checks our
+PowerSGD against that hook step by step).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import statistics
 import sys
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from engine import theory
-from engine.models import GPTConfig, TinyGPT, token_data
+from engine.models import GPTConfig
+from engine.validation import one_of, positive_int, positive_number
 
 MODELS = {
     "tiny": GPTConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32),
     "small": GPTConfig(vocab=256, seq_len=64, layers=4, heads=4, hidden=128),
     "medium": GPTConfig(vocab=512, seq_len=128, layers=8, heads=8, hidden=256),
 }
-PEAK_TFLOPS = {"A100": 312, "H100": 989, "H200": 989, "L40S": 362, "A10": 125, "V100": 125}
+IMPLS = {"engine": ("engine",), "torch": ("torch",), "both": ("engine", "torch")}
 
 
 @dataclass(frozen=True)
@@ -64,10 +52,11 @@ class TrainConfig:
     model: str = "tiny"
     steps: int = 3
     lr: float = 1e-2
-    impl: str = "engine"  # "engine" | "torch" | "both"
+    impl: str = "engine"
+    precision: str = "auto"
+    compress: str | None = None
     trace: str | None = None
     peak_tflops: float | None = None
-    compress: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -77,327 +66,218 @@ class TrainConfig:
 def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     """Every clear error we can give before a rank starts."""
     for name in ("dp", "tp", "pp", "microbatches", "micro_batch", "steps"):
-        value = getattr(cfg, name)
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be an int >= 1, got {value!r}")
+        positive_int(f"--{name.replace('_', '-')}", getattr(cfg, name))
+    positive_number("--lr", cfg.lr)
+    if cfg.peak_tflops is not None:
+        positive_number("--peak-tflops", cfg.peak_tflops)
+    for name, choices in (("model", MODELS), ("zero", (0, 1, 2, 3)),
+                          ("schedule", ("1f1b", "gpipe")), ("impl", IMPLS),
+                          ("precision", ("auto", "fp32", "bf16"))):
+        one_of(f"--{name}", getattr(cfg, name), choices)
     if world_size is not None and cfg.world_size != world_size:
         raise ValueError(f"dp x tp x pp = {cfg.dp} x {cfg.tp} x {cfg.pp} = {cfg.world_size} "
                          f"does not match the world size {world_size}")
-    if cfg.model not in MODELS:
-        raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {cfg.model!r}")
-    if cfg.zero not in (0, 1, 2, 3):
-        raise ValueError(f"--zero must be 0, 1, 2 or 3, got {cfg.zero!r}")
     if cfg.zero == 3 and (cfg.tp > 1 or cfg.pp > 1):
         raise ValueError("--zero 3 runs here with data parallelism only (--tp 1 --pp 1); "
                          "with tp or pp use --zero 1 or 2")
-    if cfg.schedule not in ("1f1b", "gpipe"):
-        raise ValueError(f"--schedule must be 1f1b or gpipe, got {cfg.schedule!r}")
-    if cfg.impl not in ("engine", "torch", "both"):
-        raise ValueError(f"--impl must be engine, torch or both, got {cfg.impl!r}")
     if cfg.impl != "engine" and (cfg.tp > 1 or cfg.pp > 1):
         raise ValueError("--impl torch/both compares data-parallel configurations (--tp 1 "
                          "--pp 1): DDP, ZeroRedundancyOptimizer or FSDP by --zero")
     if cfg.compress is not None:
-        from engine.compress.experiment import make_compressor
-
-        make_compressor(cfg.compress)  # a bad spec is a clear ValueError naming it
-        if cfg.tp > 1 or cfg.pp > 1 or cfg.zero != 0:
-            raise ValueError(f"--compress {cfg.compress} runs on data parallelism without ZeRO "
-                             "(--tp 1 --pp 1 --zero 0): the compressor plugs into "
-                             "DataParallel's bucket all-reduce")
-        if cfg.impl != "engine" and cfg.compress.split(":")[0] in ("topk", "randomk"):
-            raise ValueError(f"--impl {cfg.impl} --compress {cfg.compress}: PyTorch has no "
-                             "DDP hook for Top-K or Random-K; use --impl engine")
-        if cfg.impl != "engine" and cfg.compress.startswith("powersgd"):
-            # measured with torch 2.13 on Gloo, --model small: with no_sync accumulation, or
-            # after the engine's run in the same launch, the ranks' collectives stopped
-            # matching ("Received data size doesn't match expected size") and a rank aborted
-            raise ValueError(f"--impl {cfg.impl} --compress {cfg.compress}: PyTorch's "
-                             "powerSGD_hook desynchronised the ranks in this trainer (torch "
-                             "2.13, Gloo); compare PowerSGD with --impl engine, or fp16/bf16 "
-                             "with --impl both")
-    model = MODELS[cfg.model]
+        _check_compress(cfg)
     from engine.tp.blocks import check_tp_degree
 
+    model = MODELS[cfg.model]
     check_tp_degree(model, cfg.tp)
     if cfg.pp > model.layers:
         raise ValueError(f"--pp {cfg.pp} needs at least {cfg.pp} layers; --model {cfg.model} "
                          f"has {model.layers}")
 
 
-def peak_flops(cfg: TrainConfig) -> float | None:
-    if cfg.peak_tflops:
-        return cfg.peak_tflops * 1e12
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-        for key, tflops in PEAK_TFLOPS.items():
-            if key in name:
-                return tflops * 1e12
-    return None
+def _check_compress(cfg: TrainConfig) -> None:
+    from engine.compress.experiment import make_compressor
+
+    make_compressor(cfg.compress)  # a bad spec is a clear ValueError naming it
+    if cfg.tp > 1 or cfg.pp > 1 or cfg.zero != 0:
+        raise ValueError(f"--compress {cfg.compress} runs on data parallelism without ZeRO "
+                         "(--tp 1 --pp 1 --zero 0): the compressor plugs into "
+                         "DataParallel's bucket all-reduce")
+    if cfg.impl != "engine" and cfg.compress.split(":")[0] in ("topk", "randomk"):
+        raise ValueError(f"--impl {cfg.impl} --compress {cfg.compress}: PyTorch has no "
+                         "DDP hook for Top-K or Random-K; use --impl engine")
+    if cfg.impl != "engine" and cfg.compress.startswith("powersgd"):
+        # measured with torch 2.13 on Gloo, --model small: with no_sync accumulation, or
+        # after the engine's run in the same launch, the ranks' collectives stopped
+        # matching ("Received data size doesn't match expected size") and a rank aborted
+        raise ValueError(f"--impl {cfg.impl} --compress {cfg.compress}: PyTorch's "
+                         "powerSGD_hook desynchronised the ranks in this trainer (torch "
+                         "2.13, Gloo); compare PowerSGD with --impl engine, or fp16/bf16 "
+                         "with --impl both")
 
 
-def model_flops(model: GPTConfig, sequences: int) -> float:
-    return theory.transformer_flops(sequences, model.seq_len, model.layers, model.hidden,
-                                    model.vocab, recompute=False)
+# -- on every rank --------------------------------------------------------------------------------
 
 
-def _device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """``auto``: bf16 autocast on a GPU that has bf16, fp32 elsewhere."""
+    if precision != "auto":
+        return precision
+    return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
 
 
-def _engine_steps(rank, world_size, cfg: TrainConfig):
-    from engine.comm import CommMeter
-    from engine.hybrid import GPTStage
-    from engine.pp import gpipe, one_f_one_b, run_pipeline
+def train_on_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
+    """Build each implementation's strategy, run the steps, return what the report needs."""
+    from engine.device import rank_device
+    from engine.strategy import build, global_batch
+    from engine.timed_steps import run_steps
     from engine.topology import Mesh
-    from engine.tp.layers import vocab_parallel_cross_entropy
-    from engine.zero import ZeroDataParallel, ZeroOptimizer
+    from engine.train_report import memory_formula, traffic_formulas
 
-    model_cfg = MODELS[cfg.model]
-    device = _device()
+    device = rank_device()
+    precision = resolve_precision(cfg.precision, device)
     mesh = Mesh(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp)
-    rows = cfg.microbatches * cfg.micro_batch
-    ids, targets = token_data(cfg.dp * rows, model_cfg.seq_len, model_cfg.vocab, seed=1)
-    ids, targets = ids.to(device), targets.to(device)
-    mine = slice(mesh.coords.dp * rows, (mesh.coords.dp + 1) * rows)
-    inputs = list(ids[mine].chunk(cfg.microbatches))
-    labels = list(targets[mine].chunk(cfg.microbatches))
-    if cfg.compress is not None:
-        from engine.compress.experiment import make_compressor
-        from engine.dp import DataParallel
-
-        stage = DataParallel(TinyGPT(model_cfg, seed=0).to(device),
-                             compressor=make_compressor(cfg.compress))
-        optimizer = torch.optim.AdamW(stage.parameters(), lr=cfg.lr)
-
-        def loss_fn(logits, y):
-            return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
-    elif cfg.zero == 3:
-        wrapped = ZeroDataParallel(TinyGPT(model_cfg, seed=0).to(device), torch.optim.AdamW,
-                                   group=mesh.dp_group, lr=cfg.lr)
-        stage, optimizer = wrapped, wrapped.optimizer
-
-        def loss_fn(logits, y):
-            return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
-    else:
-        stage = GPTStage(TinyGPT(model_cfg, seed=0).to(device), mesh)
-        optimizer = ZeroOptimizer(list(stage.parameters()), torch.optim.AdamW, stage=cfg.zero,
-                                  group=mesh.dp_group, lr=cfg.lr)
-
-        def loss_fn(logits, y):
-            return vocab_parallel_cross_entropy(logits, y, mesh.tp_group).mean()
-    plan = (one_f_one_b if cfg.schedule == "1f1b" else gpipe)(cfg.pp, cfg.microbatches)
-    steps, events, losses, last_run, comm_bytes = [], [], [], None, 0
-    for step in range(cfg.steps + 1):  # the first step warms up
-        dist.barrier()
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        with CommMeter() as meter:
-            if cfg.compress is not None:
-                run = _accumulate(stage, inputs, labels, loss_fn, rank)
-            else:
-                run = run_pipeline([stage], plan, inputs, labels, loss_fn,
-                                   stage=mesh.coords.pp, group=mesh.pp_group)
-                if cfg.zero != 3:
-                    stage.sync_tied_embedding()
-            optimizer.step()
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        if step:
-            steps.append(elapsed.item())
-            events = run.events
-            comm_bytes = meter.bytes_sent
-            if run.loss is not None:
-                losses.append(run.loss)
-            if rank == 0:
-                print(f"  step {step}/{cfg.steps}: {elapsed.item() * 1e3:.1f} ms", flush=True)
-        last_run = run
-    if cfg.compress is not None:
-        from engine.memory import model_state_bytes
-
-        held = model_state_bytes(stage, optimizer)
-    else:
-        held = optimizer.state_bytes() if hasattr(optimizer, "state_bytes") \
-            else stage.state_bytes()
-    compute = sum(e.end - e.start for e in events)
-    gathered = [None] * world_size
-    dist.all_gather_object(gathered, [(e.name, e.rank, e.start, e.end, dict(e.args))
-                                      for e in events])
-    cuda_peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
-    return {"step_s": statistics.median(steps), "losses": losses, "compute_s": compute,
-            "cuda_peak": cuda_peak,
-            "state": held, "activations": last_run.peak_activation_bytes,
-            "comm_bytes": comm_bytes, "coords": mesh.coords,
-            "events": gathered if rank == 0 else None}
-
-
-def _accumulate(model, inputs, labels, loss_fn, rank):
-    """One data-parallel step over the micro-batches: gradients accumulate locally
-    (``no_sync``) and are all-reduced, through the compressor, in the last backward only. The
-    same :class:`engine.pp.PipelineRun` as a one-stage pipeline reports."""
-    from engine.memory import ActivationTracker
-    from engine.pp import PipelineRun
-    from engine.trace import TraceEvent
-
-    m, events, total, peak = len(inputs), [], 0.0, 0
-    params = list(model.parameters())
-    for mb, (x, y) in enumerate(zip(inputs, labels, strict=True)):
-        sync = contextlib.nullcontext() if mb == m - 1 else model.no_sync()
-        with sync:
-            start = time.perf_counter()
-            with ActivationTracker(exclude=params) as acts:
-                loss = loss_fn(model(x), y) / m
-            loss.backward()
-            end = time.perf_counter()
-        peak = max(peak, acts.bytes)
-        total += loss.item()
-        events.append(TraceEvent(f"FB{mb}", rank, start, end, lane="compute",
-                                 args={"kind": "FB", "mb": mb, "chunk": 0}))
-    return PipelineRun(total, events, peak, {0: peak}, 1)
-
-
-def _torch_steps(rank, world_size, cfg: TrainConfig):
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import ShardingStrategy
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    model_cfg = MODELS[cfg.model]
-    device = _device()
-    rows = cfg.microbatches * cfg.micro_batch
-    ids, targets = token_data(cfg.dp * rows, model_cfg.seq_len, model_cfg.vocab, seed=1)
-    ids, targets = ids[rank * rows:(rank + 1) * rows].to(device), \
-        targets[rank * rows:(rank + 1) * rows].to(device)
-    gpt = TinyGPT(model_cfg, seed=0).to(device)
-    if cfg.zero >= 2:
-        strategy = ShardingStrategy.SHARD_GRAD_OP if cfg.zero == 2 else \
-            ShardingStrategy.FULL_SHARD
-        model = FSDP(gpt, device_id=device, sharding_strategy=strategy)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    else:
-        model = nn.parallel.DistributedDataParallel(gpt)
-        if cfg.compress is not None:
-            _register_torch_hook(model, cfg.compress)
-        optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=cfg.lr) \
-            if cfg.zero == 1 else torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    steps = []
-    for step in range(cfg.steps + 1):
-        dist.barrier()
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        for i, (x, y) in enumerate(zip(ids.chunk(cfg.microbatches),
-                                       targets.chunk(cfg.microbatches))):
-            last = i == cfg.microbatches - 1  # synchronise once, after the last micro-batch
-            with contextlib.nullcontext() if last else model.no_sync():
-                logits = model(x)
-                loss = nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
-                (loss / cfg.microbatches).backward()
-        optimizer.step()
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        if step:
-            steps.append(elapsed.item())
-    return {"step_s": statistics.median(steps)}
-
-
-def _register_torch_hook(model, spec: str) -> None:
-    """PyTorch's own DDP communication hook for the compressor ``spec`` names."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    kind = spec.split(":")[0]
-    if kind == "fp16":
-        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif kind == "bf16":
-        if dist.get_backend() != "nccl":
-            raise ValueError("PyTorch's bf16_compress_hook needs NCCL; on Gloo compare "
-                             "--compress fp16, or run bf16 with --impl engine")
-        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
-    elif kind != "dense":  # refused by check_config before any rank starts
-        raise ValueError(f"no PyTorch DDP hook for --compress {spec}")
-
-
-def _both(rank, world_size, cfg: TrainConfig):
-    out = {}
-    if cfg.impl in ("engine", "both"):
-        out["engine"] = _engine_steps(rank, world_size, cfg)
-    if cfg.impl in ("torch", "both"):
-        out["torch"] = _torch_steps(rank, world_size, cfg)
+    inputs, labels = global_batch(MODELS[cfg.model], mesh, cfg.microbatches, cfg.micro_batch,
+                                  device)
+    out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+           "precision": precision}
+    for impl in IMPLS[cfg.impl]:
+        strategy = build(cfg, MODELS[cfg.model], impl, mesh, device, precision)
+        formulas = traffic_formulas(strategy, cfg, MODELS[cfg.model]) if impl == "engine" \
+            else {}
+        run = run_steps(strategy, inputs, labels, cfg.steps)
+        out[impl] = {
+            "name": strategy.name, "coords": mesh.coords, "device_type": device.type,
+            "step_s": run.step_s, "compute_s": run.compute_s, "losses": run.losses,
+            "traffic": run.traffic, "counted": run.counted, "formulas": formulas,
+            "psi": strategy.psi, "memory_formula": memory_formula(strategy, cfg),
+            "state": strategy.state_bytes(),
+            "activations": run.last.peak_activation_bytes, "events": run.last.events,
+            "cuda_allocated": run.cuda_allocated, "cuda_peak": run.cuda_peak}
     return out
 
 
-def report(cfg: TrainConfig, results: list[dict]) -> dict:
-    """Print the lab's numbers from every rank's results; return them."""
-    model_cfg = MODELS[cfg.model]
-    sequences = cfg.dp * cfg.microbatches * cfg.micro_batch
-    tokens = sequences * model_cfg.seq_len
-    peak = peak_flops(cfg)
-    summary = {}
-    print(f"\n{cfg.model} GPT ({sum(p.numel() for p in TinyGPT(model_cfg).parameters()):,} "
-          f"parameters) on dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp}, ZeRO-{cfg.zero}, "
-          f"{cfg.schedule}, {cfg.microbatches} micro-batches of {cfg.micro_batch}"
-          + (f", gradients compressed with {cfg.compress}" if cfg.compress else ""))
-    for impl in ("engine", "torch"):
-        if impl not in results[0]:
+# -- the command ----------------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # a ValueError, so a notebook cell gets an exception, not an exit
+        raise ValueError(message)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m engine train", description=__doc__.split("\n\n")[0],
+                allow_abbrev=False)
+    d = TrainConfig()
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ranks to launch here (default: dp x tp x pp; under torchrun its "
+                        "WORLD_SIZE)")
+    for name, what in (("dp", "data-parallel"), ("tp", "tensor-parallel"),
+                       ("pp", "pipeline-parallel")):
+        p.add_argument(f"--{name}", type=int, default=getattr(d, name),
+                       help=f"{what} degree (default: %(default)s)")
+    p.add_argument("--zero", type=int, default=d.zero, choices=(0, 1, 2, 3),
+                   help="ZeRO stage over the data-parallel group: 0 none, 1 optimizer state, "
+                        "2 + gradients, 3 + parameters (dp only) (default: %(default)s)")
+    p.add_argument("--schedule", default=d.schedule, choices=("1f1b", "gpipe"),
+                   help="pipeline schedule, used when --pp > 1 (default: %(default)s)")
+    p.add_argument("--microbatches", type=int, default=d.microbatches,
+                   help="micro-batches per step, m (default: %(default)s)")
+    p.add_argument("--micro-batch", type=int, default=d.micro_batch,
+                   help="sequences per micro-batch, b (default: %(default)s)")
+    p.add_argument("--model", default=d.model, choices=tuple(MODELS),
+                   help="GPT size: " + "; ".join(f"{k} {m.layers} layers, hidden {m.hidden}, "
+                                                 f"sequence {m.seq_len}"
+                                                 for k, m in MODELS.items())
+                   + " (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=d.steps,
+                   help="timed steps, after one warm-up step (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=d.lr,
+                   help="AdamW learning rate (default: %(default)s)")
+    p.add_argument("--impl", default=d.impl, choices=tuple(IMPLS),
+                   help="engine: this engine; torch: PyTorch's DDP / ZeroRedundancyOptimizer "
+                        "/ FSDP; both: one after the other (default: %(default)s)")
+    p.add_argument("--precision", default=d.precision, choices=("auto", "fp32", "bf16"),
+                   help="auto: bf16 autocast on a GPU, fp32 on the CPU; MFU uses this "
+                        "precision's peak (default: %(default)s)")
+    p.add_argument("--compress", default=d.compress, metavar="SPEC",
+                   help="gradient compression on data parallelism (--zero 0), one of fp16, "
+                        "bf16, topk:RATIO, randomk:RATIO, powersgd:RANK (default: none)")
+    p.add_argument("--trace", default=d.trace, metavar="PATH",
+                   help="write a Chrome trace of the last step there (default: none)")
+    p.add_argument("--peak-tflops", type=float, default=d.peak_tflops,
+                   help="peak TFLOP/s of one device for MFU (default: from the GPU's name "
+                        "and the precision; none on a CPU)")
+    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
+                   help="auto: NCCL when this machine has a GPU for each of its ranks, else "
+                        "Gloo on the CPU (default: %(default)s)")
+    return p
+
+
+def parse(argv) -> tuple[TrainConfig, argparse.Namespace, set[str]]:
+    """The configuration, the parsed arguments, and the names of those the learner gave."""
+    p = parser()
+    args = p.parse_args(argv)
+    given = argparse.Namespace()
+    for action in p._actions:  # a second pass with no defaults: only what argv sets is set
+        action.default = argparse.SUPPRESS
+    p.parse_args(argv, given)
+    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+    return cfg, args, set(vars(given))
+
+
+def resolve_backend(requested: str, world_size: int) -> str:
+    """``auto``: NCCL when there is a GPU for every rank on this machine (under torchrun,
+    ``LOCAL_WORLD_SIZE``: the same on every process), else Gloo."""
+    if requested != "auto":
+        return requested
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return "nccl" if gpus >= here and dist.is_nccl_available() else "gloo"
+
+
+def resolved(cfg: TrainConfig, args: argparse.Namespace, given: set[str], world: int,
+             decided: dict[str, str]) -> dict[str, str]:
+    """Each option and its value, marked "(default)" where the learner did not choose it;
+    ``decided``: what an "auto" option became. The schedule only for a pipeline."""
+    values = {"world_size": world, "backend": args.backend,
+              **{f.name: getattr(cfg, f.name) for f in fields(TrainConfig)}}
+    shown = {}
+    for name, value in values.items():
+        if (name == "schedule" and cfg.pp == 1) or (value is None and name not in given):
             continue
-        step = results[0][impl]["step_s"]
-        summary[impl] = {"tokens_per_s": tokens / step, "step_s": step}
-        mfu = model_flops(model_cfg, sequences) / (step * cfg.world_size * peak) if peak \
-            else None
-        summary[impl]["mfu"] = mfu
-        print(f"[{impl}] step {step * 1e3:.1f} ms, {tokens / step:,.0f} tokens/s"
-              + (f", MFU {mfu:.1%}" if mfu is not None else
-                 ", MFU n/a (give --peak-tflops on CPUs)"))
-    if "engine" in results[0]:
-        from engine.pp import measured_bubble
-        from engine.trace import TraceEvent
-
-        engine = [r["engine"] for r in results]
-        step = engine[0]["step_s"]
-        for r in engine:
-            s = r["state"]
-            c = r["coords"]
-            print(f"  rank dp{c.dp} tp{c.tp} pp{c.pp}: params {s.params / 1e6:.2f} MB, grads "
-                  f"{s.grads / 1e6:.2f} MB, optimizer {s.optimizer / 1e6:.2f} MB, activations "
-                  f"{r['activations'] / 1e6:.2f} MB; computing {r['compute_s'] / step:.0%} "
-                  f"of the step; sent {_bytes(r['comm_bytes'])}"
-                  + (f"; CUDA peak {r['cuda_peak'] / 1e9:.2f} GB" if r["cuda_peak"] else ""))
-        events = [TraceEvent(name, rank, start, end, "compute", args)
-                  for per_rank in engine[0]["events"]
-                  for name, rank, start, end, args in per_rank]
-        if cfg.pp > 1:
-            stage_events = [e for e in events if e.rank in _first_pipeline(cfg)]
-            bubble = measured_bubble(stage_events, cfg.pp)
-            print(f"  pipeline idle outside forward/backward (one pipeline; tensor-parallel "
-                  f"waits count as busy): {bubble:.1%}; bubble formula "
-                  f"{theory.bubble_fraction(cfg.pp, cfg.microbatches):.1%}")
-            summary["bubble"] = bubble
-        summary["non_compute_share"] = 1 - min(r["compute_s"] for r in engine) / step
-        if cfg.trace:
-            from engine.trace import to_chrome_trace
-
-            to_chrome_trace(events, cfg.trace)
-            print(f"  Chrome trace: {cfg.trace}")
-    if "engine" in summary and "torch" in summary:
-        ratio = summary["engine"]["tokens_per_s"] / summary["torch"]["tokens_per_s"]
-        print(f"engine / torch tokens/s: {ratio:.2f}x")
-        summary["ratio"] = ratio
-    return summary
+        text = f"auto -> {decided[name]}" if value == "auto" and name in decided else str(value)
+        shown[name.replace("_", "-")] = text + ("" if name in given else " (default)")
+    return shown
 
 
-def _bytes(n: float) -> str:
-    return f"{n / 1e6:.2f} MB" if n >= 1e5 else f"{n / 1e3:.2f} KB"
+def main(argv=None) -> int:
+    from engine.launch import _under_torchrun, is_global_rank_zero, launch
 
+    try:
+        cfg, args, given = parse(argv)
+        world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else \
+            (args.world_size or cfg.world_size)
+        check_config(cfg, world)
+        backend = resolve_backend(args.backend, world)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if is_global_rank_zero():
+        print(f"training on {world} rank(s), {backend}...", flush=True)
+    results = launch(train_on_rank, world, cfg, backend=backend)
+    if is_global_rank_zero():
+        from engine.train_report import report
 
-def _first_pipeline(cfg: TrainConfig) -> set[int]:
-    return {p * cfg.dp * cfg.tp for p in range(cfg.pp)}  # dp 0, tp 0 of every stage
+        decided = {"backend": backend, "precision": results[0]["precision"]}
+        report(cfg, results, resolved(cfg, args, given, world, decided))
+    return 0
 
 
 def run_on_gpus(args: list[str], gpus_needed: int) -> int | None:
     """For the notebooks' GPU-lab cells: with at least ``gpus_needed`` CUDA GPUs here, run
     ``python -m engine train ARGS --backend nccl`` now (one GPU per rank) and return its exit
     code; otherwise print the commands to run in the GPU lab and return None."""
-    cfg, parsed = _parse(args)
+    cfg, parsed, _ = parse(args)
     check_config(cfg, parsed.world_size or cfg.world_size)  # a wrong cell fails on a CPU too
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have >= gpus_needed:
@@ -408,49 +288,3 @@ def run_on_gpus(args: list[str], gpus_needed: int) -> int | None:
           f"  python -m engine train {' '.join(args)} --backend nccl\n"
           f"  torchrun --nproc-per-node {gpus_needed} -m engine train {options}")
     return None
-
-
-def _parse(argv) -> tuple[TrainConfig, argparse.Namespace]:
-    parser = argparse.ArgumentParser(prog="python -m engine train", description=__doc__.split(
-        "\n\n")[0])
-    parser.add_argument("--world-size", type=int, help="ranks to launch (not under torchrun)")
-    for name in ("dp", "tp", "pp"):
-        parser.add_argument(f"--{name}", type=int, default=1)
-    parser.add_argument("--zero", type=int, default=1)
-    parser.add_argument("--schedule", default="1f1b")
-    parser.add_argument("--microbatches", type=int, default=2)
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--impl", default="engine")
-    parser.add_argument("--compress", help="gradient compression on data parallelism "
-                        "(--zero 0): fp16, bf16, topk:RATIO, randomk:RATIO, powersgd:RANK")
-    parser.add_argument("--trace", help="write a Chrome trace of the last step")
-    parser.add_argument("--peak-tflops", type=float)
-    parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
-    args = parser.parse_args(argv)
-    cfg = TrainConfig(dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero,
-                      schedule=args.schedule, microbatches=args.microbatches,
-                      micro_batch=args.micro_batch, model=args.model, steps=args.steps,
-                      impl=args.impl, trace=args.trace, peak_tflops=args.peak_tflops,
-                      compress=args.compress)
-    return cfg, args
-
-
-def main(argv=None) -> int:
-    cfg, args = _parse(argv)
-    from engine.launch import _under_torchrun, launch
-
-    world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else (args.world_size or
-                                                                      cfg.world_size)
-    try:
-        check_config(cfg, world)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"training on {world} rank(s)...", flush=True)
-    results = launch(_both, world, cfg, backend=args.backend)
-    if _under_torchrun() and dist.is_initialized() and dist.get_rank() != 0:
-        return 0
-    report(cfg, results)
-    return 0

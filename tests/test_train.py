@@ -1,30 +1,102 @@
-"""python -m engine train: runs on CPU ranks, prints the lab's numbers, refuses bad layouts."""
+"""python -m engine train: runs on CPU ranks, prints a report that teaches, refuses bad layouts,
+obeys NCCL's rules, and prints once under torchrun."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 import re
 
 import pytest
+import torch
+import torch.distributed as dist
 
+from engine import launch
 from engine.__main__ import main as engine_main
 
 
-def test_train_on_four_cpu_ranks_prints_throughput(capsys):
+def _number(text: str) -> int:
+    return int(text.replace(",", ""))
+
+
+def _rank_lines(out: str, heading: str) -> list[str]:
+    """The per-rank lines of the block that starts with ``heading``."""
+    lines = []
+    for line in out.split(heading, 1)[1].split("\n")[1:]:
+        if not line.startswith("    rank "):
+            return lines
+        lines.append(line)
+    return lines
+
+
+def test_the_report_of_a_dp2_tp2_run_teaches(capsys):
     assert engine_main(["train", "--world-size", "4", "--dp", "2", "--tp", "2",
                         "--steps", "3"]) == 0
     out = capsys.readouterr().out
-    assert "tokens/s" in out and "step 3/3" in out
-    assert out.count("rank dp") == 4 and "optimizer" in out and "activations" in out
+    # the resolved configuration: chosen values plain, the others marked; no schedule at pp 1
+    config = next(line for line in out.splitlines() if line.startswith("configuration:"))
+    assert "--dp 2 " in config and "--tp 2 " in config and "--steps 3 " in config
+    assert "--pp 1 (default)" in config and "--zero 1 (default)" in config
+    assert "--precision auto -> fp32 (default)" in config
+    assert "--backend auto -> gloo (default)" in config
+    assert "schedule" not in config
+    # the batch, so tokens/s can be checked by hand
+    assert "sequence length 16 tokens; micro-batch 4 sequences; 2 micro-batches per step; " \
+           "global batch dp 2 x 2 x 4 = 16 sequences = 256 tokens per step" in out
+    # a loss for the warm-up step and each timed step, going down
+    losses = [float(x) for x in re.search(r"loss per step[^:]*: (.*)", out).group(1)
+              .replace(" (warm-up)", "").split(", ")]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    # the step time is named for what it is
+    median, low, high = map(float, re.search(r"step time: median ([\d.]+) ms, min ([\d.]+) "
+                                             r"ms, max ([\d.]+) ms over 3 timed step", out)
+                            .groups())
+    assert low <= median <= high
+    tokens_per_s = float(re.search(r"([\d,]+) tokens/s", out).group(1).replace(",", ""))
+    assert tokens_per_s == pytest.approx(256 / (median / 1e3), rel=0.01)
+    # bytes per rank split by group, each equal to its formula (counted on the wire)
+    assert "counted on the wire" in out
+    traffic = _rank_lines(out, "bytes sent per step")
+    assert len(traffic) == 4
+    for line in traffic:
+        groups = dict((kind, (_number(sent), _number(formula))) for kind, sent, formula in
+                      re.findall(r"(\w+) ([\d,]+) B = ([\d,]+) B", line))
+        assert set(groups) == {"dp", "tp"}
+        for kind, (sent, formula) in groups.items():
+            assert sent == formula > 0, (kind, line)
+    assert "dp: ZeRO-1: 2(N-1)/N x Ψ x 4 B" in out and "tp: m x (8bsh(t-1)/t" in out
+    # memory per rank beside its formula: exact, but for AdamW's 4-byte step counter
+    memory = _rank_lines(out, "model states per rank")
+    assert len(memory) == 4
+    for line in memory:
+        fields = {name: (_number(held), _number(formula)) for name, held, formula in
+                  re.findall(r"(params|grads|optimizer) ([\d,]+) B = ([\d,]+) B", line)}
+        assert fields["params"][0] == fields["params"][1]
+        assert fields["grads"][0] == fields["grads"][1]
+        held, formula = fields["optimizer"]
+        assert formula == fields["params"][1] * 2 / 2  # 8 B/param / dp 2, params 4 B/param
+        assert held - formula == 4
+    assert "optimizer 8 B/param (AdamW's two moments) under ZeRO-1, optimizer ÷ dp" in out
+    assert "computing" in out and "MFU n/a: a CPU run" in out
 
 
-def test_pipeline_run_reports_idle_time_and_writes_a_trace(capsys, tmp_path):
+def test_pipeline_report_explains_the_bubble_and_writes_a_trace(capsys, tmp_path):
     import json
 
     trace = tmp_path / "trace.json"
     assert engine_main(["train", "--world-size", "2", "--pp", "2", "--steps", "1",
                         "--schedule", "gpipe", "--trace", str(trace)]) == 0
     out = capsys.readouterr().out
-    assert "bubble formula 33.3%" in out
+    assert "--schedule gpipe " in out
+    line = next(x for x in out.splitlines() if "pipeline idle" in x)
+    measured, simulated = map(float, re.search(
+        r"pipeline idle ([\d.]+)% \(measured, last step\) vs ([\d.]+)% \(simulator fed the "
+        r"measured stage times\) vs 33.3% \(formula", line).groups())
+    assert 0 < simulated < 100 and 0 < measured < 100
+    assert "the formula assumes equal stages and free hand-offs" in line
+    for line in _rank_lines(out, "bytes sent per step"):  # 2 micro-batches of 4 x 16 x 32
+        assert re.search(r"pp 16,528 B = 16,528 B; embedding 8,192 B = 8,192 B", line)
     events = json.loads(trace.read_text())["traceEvents"]
     assert sum(e.get("ph") == "X" for e in events) == 2 * 2 * 2  # 2 ranks x (2 F + 2 B)
 
@@ -35,12 +107,13 @@ def test_engine_and_torch_side_by_side(capsys):
     out = capsys.readouterr().out
     assert "[engine]" in out and "[torch]" in out and "engine / torch tokens/s" in out
     assert "MFU" in out and "n/a" not in out
+    engine, torch_side = re.findall(r"loss per step[^:]*: (.*)", out)
+    assert engine.split(", ")[0] == torch_side.split(", ")[0]  # same model, same batch
 
 
-def _sent(out: str) -> float:
-    """Bytes rank dp0 sent per step, from the report."""
-    value, unit = re.search(r"rank dp0 .*; sent ([\d.]+) (KB|MB)", out).groups()
-    return float(value) * (1e3 if unit == "KB" else 1e6)
+def _sent(out: str) -> int:
+    """Bytes rank 0 sent per step through the data-parallel group, from the report."""
+    return _number(re.search(r"rank 0 \(.*?\): dp ([\d,]+) B", out).group(1))
 
 
 def test_compressed_data_parallel_sends_what_the_compressor_keeps(capsys):
@@ -72,7 +145,8 @@ def test_compression_side_by_side_with_pytorchs_fp16_hook(capsys):
     (["--world-size", "4", "--pp", "4"], "--pp 4 needs at least 4 layers"),
     (["--world-size", "3", "--tp", "3"], "hidden=32 is not divisible by the tensor-parallel "
                                           "degree 3"),
-    (["--world-size", "1", "--model", "huge"], "--model must be one of tiny, small, medium"),
+    (["--world-size", "1", "--model", "huge"], "argument --model: invalid choice: 'huge' "
+                                               "(choose from 'tiny', 'small', 'medium')"),
     (["--world-size", "2", "--dp", "2", "--compress", "fp16"], "--compress fp16 runs on data "
                                                                "parallelism without ZeRO"),
     (["--world-size", "2", "--dp", "2", "--zero", "0", "--compress", "zip"],
@@ -81,10 +155,50 @@ def test_compression_side_by_side_with_pytorchs_fp16_hook(capsys):
       "both"], "PyTorch has no DDP hook for Top-K"),
     (["--world-size", "2", "--dp", "2", "--zero", "0", "--compress", "powersgd:2", "--impl",
       "torch"], "powerSGD_hook desynchronised the ranks"),
+    (["--dp", "0"], "--dp must be a positive int, got 0"),
+    (["--peak-tflops", "-5"], "--peak-tflops must be a positive number, got -5.0"),
 ])
 def test_bad_layouts_are_refused_before_any_rank_starts(args, message, capsys):
     assert engine_main(["train", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def _help_entries(text: str) -> dict[str, str]:
+    """``{flag: its help entry, on one line}`` from argparse's ``--help``."""
+    entries, flag = {}, None
+    for line in text.split("options:", 1)[1].splitlines():
+        start = re.match(r"  (--[\w-]+)", line)
+        if start:
+            flag = start.group(1)
+            entries[flag] = line
+        elif flag:
+            entries[flag] += " " + line.strip()
+    return entries
+
+
+def test_help_gives_every_flag_its_text_choices_and_default(capsys):
+    from engine.train import parser
+
+    with pytest.raises(SystemExit) as exit_:
+        engine_main(["train", "--help"])
+    assert exit_.value.code == 0
+    entries = _help_entries(capsys.readouterr().out)
+    options = [a for a in parser()._actions if "--help" not in a.option_strings]
+    assert len(options) == len(entries) == 17
+    for action in options:
+        flag = action.option_strings[0]
+        entry = entries[flag]
+        assert len(entry.split(")", 1)[0]) > 30 and "(default: " in entry, entry
+        if action.default is not None:
+            assert f"(default: {action.default})" in entry, entry
+        for choice in action.choices or ():
+            assert str(choice) in entry, (flag, choice)
+    assert entries["--zero"].startswith("  --zero {0,1,2,3} ")
+    assert entries["--model"].startswith("  --model {tiny,small,medium} ")
+    assert entries["--impl"].startswith("  --impl {engine,torch,both} ")
+    assert entries["--schedule"].startswith("  --schedule {1f1b,gpipe} ")
+    assert entries["--precision"].startswith("  --precision {auto,fp32,bf16} ")
+    assert entries["--backend"].startswith("  --backend {auto,gloo,nccl} ")
 
 
 def test_gpu_lab_cells_check_their_configuration_and_print_the_commands_on_a_cpu(capsys):
@@ -98,3 +212,96 @@ def test_gpu_lab_cells_check_their_configuration_and_print_the_commands_on_a_cpu
     assert "torchrun --nproc-per-node 1000000 -m engine train --dp 2 --zero 3" in out
     with pytest.raises(ValueError, match="does not match the world size 4"):
         run_on_gpus(["--world-size", "4", "--dp", "2"], gpus_needed=10**6)
+
+
+# -- MFU: the peak of the precision trained, on the device trained on ---------------------------
+
+
+def test_peak_table_is_keyed_by_the_exact_gpu_name_and_precision():
+    from engine.train_report import peak_flops
+
+    assert peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989e12  # SXM
+    assert peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12
+    assert peak_flops("NVIDIA H100 NVL", "bf16") == 835e12
+    assert peak_flops("NVIDIA H100 80GB HBM3", "fp32") == 67e12
+    assert peak_flops("NVIDIA H100", "bf16") is None  # no guessing from a substring
+    assert peak_flops("CPU", "fp32") is None
+    assert peak_flops("CPU", "fp32", override_tflops=2.5) == 2.5e12
+
+
+def test_a_cpu_run_on_a_gpu_machine_reports_no_gpu_mfu(capsys, monkeypatch):
+    # a machine whose GPU is an H100 (as torch would report it); the run is on the CPU (Gloo)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    assert engine_main(["train", "--world-size", "1", "--steps", "1", "--backend",
+                        "gloo"]) == 0
+    out = capsys.readouterr().out
+    assert "CPU, fp32" in out and "MFU n/a: a CPU run" in out
+
+
+# -- NCCL's rules and torchrun, checked on CPU ranks --------------------------------------------
+
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor")
+
+
+def _under_nccl_rules(rank, world_size, fn, cfg):
+    """``fn`` inside ``nccl_rules()``, with torch.distributed's own collectives checked too
+    (the rules see engine.comm.ops; a trainer could call torch.distributed directly)."""
+    from engine.comm import nccl_rules as rules
+
+    for name in COLLECTIVES:
+        def checked(*args, _original=getattr(dist, name), _name=name, **kwargs):
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            rules.check(_name, tensors, kwargs.get("group"))
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, checked)
+    with rules.nccl_rules():
+        return fn(rank, world_size, cfg)
+
+
+@pytest.mark.parametrize("layout", [dict(dp=2, tp=2), dict(pp=2),
+                                    dict(dp=2, zero=0, impl="both", compress="fp16")])
+def test_every_tensor_the_trainer_hands_a_collective_is_on_the_rank_device(layout):
+    from engine.train import TrainConfig, train_on_rank
+
+    cfg = TrainConfig(steps=1, **layout)
+    results = launch(_under_nccl_rules, cfg.world_size, train_on_rank, cfg, backend="gloo",
+                     timeout=60, quiet=True)
+    assert all(len(r["engine"]["step_s"]) == 1 for r in results)
+
+
+def test_the_rules_catch_a_step_time_made_without_a_device():
+    """The check above would have caught the trainer's first NCCL bug: a step time built on
+    the CPU and all-reduced."""
+    from engine.launch import RankError
+
+    def old_step_time(rank, world_size, cfg):
+        elapsed = torch.tensor([0.1], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+
+    with pytest.raises(RankError, match="made without a device at .*test_train.py"):
+        launch(_under_nccl_rules, 2, old_step_time, None, backend="gloo", timeout=60,
+               quiet=True)
+
+
+def _torchrun_agent(rank, world_size, argv):
+    """One process as torchrun starts it: RANK and WORLD_SIZE set, no process group yet
+    (the agent hosts the store), ``python -m engine train ARGV``; what it printed."""
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    dist.destroy_process_group()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = engine_main(["train", *argv])
+    return code, out.getvalue()
+
+
+def test_under_torchrun_only_global_rank_0_reports_and_writes_the_trace(tmp_path):
+    trace = tmp_path / "trace.json"
+    results = launch(_torchrun_agent, 2, ["--dp", "2", "--steps", "1", "--trace", str(trace)],
+                     backend="gloo", timeout=60, quiet=True)
+    assert [code for code, _ in results] == [0, 0]
+    printed = [out for _, out in results]
+    assert printed[0].count("tokens/s") == 1 and "Chrome trace" in printed[0]
+    assert printed[1] == ""
+    assert trace.exists()

@@ -1,0 +1,350 @@
+"""What ``python -m engine train`` prints: every measured number beside the formula it checks.
+
+* the resolved configuration, with the values the learner did not choose marked as defaults;
+* the batch: sequence length, micro-batch, global batch, tokens per step;
+* per implementation: the loss of every step, the step time (median, min, max), tokens/s and
+  MFU; the bytes each rank sent per step through each kind of group (dp, tp, pp, the tied
+  embedding's), counted on the wire, beside its :mod:`engine.theory` formula; the model-state
+  memory of each rank beside ZeRO's formula; the pipeline's idle time beside the simulator
+  fed the measured stage times and the bubble formula; a note when ranks doing the same work
+  differ in compute share by more than the step-to-step noise.
+
+MFU (model FLOPs utilisation) = model FLOPs per step / (step time x GPUs x peak FLOP/s).
+The model FLOPs are Megatron-LM's equation 3 *without* recomputation (``72 B s l h^2 (...)``,
+Narayanan et al., SC 2021): only the work the model needs. Counting a recomputed forward too
+(``96 ...``) gives hardware FLOPs utilisation (HFU), which is what Megatron's 140 TFLOP/s per
+A100 measures. The peak is that of the precision the run trained in, looked up by the GPU's
+exact name (an H100 SXM, PCIe and NVL differ), or ``--peak-tflops``; a CPU run has none.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from typing import NamedTuple
+
+from engine import theory
+from engine.pp import measured_bubble, simulate, uniform_boundaries
+
+# Dense peak TFLOP/s from NVIDIA's datasheets (the starred tensor-core figures are with
+# sparsity: halved here), by torch.cuda.get_device_name(): bf16 on tensor cores, and fp32
+# without TF32 (torch leaves TF32 off for matrix products by default).
+PEAK_TFLOPS = {
+    "NVIDIA H100 80GB HBM3": {"bf16": 989, "fp32": 67},  # H100 SXM5
+    "NVIDIA H100 PCIe": {"bf16": 756, "fp32": 51},
+    "NVIDIA H100 NVL": {"bf16": 835, "fp32": 60},
+    "NVIDIA H200": {"bf16": 989, "fp32": 67},  # H200 SXM
+    "NVIDIA H200 NVL": {"bf16": 835, "fp32": 60},
+    "NVIDIA A100-SXM4-80GB": {"bf16": 312, "fp32": 19.5},
+    "NVIDIA A100-SXM4-40GB": {"bf16": 312, "fp32": 19.5},
+    "NVIDIA A100 80GB PCIe": {"bf16": 312, "fp32": 19.5},
+    "NVIDIA A100-PCIE-40GB": {"bf16": 312, "fp32": 19.5},
+    "NVIDIA L40S": {"bf16": 362, "fp32": 91.6},
+    "NVIDIA A10": {"bf16": 125, "fp32": 31.2},
+    "NVIDIA L4": {"bf16": 121, "fp32": 30.3},
+}
+HEADER_BYTES = 72  # the pipeline's shape message before every tensor: 9 int64
+
+
+def peak_flops(device: str, precision: str, override_tflops: float | None = None
+               ) -> float | None:
+    """Peak FLOP/s of one ``device`` (its exact CUDA name, or "CPU") in ``precision``;
+    ``override_tflops`` wins; None where no peak is known (a CPU, an unlisted GPU)."""
+    if override_tflops:
+        return override_tflops * 1e12
+    tflops = PEAK_TFLOPS.get(device, {}).get(precision)
+    return tflops * 1e12 if tflops else None
+
+
+class Formula(NamedTuple):
+    bytes: float
+    text: str
+
+
+# -- formulas, worked out on each rank from its live strategy -----------------------------------
+
+
+def traffic_formulas(strategy, cfg, model_cfg) -> dict[str, Formula]:
+    """Bytes this rank should send in one step through each group, by :mod:`engine.theory`
+    (fp32 elements, 4 B). Called before the first step (a compressor's state is then the
+    one the counted step starts from)."""
+    mesh, psi = strategy.mesh, strategy.psi
+    n, b, s, h, m = mesh.dp, cfg.micro_batch, model_cfg.seq_len, model_cfg.hidden, \
+        cfg.microbatches
+    out = {}
+    if n > 1 and cfg.compress is not None:
+        out["dp"] = _compressed_formula(strategy.model, n)
+    elif n > 1 and cfg.zero == 3:
+        root = strategy.model.root
+        kept = sum(shape.numel() for shape in root.shapes.values()) if root else 0
+        out["dp"] = Formula(
+            m * (theory.zero_comm_elements(psi, n, 3) - (n - 1) / n * kept) * 4,
+            f"ZeRO-3: m x (N-1)/N x (3Ψ - Ψ_root) x 4 B: per micro-batch two all-gathers "
+            f"(forward, backward) and one reduce-scatter (theory.zero_comm_elements), except "
+            f"the root unit's Ψ_root = {kept:,} parameters (the tied embedding), gathered once "
+            f"and kept through backward; N = {n}, m = {m}")
+    elif n > 1 and cfg.zero == 2:
+        out["dp"] = Formula(m * theory.ring_reduce_scatter_bytes(psi * 4, n) +
+                            theory.ring_all_gather_bytes(psi * 4, n),
+                            f"ZeRO-2: (m+1)(N-1)/N x Ψ x 4 B: a reduce-scatter in each of the m "
+                            f"= {m} backwards (no whole gradient is kept to accumulate into), "
+                            f"one all-gather after the step; N = {n}")
+    elif n > 1:
+        out["dp"] = Formula(theory.zero_comm_elements(psi, n, cfg.zero) * 4,
+                            f"ZeRO-{cfg.zero}: 2(N-1)/N x Ψ x 4 B (theory.zero_comm_elements), "
+                            f"once per step (gradients accumulate over the m micro-batches); "
+                            f"N = {n}")
+    if mesh.tp > 1:
+        t, first, last = mesh.tp, mesh.is_first_stage, mesh.is_last_stage
+        starts = uniform_boundaries(model_cfg.layers, mesh.pp) + [model_cfg.layers]
+        layers = starts[mesh.coords.pp + 1] - starts[mesh.coords.pp]
+        per_mb = layers * theory.tp_comm_elements_per_layer(b, s, h, t) + \
+            (first + last) * theory.ring_all_reduce_bytes(b * s * h, t) + \
+            last * 3 * theory.ring_all_reduce_bytes(b * s, t)
+        parts = [f"8bsh(t-1)/t x {layers} layers"] + \
+            (["2bsh(t-1)/t embedding"] if first else []) + \
+            (["2bsh(t-1)/t output layer", "3 x 2bs(t-1)/t loss"] if last else [])
+        out["tp"] = Formula(m * per_mb * 4, f"m x ({' + '.join(parts)}) x 4 B "
+                                            "(theory.tp_comm_elements_per_layer, "
+                                            f"ring_all_reduce_bytes); b = {b}, s = {s}, "
+                                            f"h = {h}, t = {t}")
+    if mesh.pp > 1:
+        sends = (not mesh.is_last_stage) + (not mesh.is_first_stage)
+        out["pp"] = Formula(m * sends * (b * s * h * 4 + HEADER_BYTES),
+                            f"m x {sends} direction(s) x (bsh x 4 B + {HEADER_BYTES} B shape "
+                            "header)")
+        if mesh.is_first_stage or mesh.is_last_stage:
+            v = model_cfg.vocab // mesh.tp
+            out["embedding"] = Formula(theory.ring_all_reduce_bytes(v * h * 4, 2),
+                                       f"2(2-1)/2 x (V/t) h x 4 B, an all-reduce of the tied "
+                                       f"embedding's gradient between the first and the last "
+                                       f"stage (theory.ring_all_reduce_bytes); V/t = {v}")
+    return out
+
+
+def _compressed_formula(model, n: int) -> Formula:
+    """The data-parallel bytes of :class:`engine.dp.DataParallel` with its compressor, one
+    reduction per step (gradients accumulate under ``no_sync``)."""
+    from engine.compress.cast import BF16, FP16
+    from engine.compress.powersgd import PowerSGD
+    from engine.compress.topk import TopK
+
+    c, sizes = model.compressor, [b.buffer.numel() for b in model.buckets]
+    psi = sum(sizes)
+    if c is None:
+        return Formula(theory.ring_all_reduce_bytes(psi * 4, n),
+                       f"2(N-1)/N x Ψ x 4 B (theory.ring_all_reduce_bytes), N = {n}")
+    if isinstance(c, (FP16, BF16)):
+        return Formula(theory.ring_all_reduce_bytes(psi * 2, n),
+                       f"2(N-1)/N x Ψ x 2 B, 16-bit (theory.ring_all_reduce_bytes), N = {n}")
+    if isinstance(c, TopK):  # Random-K too: the same k per bucket
+        return Formula(sum(theory.topk_bytes_per_rank(size, c.ratio, n) for size in sizes),
+                       f"per bucket (N-1) x k x (4 B value + 4 B index), k = ceil({c.ratio} x "
+                       f"bucket) (theory.topk_bytes_per_rank), N = {n}")
+    if isinstance(c, PowerSGD) and c.iter >= c.start_iter:
+        shapes = [p.shape for b in model.buckets for p in b.params]
+        _, sent = theory.powersgd_elements(shapes, c.rank, c.min_compression_rate)
+        return Formula(theory.ring_all_reduce_bytes(sent * 4, n),
+                       f"2(N-1)/N x 4 B x (sum of (n+m)r over compressed matrices + the rest) "
+                       f"(theory.powersgd_elements), r = {c.rank}: {sent:,} elements")
+    if isinstance(c, PowerSGD):
+        return Formula(theory.ring_all_reduce_bytes(psi * 4, n),
+                       f"2(N-1)/N x Ψ x 4 B: PowerSGD averages plainly until step "
+                       f"{c.start_iter}")
+    return Formula(float("nan"), f"no formula for {c!r}")
+
+
+def memory_formula(strategy, cfg) -> dict[str, float] | None:
+    """ZeRO's per-rank model states for fp32 AdamW (4 + 4 + 8 B per parameter; Rajbhandari et
+    al., SC 2020, section 5.1) for this rank's ``psi`` parameters over dp."""
+    if not strategy.engine:
+        return None
+    stage = 0 if cfg.compress is not None else cfg.zero
+    return theory.zero_model_state_bytes(strategy.psi, strategy.mesh.dp, stage, k=8,
+                                         param_bytes=4, grad_bytes=4)
+
+
+# -- the report ---------------------------------------------------------------------------------
+
+
+def report(cfg, results: list[dict], chosen: dict[str, str]) -> dict:
+    """Print the report from every rank's results (rank order); return its numbers.
+    ``chosen``: the resolved configuration, option -> value text, with "(default)" where the
+    learner did not choose it."""
+    from engine.models import TinyGPT
+    from engine.train import MODELS
+
+    model_cfg = MODELS[cfg.model]
+    first = results[0]
+    sequences = cfg.dp * cfg.microbatches * cfg.micro_batch
+    tokens = sequences * model_cfg.seq_len
+    params = sum(p.numel() for p in TinyGPT(model_cfg).parameters())
+    print(f"\n{cfg.model} GPT, {params:,} parameters, on {len(results)} rank(s): dp {cfg.dp} x "
+          f"tp {cfg.tp} x pp {cfg.pp}; {first['device']}, {first['precision']}")
+    print("configuration: " + "  ".join(f"--{k} {v}" for k, v in chosen.items()))
+    print(f"batch: sequence length {model_cfg.seq_len} tokens; micro-batch {cfg.micro_batch} "
+          f"sequences; {cfg.microbatches} micro-batches per step; global batch dp {cfg.dp} x "
+          f"{cfg.microbatches} x {cfg.micro_batch} = {sequences} sequences = {tokens:,} tokens "
+          "per step")
+    summary = {"tokens_per_step": tokens}
+    for impl in ("engine", "torch"):
+        if impl in first:
+            summary[impl] = _implementation(impl, cfg, model_cfg, results, tokens, sequences)
+    if "engine" in summary and "torch" in summary:
+        summary["ratio"] = summary["engine"]["tokens_per_s"] / summary["torch"]["tokens_per_s"]
+        print(f"engine / torch tokens/s: {summary['ratio']:.2f}x")
+    if cfg.trace and "engine" in first:
+        from engine.trace import to_chrome_trace
+
+        to_chrome_trace([e for r in results for e in r["engine"]["events"]], cfg.trace)
+        print(f"Chrome trace of the last step: {cfg.trace}")
+    return summary
+
+
+def _implementation(impl, cfg, model_cfg, results, tokens, sequences) -> dict:
+    runs = [r[impl] for r in results]
+    step_s = runs[0]["step_s"]
+    median = statistics.median(step_s)
+    peak = peak_flops(results[0]["device"], results[0]["precision"], cfg.peak_tflops)
+    flops = theory.transformer_flops(sequences, model_cfg.seq_len, model_cfg.layers,
+                                     model_cfg.hidden, model_cfg.vocab, recompute=False)
+    mfu = flops / (median * len(results) * peak) if peak else None
+    losses = _losses(runs, cfg)
+    print(f"\n[{impl}] {runs[0]['name']}")
+    print("  loss per step (mean over the global batch): " + ", ".join(
+        f"{loss:.4f}" + (" (warm-up)" if i == 0 else "") for i, loss in enumerate(losses)))
+    print(f"  step time: median {median * 1e3:.1f} ms, min {min(step_s) * 1e3:.1f} ms, max "
+          f"{max(step_s) * 1e3:.1f} ms over {len(step_s)} timed step(s) (each the slowest "
+          "rank's)")
+    print(f"  {tokens / median:,.0f} tokens/s (tokens per step / median step time); "
+          + (f"MFU {mfu:.1%} (model FLOPs, no recomputation, at {peak / 1e12:g} TFLOP/s "
+             f"{results[0]['precision']} peak)" if mfu is not None else
+             "MFU n/a: " + ("a CPU run; --peak-tflops gives one" if results[0]["device"] ==
+                            "CPU" else f"no peak known for {results[0]['device']!r}; give "
+                            "--peak-tflops")))
+    if impl == "engine":
+        _compute_shares(runs)
+        _traffic_table(runs, results[0]["precision"])
+        _memory_table(runs, cfg)
+        if cfg.pp > 1:
+            _pipeline_line(runs, cfg)
+        _compute_share_note(runs)
+    return {"step_s": median, "tokens_per_s": tokens / median, "mfu": mfu, "losses": losses}
+
+
+def _losses(runs, cfg) -> list[float]:
+    """Per step, the mean over dp of the last stage's loss (tp rank 0)."""
+    last = [r["losses"] for r in runs
+            if r["coords"].pp == cfg.pp - 1 and r["coords"].tp == 0]
+    return [statistics.fmean(step) for step in zip(*last)]
+
+
+def _size(n: float) -> str:
+    return f"{n:,.0f} B"
+
+
+def _coords(c) -> str:
+    return f"dp{c.dp} tp{c.tp} pp{c.pp}"
+
+
+def _traffic_table(runs, precision: str) -> None:
+    kinds = [k for k in ("dp", "tp", "pp", "embedding")
+             if any(r["traffic"].get(k) or k in r["formulas"] for r in runs)]
+    if not kinds:
+        return
+    how = "counted on the wire" if all(r["counted"] for r in runs) else \
+        "built-in collectives modeled"
+    print(f"  bytes sent per step by each rank, by group, {how} in the warm-up step (the "
+          "formula after '='" + ("; it counts 4-byte elements, and bf16 autocast sends some "
+                                 "activations in 2" if precision == "bf16" else "") + "):")
+    texts: dict[tuple[str, str], list[int]] = {}
+    for rank, r in enumerate(runs):
+        cells = []
+        for kind in kinds:
+            formula = r["formulas"].get(kind)
+            cells.append(f"{kind} {_size(r['traffic'].get(kind, 0))}" +
+                         (f" = {_size(formula.bytes)}" if formula else ""))
+            if formula:
+                texts.setdefault((kind, formula.text), []).append(rank)
+        other = r["traffic"].get("other", 0)
+        print(f"    rank {rank} ({_coords(r['coords'])}, Ψ = {r['psi']:,}): " +
+              "; ".join(cells) + (f"; other groups {_size(other)}" if other else ""))
+    for (kind, text), ranks in texts.items():
+        which = "" if len(ranks) == len(runs) else \
+            f" (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
+        print(f"    {kind}{which}: {text}")
+
+
+def _memory_table(runs, cfg) -> None:
+    if runs[0]["state"] is None:
+        return
+    stage = 0 if cfg.compress is not None else cfg.zero
+    print("  model states per rank, counted by unique storage (formula after '='):")
+    for rank, r in enumerate(runs):
+        s, f = r["state"], r["memory_formula"]
+        print(f"    rank {rank} ({_coords(r['coords'])}, Ψ = {r['psi']:,}): params "
+              f"{_size(s.params)} = {_size(f['params'])}; grads {_size(s.grads)} = "
+              f"{_size(f['grads'])}; optimizer {_size(s.optimizer)} = "
+              f"{_size(f['optimizer'])}; activations {_size(r['activations'])}"
+              + (f"; CUDA peak {r['cuda_peak'] / 1e9:.3f} GB over the timed steps, "
+                 f"{r['cuda_allocated'] / 1e9:.3f} GB allocated once sharded"
+                 if r["cuda_peak"] is not None else ""))
+    split = {0: "", 1: ", optimizer ÷ dp", 2: ", grads and optimizer ÷ dp",
+             3: ", all three ÷ dp"}[stage]
+    print(f"    formula: params 4 B/param x Ψ, grads 4 B/param, optimizer 8 B/param (AdamW's "
+          f"two moments) under ZeRO-{stage}{split}; measured adds bucket padding and AdamW's "
+          "step counters")
+
+
+def _pipeline_line(runs, cfg) -> None:
+    from engine.strategy import SCHEDULES
+
+    first = [r for r in runs if r["coords"].dp == 0 and r["coords"].tp == 0]
+    events = [e for r in first for e in r["events"]]
+    times = {kind: [statistics.fmean([e.seconds for e in r["events"]
+                                      if e.args["kind"] == kind]) for r in first]
+             for kind in ("F", "B")}
+    simulated = simulate(SCHEDULES[cfg.schedule](cfg.pp, cfg.microbatches),
+                         t_f=times["F"], t_b=times["B"]).bubble
+    print(f"  pipeline idle {measured_bubble(events, cfg.pp):.1%} (measured, last step) vs "
+          f"{simulated:.1%} (simulator fed the measured stage times) vs "
+          f"{theory.bubble_fraction(cfg.pp, cfg.microbatches):.1%} (formula (p-1)/(m+p-1)): "
+          "the formula assumes equal stages and free hand-offs, the simulator adds the real "
+          "stage times, the rest is sending activations and waiting for them")
+
+
+def _shares(runs) -> list[list[float]]:
+    """Per rank, per timed step: the share of the step it spent in forward and backward."""
+    return [[c / s for c, s in zip(r["compute_s"], r["step_s"])] for r in runs]
+
+
+def _compute_shares(runs) -> None:
+    shares = _shares(runs)
+    print("  share of the step spent computing (forward + backward), median (min-max) over "
+          "the timed steps: " + ", ".join(
+              f"rank {i} {statistics.median(x):.0%} ({min(x):.0%}-{max(x):.0%})"
+              for i, x in enumerate(shares)))
+
+
+def _compute_share_note(runs) -> None:
+    """A note when ranks with the same work (same pipeline stage) differ in the share of the
+    step they spent computing by more than any rank's own step-to-step range."""
+    shares = _shares(runs)
+    if len(shares[0]) < 2:
+        return
+    noise = max(max(x) - min(x) for x in shares)
+    for stage in sorted({r["coords"].pp for r in runs}):
+        ranks = [i for i, r in enumerate(runs) if r["coords"].pp == stage]
+        medians = {i: statistics.median(shares[i]) for i in ranks}
+        low, high = min(medians, key=medians.get), max(medians, key=medians.get)
+        if medians[high] - medians[low] <= noise:
+            continue
+        a, b = sorted((low, high))
+        cores = len(os.sched_getaffinity(0))
+        why = (f"{len(runs)} ranks share {cores} CPU cores here, so a rank's compute stretches "
+               "while it waits for a core" if runs[0]["device_type"] == "cpu" and
+               len(runs) > cores else "a slower device or a busier host")
+        print(f"  note: ranks {a} and {b} do the same work but computed "
+              f"{medians[a]:.0%} and {medians[b]:.0%} of the step (medians), a gap "
+              f"wider than the step-to-step noise ({noise:.0%}): rank {high} computed longer "
+              f"({why}), and its peers wait for it in the next collective")
