@@ -1,0 +1,213 @@
+"""Checks for chapter 09: the online-softmax merge, a ring-attention forward, zig-zag shards."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from engine import theory
+from engine.comm import CommMeter
+from engine.comm.ring import ring_position
+from engine.cp.blocks import block_forward
+from engine.cp.layout import shard_indices
+from engine.grading.core import POINT_TO_POINT, CheckFailed, Exercise, run_ranks
+from engine.grading.drill import Drill
+
+ATOL = 1e-5
+
+
+def _attention(q, k, v):
+    """Softmax attention over all keys at once, the reference."""
+    return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1) @ v
+
+
+def _blocks(q, k, v, splits):
+    scale = 1 / math.sqrt(q.shape[-1])
+    return [block_forward(q, kb, vb, scale) for kb, vb in zip(k.split(splits, -2),
+                                                              v.split(splits, -2))]
+
+
+def _merged(merge, blocks, q):
+    out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"))
+    for block_out, block_lse in blocks:
+        out, lse = merge(out, lse, block_out, block_lse)
+    return out, lse
+
+
+def check_two_blocks_give_full_attention(merge):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 5, 8, generator=g)
+    k, v = (torch.randn(2, 3, 11, 8, generator=g) for _ in range(2))
+    for splits in ([4, 7], [1, 10], [9, 2]):
+        (o1, l1), (o2, l2) = _blocks(q, k, v, splits)
+        out, lse = merge(o1, l1, o2, l2)
+        full_lse = (q @ k.transpose(-2, -1) / math.sqrt(8)).logsumexp(-1)
+        if not (torch.allclose(out, _attention(q, k, v), atol=ATOL)
+                and torch.allclose(lse, full_lse, atol=ATOL)):
+            raise CheckFailed("merging the two blocks does not give attention over all the "
+                              "keys: weight each block's output by exp(its lse - the new lse), "
+                              "and the new lse is logaddexp of the two", key_blocks=splits)
+
+
+def check_starts_from_no_keys(merge):
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=g) for _ in range(3))
+    (block_out, block_lse), = _blocks(q, k, v, [k.shape[-2]])
+    out, lse = merge(torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf")), block_out,
+                     block_lse)
+    if not (torch.allclose(out, block_out) and torch.allclose(lse, block_lse)):
+        raise CheckFailed("merging into 'no keys yet' (out = 0, lse = -inf) must give the "
+                          "block itself; got NaN or a different value",
+                          nan=bool(out.isnan().any()))
+
+
+def check_large_scores_stay_finite(merge):
+    g = torch.Generator().manual_seed(2)
+    q = 500 * torch.randn(1, 2, 4, 16, generator=g)  # scores in the hundreds to thousands
+    k, v = (torch.randn(1, 2, 12, 16, generator=g) for _ in range(2))
+    out, _ = _merged(merge, _blocks(q, k, v, [3, 3, 3, 3]), q)
+    if not (out.isfinite().all() and torch.allclose(out, _attention(q, k, v), atol=ATOL)):
+        raise CheckFailed("with scores near 1000 the merge overflowed or drifted: never form "
+                          "exp(lse); use torch.logaddexp and exp(lse_j - lse)",
+                          finite=bool(out.isfinite().all()))
+
+
+def _ring_on_rank(rank, world_size, impl, seq_per_rank):
+    g = torch.Generator().manual_seed(3)
+    n, batch, heads, head_dim = world_size, 2, 2, 8
+    q, k, v = (torch.randn(batch, heads, n * seq_per_rank, head_dim, generator=g)
+               for _ in range(3))
+    rows = slice(rank * seq_per_rank, (rank + 1) * seq_per_rank)
+    expected = F.scaled_dot_product_attention(q, k, v)[..., rows, :]
+    with CommMeter(count="wire") as meter:
+        out = impl(*(t[..., rows, :].contiguous() for t in (q, k, v)))
+    right = ring_position()[2]
+    return dict(
+        ok=isinstance(out, torch.Tensor) and out.shape == expected.shape
+        and torch.allclose(out, expected, atol=ATOL),
+        sent=meter.bytes_sent,
+        expected_sent=theory.ring_attention_bytes(batch * n * seq_per_rank, heads * head_dim,
+                                                  n, dtype_bytes=4)["forward"],
+        others=sorted({e.op for e in meter.events} - POINT_TO_POINT),
+        sends=[e.peer for e in meter.events if e.op in ("send", "isend")], right=right)
+
+
+def _ring_results(impl):
+    for n in (2, 3):
+        yield n, run_ranks(_ring_on_rank, n, impl, 3, timeout=30)
+
+
+def check_equals_dense_attention(impl):
+    for n, results in _ring_results(impl):
+        for rank, r in enumerate(results):
+            if not r["ok"]:
+                raise CheckFailed(f"rank {rank}: the output differs from attention over the "
+                                  "whole sequence: merge one block per step, and pass K/V on "
+                                  "to the right after each step but the last", world_size=n)
+
+
+def check_n_minus_1_kv_exchanges(impl):
+    for n, results in _ring_results(impl):
+        for rank, r in enumerate(results):
+            if r["others"]:
+                raise CheckFailed(f"rank {rank}: the meter saw {r['others']}; the ring passes "
+                                  "K/V with point-to-point exchanges only", world_size=n)
+            if set(r["sends"]) != {r["right"]} or len(r["sends"]) not in (n - 1, 2 * (n - 1)):
+                raise CheckFailed(f"rank {rank}: expected N-1 = {n - 1} exchanges of K and V "
+                                  f"to the right-hand rank {r['right']}; the meter saw sends "
+                                  f"to {r['sends']}", world_size=n)
+            if r["sent"] != r["expected_sent"]:
+                raise CheckFailed(f"rank {rank}: sent {r['sent']} bytes, expected 2 (N-1) "
+                                  f"(S/N) x kv_hidden x 4 = {r['expected_sent']:.0f}",
+                                  world_size=n)
+
+
+ZIGZAG_CASES = [(2, 1, 0), (8, 2, 0), (8, 2, 1), (12, 3, 1), (24, 4, 3)]
+
+
+def check_matches_the_layout(impl):
+    for seq_len, n, rank in ZIGZAG_CASES:
+        got = impl(seq_len, n, rank)
+        want = shard_indices(seq_len, n, rank, "zigzag").tolist()
+        if list(got) != want:
+            raise CheckFailed(f"rank {rank} of {n} with {seq_len} tokens holds {want}, got "
+                              f"{list(got)}: chunk r, then chunk 2n-1-r", seq_len=seq_len,
+                              n=n, rank=rank)
+
+
+def check_every_position_once_and_work_balanced(impl):
+    for n in (2, 3, 5):
+        seq_len = 6 * n
+        held = [list(impl(seq_len, n, r)) for r in range(n)]
+        if sorted(p for ranks in held for p in ranks) != list(range(seq_len)):
+            raise CheckFailed("the ranks must hold every position exactly once", n=n,
+                              held=held)
+        work = [sum(p + 1 for p in positions) for positions in held]  # keys each query sees
+        if len(set(work)) != 1:
+            raise CheckFailed(f"causal work per rank {work} is not even: pair an early chunk "
+                              "with a late one", n=n)
+
+
+def check_bad_length_raises(impl):
+    try:
+        impl(9, 3, 0)
+    except ValueError as e:
+        if "9" not in str(e):
+            raise CheckFailed(f"the ValueError should name the length 9; it says {str(e)!r}")
+        return
+    raise CheckFailed("9 tokens cannot be cut into 2 x 3 equal chunks: raise ValueError")
+
+
+EXERCISES = [
+    Exercise(
+        name="ch09.online_softmax",
+        title="The online-softmax merge of two blocks",
+        module="ch09_online_softmax",
+        attr="merge",
+        checks=(check_two_blocks_give_full_attention, check_starts_from_no_keys,
+                check_large_scores_stay_finite),
+        hint="lse = torch.logaddexp(lse_1, lse_2); out = out_1 * exp(lse_1 - lse)[..., None] "
+             "+ out_2 * exp(lse_2 - lse)[..., None].",
+    ),
+    Exercise(
+        name="ch09.ring_forward",
+        title="Ring attention forward, no mask",
+        module="ch09_ring_forward",
+        attr="ring_attention_forward",
+        checks=(check_equals_dense_attention, check_n_minus_1_kv_exchanges),
+        hint="kv = torch.stack([k, v]); for step in range(n): merge block_forward(q, kv[0], "
+             "kv[1], scale) into (out, lse); if step < n - 1: exchange(kv, right, incoming, "
+             "left, group) and keep incoming.",
+    ),
+    Exercise(
+        name="ch09.zigzag_indices",
+        title="The zig-zag shard of a rank",
+        module="ch09_zigzag_indices",
+        attr="zigzag_indices",
+        checks=(check_matches_the_layout, check_every_position_once_and_work_balanced,
+                check_bad_length_raises),
+        hint="c = seq_len // (2n); positions r*c .. (r+1)*c - 1, then (2n-1-r)*c .. "
+             "(2n-r)*c - 1; raise ValueError if seq_len % (2n).",
+    ),
+]
+
+DRILLS = [
+    Drill("ch09.ring_forward_gb",
+          "Ring attention over 8 ranks, 131,072 tokens, 8 KV heads of 128 dims (kv_hidden = "
+          "1024), bf16: how many GB does each rank send in one layer's forward?",
+          theory.ring_attention_bytes(131072, 1024, 8, 2)["forward"] / 1e9,
+          "2 (N-1) (S/N) kv_hidden x 2 bytes = 0.47 GB: close to 2 S kv_hidden whatever N."),
+    Drill("ch09.contiguous_imbalance",
+          "Causal ring attention, contiguous layout, 4 ranks, diagonal blocks computed whole: "
+          "the busiest rank's attention work over the average rank's?",
+          theory.ring_attention_flops(4096, 4, 3, "contiguous")
+          / (sum(theory.ring_attention_flops(4096, 4, r, "contiguous") for r in range(4)) / 4),
+          "Rank r computes r + 1 blocks: 4 / 2.5 = 1.6, i.e. 2N/(N+1); zig-zag makes it 1."),
+    Drill("ch09.ulysses_max_degree",
+          "Ulysses on a model with 32 query heads and 8 KV heads: the largest degree that "
+          "gives every rank whole heads?", 8,
+          "N must divide both 32 and 8: at most 8 (ring attention has no such limit)."),
+]
