@@ -506,3 +506,23 @@ def test_a_dispatch_that_gathers_the_counts_fails_the_meter_check():
     ch10.check_combine_returns_every_row_home(_CountsByAllGather)
     with pytest.raises(CheckFailed, match="dispatch must be one all-to-all of the rows"):
         ch10.check_one_all_to_all_each_way(_CountsByAllGather)
+
+
+# -- the widget ------------------------------------------------------------------------------
+
+def test_the_capacity_widget_draws_each_experts_load_and_drops():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from engine.viz.moe import capacity_explorer, load_figure
+    fig = load_figure(capacity_factor=1.0, skew=1.5, num_experts=8, top_k=2, tokens=512)
+    r = route(zipf_logits(512, 8, 1.5, 0), 2, 1.0)
+    heights = [bar.get_height() for bar in fig.axes[0].patches]
+    assert heights[:8] == r.load.tolist()  # processed
+    assert heights[8:16] == (r.demand - r.load).tolist() and sum(heights[8:]) == r.dropped > 0
+    assert f"({r.drop_rate:.1%})" in fig.axes[0].get_title()
+    plt.close(fig)
+    box = capacity_explorer()
+    assert {c.description for c in box.children if hasattr(c, "description")} >= {
+        "capacity factor", "router skew", "experts", "top-k"}
