@@ -132,6 +132,12 @@ def state_tensors_of(holder) -> StateTensors:
     and gradients; a plain optimizer's state. Anything else is a TypeError."""
     if callable(getattr(holder, "state_tensors", None)):
         return holder.state_tensors()
+    if isinstance(holder, nn.parallel.DistributedDataParallel):
+        raise TypeError(
+            "model_state_bytes cannot count a DistributedDataParallel: its gradient buckets "
+            "live in its C++ reducer, out of sight (the gradients' size again, unless "
+            "gradient_as_bucket_view=True). Count model_state_bytes(ddp.module) and add them, "
+            "or use engine.dp.DataParallel, which reports its buckets")
     if isinstance(holder, nn.Module):
         return module_state_tensors(holder)
     if isinstance(holder, torch.optim.Optimizer):

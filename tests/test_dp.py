@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -157,6 +159,10 @@ def test_buckets_are_filled_in_reverse_order():
 
 @pytest.mark.parametrize("make, message", [
     (lambda: DataParallel(nn.Linear(2, 2), bucket_cap_mb=0), "bucket_cap_mb must be a positive"),
+    (lambda: DataParallel(nn.Linear(2, 2), bucket_cap_mb=True),
+     "bucket_cap_mb must be a positive number, got True"),
+    (lambda: DataParallel(nn.Linear(2, 2), first_bucket_mb=-1),
+     "first_bucket_mb must be a positive number, got -1"),
     (lambda: DataParallel(nn.ReLU()), "ReLU has no parameters"),
     (lambda: DataParallel(nn.Linear(2, 2), compressor=3), "compressor must be None or callable"),
 ])
@@ -197,6 +203,51 @@ def test_the_compressor_slot_receives_every_bucket_and_returns_the_average():
         assert [c[:2] for c in calls] == [(0, False), (1, True)]
         assert sum(c[2] for c in calls) == sum(p.numel() for p in MLP(SIZES).parameters())
         assert same
+
+
+def _defaults(rank, world_size, kwargs):
+    ours = DataParallel(MLP(SIZES), **kwargs)
+    theirs = nn.parallel.DistributedDataParallel(MLP(SIZES), **kwargs)
+    return ((ours.bucket_cap_bytes, ours.first_bucket_bytes, ours.broadcast_buffers),
+            (theirs.bucket_bytes_cap, theirs._bucket_config.first_bucket_bytes_cap,
+             theirs.broadcast_buffers))
+
+
+def test_defaults_are_pytorchs_ddp_defaults():
+    ours = inspect.signature(DataParallel).parameters
+    theirs = inspect.signature(nn.parallel.DistributedDataParallel).parameters
+    for mine, torch_name in {"bucket_cap_mb": "bucket_cap_mb", "group": "process_group"}.items():
+        assert ours[mine].default == theirs[torch_name].default, mine
+    # what the defaults resolve to (25 MiB buckets, a 1 MiB first bucket, buffers broadcast
+    # every forward), and that an explicit cap drops the small first bucket, in both
+    for kwargs in ({}, {"bucket_cap_mb": 5}):
+        for mine, torchs in run_ranks(_defaults, 1, kwargs):
+            assert mine == torchs, kwargs
+
+
+def test_default_buckets_are_the_ones_pytorch_assigns():
+    """PyTorch's own bucketing function with its default caps: DDP buckets by it in the order
+    gradients arrive, which for an MLP is the reverse of the parameters."""
+    from torch.nn.parallel.distributed import _BucketCapacityConfig
+
+    caps = _BucketCapacityConfig.create(None, None, False)
+    params = list(MLP((512, 1024, 1024, 8)).parameters())  # 6.3 MB: the first bucket matters
+    position = {id(p): i for i, p in enumerate(reversed(params))}
+    theirs, _ = dist._compute_bucket_assignment_by_size(
+        [p.detach() for p in reversed(params)],
+        [caps.first_bucket_bytes_cap, caps.bucket_bytes_cap])
+    ours = assign_buckets(params, *_resolved_caps())
+    assert [[position[id(p)] for p in bucket] for bucket in ours] == theirs
+    assert len(theirs) == 2  # the 1 MiB first bucket, then the rest
+
+
+def _resolved_caps():
+    """The caps ``DataParallel()`` uses, built on a one-rank group."""
+    def rank_fn(rank, world_size):
+        model = DataParallel(MLP(SIZES))
+        return model.bucket_cap_bytes, model.first_bucket_bytes
+
+    return run_ranks(rank_fn, 1)[0]
 
 
 def _first_launch_vs_backward_end(rank, world_size, overlap):

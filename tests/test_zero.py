@@ -3,6 +3,8 @@ what the paper says."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -92,6 +94,18 @@ def test_stage_one_equals_pytorchs_zero_redundancy_optimizer(world_size):
     assert max(run_ranks(_against_torch_zero, world_size)) <= 1e-6
 
 
+def test_defaults_are_pytorchs_where_zero_redundancy_optimizer_has_the_same_knob():
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    ours = inspect.signature(ZeroOptimizer).parameters
+    theirs = inspect.signature(ZeroRedundancyOptimizer).parameters
+    assert ours["group"].default == theirs["process_group"].default
+    # both take (params, optimizer class) first and hand every other keyword to that optimizer
+    assert list(ours)[:2] == ["params", "optimizer_cls"]
+    assert list(theirs)[:2] == ["params", "optimizer_class"]
+    assert ours["kwargs"].kind == theirs["defaults"].kind == inspect.Parameter.VAR_KEYWORD
+
+
 # -- memory and communication against theory --------------------------------------------------
 
 BIG = (64, 128, 128, 8)  # 25 K parameters: per-tensor step counters are below 0.1%
@@ -172,6 +186,8 @@ def _build(rank, world_size, make):
      "got param groups"),
     (lambda: ZeroOptimizer(MLP(SIZES).parameters(), torch.optim.Adam, bucket_cap_mb=0),
      "bucket_cap_mb must be a positive number, got 0"),
+    (lambda: ZeroOptimizer(MLP(SIZES).parameters(), torch.optim.Adam, bucket_cap_mb=True),
+     "bucket_cap_mb must be a positive number, got True"),
 ])
 def test_bad_input_is_a_clear_error(make, message):
     with pytest.raises(Exception, match=message):

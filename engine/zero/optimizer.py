@@ -39,7 +39,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     Args:
         params: the model's parameters (one group; each ``.data`` becomes a view of a flat
-            bucket). They are broadcast from the group's first rank.
+            bucket, as with PyTorch's ``ZeroRedundancyOptimizer(parameters_as_bucket_view=
+            True)``). They are broadcast from the group's first rank.
         optimizer_cls, **kwargs: the optimizer to run on the shard, and its arguments.
         stage: 0, 1 or 2 (3 needs the model: ``ZeroDataParallel``).
         group: the data-parallel group (default: the world).
