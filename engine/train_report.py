@@ -65,50 +65,17 @@ class Formula(NamedTuple):
 
 
 def traffic_formulas(strategy, cfg, model_cfg) -> dict[str, Formula]:
-    """Bytes this rank should send in one step through each group, by :mod:`engine.theory`
-    (fp32 elements, 4 B). Called before the first step (a compressor's state is then the
-    one the counted step starts from)."""
-    mesh, psi = strategy.mesh, strategy.psi
-    n, b, s, h, m = mesh.dp, cfg.micro_batch, model_cfg.seq_len, model_cfg.hidden, \
-        cfg.microbatches
+    """Bytes this rank should send in one step through each group of more than one rank, by
+    :mod:`engine.theory` (fp32 elements, 4 B). Called before the first step (a compressor's
+    state is then the one the counted step starts from)."""
+    mesh = strategy.mesh
     out = {}
-    if n > 1 and cfg.compress is not None:
-        out["dp"] = _compressed_formula(strategy.model, n)
-    elif n > 1 and cfg.zero == 3:
-        root = strategy.model.root
-        kept = sum(shape.numel() for shape in root.shapes.values()) if root else 0
-        out["dp"] = Formula(
-            m * (theory.zero_comm_elements(psi, n, 3) - (n - 1) / n * kept) * 4,
-            f"ZeRO-3: m x (N-1)/N x (3Ψ - Ψ_root) x 4 B: per micro-batch two all-gathers "
-            f"(forward, backward) and one reduce-scatter (theory.zero_comm_elements), except "
-            f"the root unit's Ψ_root = {kept:,} parameters (the tied embedding), gathered once "
-            f"and kept through backward; N = {n}, m = {m}")
-    elif n > 1 and cfg.zero == 2:
-        out["dp"] = Formula(m * theory.ring_reduce_scatter_bytes(psi * 4, n) +
-                            theory.ring_all_gather_bytes(psi * 4, n),
-                            f"ZeRO-2: (m+1)(N-1)/N x Ψ x 4 B: a reduce-scatter in each of the m "
-                            f"= {m} backwards (no whole gradient is kept to accumulate into), "
-                            f"one all-gather after the step; N = {n}")
-    elif n > 1:
-        out["dp"] = Formula(theory.zero_comm_elements(psi, n, cfg.zero) * 4,
-                            f"ZeRO-{cfg.zero}: 2(N-1)/N x Ψ x 4 B (theory.zero_comm_elements), "
-                            f"once per step (gradients accumulate over the m micro-batches); "
-                            f"N = {n}")
+    if mesh.dp > 1:
+        out["dp"] = _dp_formula(strategy, cfg)
     if mesh.tp > 1:
-        t, first, last = mesh.tp, mesh.is_first_stage, mesh.is_last_stage
-        starts = uniform_boundaries(model_cfg.layers, mesh.pp) + [model_cfg.layers]
-        layers = starts[mesh.coords.pp + 1] - starts[mesh.coords.pp]
-        per_mb = layers * theory.tp_comm_elements_per_layer(b, s, h, t) + \
-            (first + last) * theory.ring_all_reduce_bytes(b * s * h, t) + \
-            last * 3 * theory.ring_all_reduce_bytes(b * s, t)
-        parts = [f"8bsh(t-1)/t x {layers} layers"] + \
-            (["2bsh(t-1)/t embedding"] if first else []) + \
-            (["2bsh(t-1)/t output layer", "3 x 2bs(t-1)/t loss"] if last else [])
-        out["tp"] = Formula(m * per_mb * 4, f"m x ({' + '.join(parts)}) x 4 B "
-                                            "(theory.tp_comm_elements_per_layer, "
-                                            f"ring_all_reduce_bytes); b = {b}, s = {s}, "
-                                            f"h = {h}, t = {t}")
+        out["tp"] = _tp_formula(mesh, cfg, model_cfg)
     if mesh.pp > 1:
+        b, s, h, m = cfg.micro_batch, model_cfg.seq_len, model_cfg.hidden, cfg.microbatches
         sends = (not mesh.is_last_stage) + (not mesh.is_first_stage)
         out["pp"] = Formula(m * sends * (b * s * h * 4 + HEADER_BYTES),
                             f"m x {sends} direction(s) x (bsh x 4 B + {HEADER_BYTES} B shape "
@@ -120,6 +87,49 @@ def traffic_formulas(strategy, cfg, model_cfg) -> dict[str, Formula]:
                                        f"embedding's gradient between the first and the last "
                                        f"stage (theory.ring_all_reduce_bytes); V/t = {v}")
     return out
+
+
+def _dp_formula(strategy, cfg) -> Formula:
+    n, m, psi = strategy.mesh.dp, cfg.microbatches, strategy.psi
+    if cfg.compress is not None:
+        return _compressed_formula(strategy.model, n)
+    if cfg.zero == 3:
+        root = strategy.model.root
+        kept = sum(shape.numel() for shape in root.shapes.values()) if root else 0
+        return Formula(
+            m * (theory.zero_comm_elements(psi, n, 3) - (n - 1) / n * kept) * 4,
+            f"ZeRO-3: m x (N-1)/N x (3Ψ - Ψ_root) x 4 B: per micro-batch two all-gathers "
+            f"(forward, backward) and one reduce-scatter (theory.zero_comm_elements), except "
+            f"the root unit's Ψ_root = {kept:,} parameters (the tied embedding), gathered once "
+            f"and kept through backward; N = {n}, m = {m}")
+    if cfg.zero == 2:
+        return Formula(m * theory.ring_reduce_scatter_bytes(psi * 4, n) +
+                       theory.ring_all_gather_bytes(psi * 4, n),
+                       f"ZeRO-2: (m+1)(N-1)/N x Ψ x 4 B: a reduce-scatter in each of the m = "
+                       f"{m} backwards (no whole gradient is kept to accumulate into), one "
+                       f"all-gather after the step; N = {n}")
+    return Formula(theory.zero_comm_elements(psi, n, cfg.zero) * 4,
+                   f"ZeRO-{cfg.zero}: 2(N-1)/N x Ψ x 4 B (theory.zero_comm_elements), once per "
+                   f"step (gradients accumulate over the m micro-batches); N = {n}")
+
+
+def _tp_formula(mesh, cfg, model_cfg) -> Formula:
+    """Megatron's four all-reduces per layer, plus the embedding's (first stage), the output
+    layer's and the vocab-parallel loss's three of one number per token (last stage)."""
+    b, s, h, m, t = cfg.micro_batch, model_cfg.seq_len, model_cfg.hidden, cfg.microbatches, \
+        mesh.tp
+    first, last = mesh.is_first_stage, mesh.is_last_stage
+    starts = uniform_boundaries(model_cfg.layers, mesh.pp) + [model_cfg.layers]
+    layers = starts[mesh.coords.pp + 1] - starts[mesh.coords.pp]
+    per_mb = layers * theory.tp_comm_elements_per_layer(b, s, h, t) + \
+        (first + last) * theory.ring_all_reduce_bytes(b * s * h, t) + \
+        last * 3 * theory.ring_all_reduce_bytes(b * s, t)
+    parts = [f"8bsh(t-1)/t x {layers} layers"] + \
+        (["2bsh(t-1)/t embedding"] if first else []) + \
+        (["2bsh(t-1)/t output layer", "3 x 2bs(t-1)/t loss"] if last else [])
+    return Formula(m * per_mb * 4, f"m x ({' + '.join(parts)}) x 4 B "
+                                   "(theory.tp_comm_elements_per_layer, ring_all_reduce_bytes); "
+                                   f"b = {b}, s = {s}, h = {h}, t = {t}")
 
 
 def _compressed_formula(model, n: int) -> Formula:
@@ -269,7 +279,7 @@ def _traffic_table(runs, precision: str) -> None:
         other = r["traffic"].get("other", 0)
         print(f"    rank {rank} ({_coords(r['coords'])}, Ψ = {r['psi']:,}): " +
               "; ".join(cells) + (f"; other groups {_size(other)}" if other else ""))
-    for (kind, text), ranks in texts.items():
+    for (kind, text), ranks in sorted(texts.items(), key=lambda item: kinds.index(item[0][0])):
         which = "" if len(ranks) == len(runs) else \
             f" (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
         print(f"    {kind}{which}: {text}")
