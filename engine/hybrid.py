@@ -1,4 +1,4 @@
-"""3D parallelism: data x tensor x pipeline parallelism (plus ZeRO-1 over the data-parallel
+"""3D parallelism: data x tensor x pipeline parallelism (plus ZeRO over the data-parallel
 group) on one :class:`engine.topology.Mesh`, for the tiny GPT.
 
 Each rank holds one pipeline stage (consecutive transformer blocks; the first stage also the
@@ -7,9 +7,13 @@ group (:mod:`engine.tp`). The pipeline runtime (:mod:`engine.pp`) moves activati
 the stages of the same (dp, tp) position. The output layer is tied to the input embedding, so
 with more than one stage both the first and the last stage hold it, and their gradients are
 summed over the mesh's embedding group before the step (Megatron-LM does the same). Finally
-ZeRO-1 (:class:`engine.zero.ZeroOptimizer`) averages the gradients over the data-parallel
-group and keeps 1/dp of the optimizer state per rank (Narayanan et al., SC 2021; Rajbhandari
+ZeRO (:class:`engine.zero.ZeroOptimizer`) averages the gradients over the data-parallel group;
+at stage 1 each rank keeps 1/dp of the optimizer state (Narayanan et al., SC 2021; Rajbhandari
 et al., SC 2020).
+
+:func:`hybrid_strategy` composes these into one :class:`engine.strategy.Strategy`;
+:func:`train_3d` (chapter 07) and ``python -m engine train`` both run it through
+:func:`engine.timed_steps.run_steps`.
 """
 
 from __future__ import annotations
