@@ -36,10 +36,33 @@ class ModelSpec:
     heads: int
     vocab: int = 51200
     seq_len: int = 2048
+    # Mixture of experts (chapter 10): every MLP is ``experts`` experts, ``top_k`` per token,
+    # counted by theory.moe_params (experts of ``ffn_hidden``, SwiGLU if ``gated``, grouped-query
+    # keys and values of ``kv_hidden``).
+    experts: int = 1
+    top_k: int = 1
+    ffn_hidden: int = 0
+    kv_hidden: int = 0
+    gated: bool = True
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 1
+
+    def _moe(self, top_k: int) -> dict:
+        return theory.moe_params(self.layers, self.hidden, self.ffn_hidden, self.experts,
+                                 top_k, self.vocab, self.kv_hidden or None, self.gated)
 
     @property
     def params(self) -> float:
+        if self.is_moe:
+            return self._moe(self.top_k)["total"]
         return theory.transformer_params(self.layers, self.hidden, self.vocab, self.seq_len)
+
+    @property
+    def expert_params(self) -> float:
+        """Parameters in experts, all layers (0 for a dense model)."""
+        return self.layers * self.experts * self._moe(1)["expert"] if self.is_moe else 0.0
 
 
 @dataclass(frozen=True)
@@ -64,6 +87,9 @@ MODELS = {
     "LLaMA 13B": ModelSpec("LLaMA 13B", 40, 5120, 40, 32000, 2048),
     "LLaMA 65B": ModelSpec("LLaMA 65B", 80, 8192, 64, 32000, 2048),
     "GPT-3 175B": ModelSpec("GPT-3 175B", 96, 12288, 96, 51200, 2048),
+    # Jiang et al. 2024, table 1: 8 experts, top-2, SwiGLU of 14336, 8 kv heads of 128
+    "Mixtral 8x7B": ModelSpec("Mixtral 8x7B", 32, 4096, 32, 32000, 4096, experts=8, top_k=2,
+                              ffn_hidden=14336, kv_hidden=1024),
 }
 GPUS = {
     "A100 80GB": dict(memory_gb=80, peak_tflops=312, intra_gbps=300),
@@ -82,15 +108,23 @@ class Plan:
     micro_batches: int
     memory: dict = field(default_factory=dict)  # bytes per GPU by part, and "total"
     time: dict = field(default_factory=dict)  # seconds per step by part, and "total"
+    ep: int = 1  # expert parallelism: each expert on dp ranks, dense weights on dp x ep
 
     def label(self) -> str:
-        return (f"dp{self.dp} tp{self.tp} pp{self.pp} ZeRO-{self.zero} "
+        ep = f" ep{self.ep}" if self.ep > 1 else ""
+        return (f"dp{self.dp}{ep} tp{self.tp} pp{self.pp} ZeRO-{self.zero} "
                 f"mb{self.micro_batch} x{self.micro_batches}")
 
 
 def memory_per_gpu(model: ModelSpec, dp: int, tp: int, pp: int, zero: int, micro_batch: int,
-                   micro_batches: int, recompute: bool = True) -> dict:
-    states = theory.zero_model_state_bytes(model.params / (tp * pp), dp, zero)
+                   micro_batches: int, recompute: bool = True, ep: int = 1) -> dict:
+    # an MoE's experts are split over ep and sharded by ZeRO over their dp replicas; the
+    # dense weights are on all dp x ep data-parallel ranks (engine.moe.mesh)
+    dense = (model.params - model.expert_params) / (tp * pp)
+    states = theory.zero_model_state_bytes(dense, dp * ep, zero)
+    if model.is_moe:
+        experts = theory.zero_model_state_bytes(model.expert_params / (tp * pp * ep), dp, zero)
+        states = {part: states[part] + experts[part] for part in states}
     in_flight = min(pp, micro_batches)
     per_layer = theory.tp_activation_bytes_per_layer(model.seq_len, micro_batch, model.hidden,
                                                      model.heads, tp, recompute)
@@ -109,28 +143,51 @@ def _ring(bytes_: float, n: int, alpha: float, gbps: float) -> float:
 
 def step_time(model: ModelSpec, cluster: Cluster, dp: int, tp: int, pp: int, zero: int,
               micro_batch: int, global_batch: int, mfu: float = 0.5,
-              recompute: bool = True) -> dict:
-    m = global_batch // (dp * micro_batch)
+              recompute: bool = True, ep: int = 1) -> dict:
+    m = global_batch // (dp * ep * micro_batch)
     s, h, n = model.seq_len, model.hidden, cluster.gpus
-    flops = theory.transformer_flops(global_batch, s, model.layers, h, model.vocab,
-                                     recompute) / n
+    flops = _step_flops(model, global_batch, recompute) / n
     compute = flops / (mfu * cluster.peak_tflops * 1e12)
     node = cluster.gpus_per_node
     tp_link = (cluster.alpha_intra, cluster.intra_gbps) if tp <= node else \
         (cluster.alpha_inter, cluster.inter_gbps)
     activation = micro_batch * s * h * 2
     tp_time = (6 if recompute else 4) * (model.layers / pp) * m * _ring(activation, tp, *tp_link)
-    pp_link = (cluster.alpha_intra, cluster.intra_gbps) if dp * tp * pp <= node else \
+    # expert parallelism: 4 all-to-alls per MoE layer per micro-batch (6 with recomputation)
+    # of b*s*k*h fp16 values, over NVLink while the tp x ep ranks of a group fit in a node
+    ep_link = (cluster.alpha_intra, cluster.intra_gbps) if tp * ep <= node else \
+        (cluster.alpha_inter, cluster.inter_gbps)
+    ep_time = 0.0 if ep == 1 else (6 if recompute else 4) * (model.layers / pp) * m * (
+        (ep - 1) * ep_link[0] + theory.moe_all_to_all_bytes(
+            micro_batch * s, h, model.top_k, ep, 2)["dispatch"] / (ep_link[1] * 1e9))
+    pp_link = (cluster.alpha_intra, cluster.intra_gbps) if dp * ep * tp * pp <= node else \
         (cluster.alpha_inter, cluster.inter_gbps)
     pp_time = 0.0 if pp == 1 else 2 * m * (pp_link[0] + activation / (pp_link[1] * 1e9))
-    dp_link = (cluster.alpha_intra, cluster.intra_gbps) if dp * tp <= node else \
+    dp_link = (cluster.alpha_intra, cluster.intra_gbps) if dp * ep * tp <= node else \
         (cluster.alpha_inter, cluster.inter_gbps)
-    grad_bytes = 2 * model.params / (tp * pp)
-    dp_time = _ring(grad_bytes, dp, *dp_link) * (1.5 if zero == 3 else 1.0)
-    bubble = (pp - 1) / m * (compute + tp_time)
-    out = {"compute": compute, "tp": tp_time, "bubble": bubble, "pp": pp_time, "dp": dp_time}
+    dense_bytes = 2 * (model.params - model.expert_params) / (tp * pp)
+    expert_bytes = 2 * model.expert_params / (tp * pp * ep)
+    dp_time = (_ring(dense_bytes, dp * ep, *dp_link) + _ring(expert_bytes, dp, *dp_link)) * (
+        1.5 if zero == 3 else 1.0)
+    bubble = (pp - 1) / m * (compute + tp_time + ep_time)
+    out = {"compute": compute, "tp": tp_time, "ep": ep_time, "bubble": bubble, "pp": pp_time,
+           "dp": dp_time}
     out["total"] = sum(out.values())
     return out
+
+
+def _step_flops(model: ModelSpec, global_batch: int, recompute: bool) -> float:
+    """FLOPs of one step: Megatron-LM's eq. 3 for a dense model; for an MoE, 3 passes (4 with
+    recomputation) of its forward FLOPs per token over the active parameters
+    (theory.moe_forward_flops_per_token) plus the output layer, 2 V h per token."""
+    s, h = model.seq_len, model.hidden
+    if not model.is_moe:
+        return theory.transformer_flops(global_batch, s, model.layers, h, model.vocab,
+                                        recompute)
+    per_token = theory.moe_forward_flops_per_token(
+        model.layers, h, model.ffn_hidden, model.experts, model.top_k, s,
+        model.kv_hidden or None, model.gated) + 2 * model.vocab * h
+    return (4 if recompute else 3) * global_batch * s * per_token
 
 
 def _divisors(n: int) -> list[int]:
@@ -143,7 +200,8 @@ def plan(model: ModelSpec, cluster: Cluster, global_batch: int, mfu: float = 0.5
     """Every (dp, tp, pp, ZeRO stage, micro-batch) that fits in ``(1 - reserve)`` of a GPU's
     memory, fastest first (ties: less memory first). tp stays within a node and divides the
     heads; pp divides the layers; dp * tp * pp = the GPU count; the global batch splits into
-    whole micro-batches."""
+    whole micro-batches. For an MoE model also every expert-parallel degree ep dividing the
+    experts: then dp x ep x tp x pp = the GPU count, each expert on dp ranks."""
     if cluster.gpus < 1 or global_batch < 1:
         raise ValueError(f"need gpus >= 1 and global_batch >= 1, got {cluster.gpus} and "
                          f"{global_batch}")
@@ -155,16 +213,18 @@ def plan(model: ModelSpec, cluster: Cluster, global_batch: int, mfu: float = 0.5
         for pp in _divisors(cluster.gpus // tp):
             if model.layers % pp:
                 continue
-            dp = cluster.gpus // (tp * pp)
-            for mb in micro_batch_sizes:
-                if global_batch % (dp * mb):
-                    continue
-                m = global_batch // (dp * mb)
-                for zero in zero_stages:
-                    memory = memory_per_gpu(model, dp, tp, pp, zero, mb, m, recompute)
-                    if memory["total"] > budget:
+            data = cluster.gpus // (tp * pp)  # data-parallel ranks: dp x ep
+            for ep in [e for e in _divisors(data) if model.experts % e == 0]:
+                dp = data // ep
+                for mb in micro_batch_sizes:
+                    if global_batch % (data * mb):
                         continue
-                    time = step_time(model, cluster, dp, tp, pp, zero, mb, global_batch, mfu,
-                                     recompute)
-                    plans.append(Plan(dp, tp, pp, zero, mb, m, memory, time))
+                    m = global_batch // (data * mb)
+                    for zero in zero_stages:
+                        memory = memory_per_gpu(model, dp, tp, pp, zero, mb, m, recompute, ep)
+                        if memory["total"] > budget:
+                            continue
+                        time = step_time(model, cluster, dp, tp, pp, zero, mb, global_batch,
+                                         mfu, recompute, ep)
+                        plans.append(Plan(dp, tp, pp, zero, mb, m, memory, time, ep))
     return sorted(plans, key=lambda p: (p.time["total"], p.memory["total"]))

@@ -526,3 +526,25 @@ def test_the_capacity_widget_draws_each_experts_load_and_drops():
     box = capacity_explorer()
     assert {c.description for c in box.children if hasattr(c, "description")} >= {
         "capacity factor", "router skew", "experts", "top-k"}
+
+
+# -- the planner learns an expert-parallel degree ----------------------------------------------
+
+def test_the_planner_ranks_expert_parallel_layouts_for_an_moe_model():
+    from engine.planner import MODELS, Cluster, memory_per_gpu, plan, step_time
+    mixtral = MODELS["Mixtral 8x7B"]
+    assert round(mixtral.params / 1e9, 1) == 46.7
+    plans = plan(mixtral, Cluster(64), 512)
+    assert {p.ep for p in plans} == {1, 2, 4, 8}  # every degree dividing the 8 experts
+    for p in plans:
+        assert p.dp * p.ep * p.tp * p.pp == 64 and 512 % (p.dp * p.ep * p.micro_batch) == 0
+    assert plans[0].ep > 1  # the fastest plan uses expert parallelism
+    # the experts' states shrink with ep; the dense ones do not
+    one, eight = (memory_per_gpu(mixtral, 64 // ep, 1, 1, 1, 1, 1, ep=ep) for ep in (1, 8))
+    assert one["params"] - eight["params"] == pytest.approx(2 * mixtral.expert_params * 7 / 8)
+    # the same layout with its 8-rank all-to-alls inside a node of 8, and across nodes of 4
+    inside = step_time(mixtral, Cluster(64, gpus_per_node=8), 8, 1, 1, 1, 1, 512, ep=8)
+    across = step_time(mixtral, Cluster(64, gpus_per_node=4), 8, 1, 1, 1, 1, 512, ep=8)
+    assert across["compute"] == inside["compute"]
+    assert across["ep"] > 10 * inside["ep"]  # 300 GB/s NVLink against 25 GB/s InfiniBand
+    assert all(p.ep == 1 and p.time["ep"] == 0 for p in plan(MODELS["LLaMA 7B"], Cluster(8), 64))

@@ -8,18 +8,18 @@ from engine.planner import GPUS, MODELS, Cluster, plan
 from engine.viz.style import apply_style, full_labels
 from engine.viz.zero import PART_COLORS
 
-TIME_COLORS = {"compute": "#1f77b4", "tp": "#ff7f0e", "bubble": "#d62728", "pp": "#9467bd",
-               "dp": "#2ca02c"}
+TIME_COLORS = {"compute": "#1f77b4", "tp": "#ff7f0e", "ep": "#8c564b", "bubble": "#d62728",
+               "pp": "#9467bd", "dp": "#2ca02c"}
 
 
 def plans_table(plans, top: int = 10) -> str:
     lines = [f"{'#':>2}  {'configuration':<34}{'GB/GPU':>8}{'step s':>8}   time: compute / tp / "
-             "bubble / pp / dp"]
+             "ep / bubble / pp / dp"]
     for i, p in enumerate(plans[:top], 1):
         t = p.time
         lines.append(f"{i:>2}  {p.label():<34}{p.memory['total'] / 1e9:>8.1f}{t['total']:>8.2f}"
-                     f"   {t['compute']:.2f} / {t['tp']:.2f} / {t['bubble']:.2f} / "
-                     f"{t['pp']:.2f} / {t['dp']:.2f}")
+                     f"   {t['compute']:.2f} / {t['tp']:.2f} / {t.get('ep', 0):.2f} / "
+                     f"{t['bubble']:.2f} / {t['pp']:.2f} / {t['dp']:.2f}")
     return "\n".join(lines)
 
 
