@@ -11,7 +11,7 @@ C04, C05, C06, C07 = "course/04_zero.ipynb", "course/05_tensor_parallel.ipynb", 
     "course/06_pipeline.ipynb", "course/07_3d_parallelism.ipynb"
 
 CHOICE = [
-    # -- NOTES.md items 1-17 -------------------------------------------------------------------
+    # -- common claims that are wrong or imprecise ---------------------------------------------
     Choice("ps-vs-ring-total", "collectives",
            "A parameter server 'moves 2(N-1)M, a ring 2(N-1)M/N'. What is the ring's real "
            "advantage?",
@@ -39,9 +39,11 @@ CHOICE = [
            "Measured: 1.5 psi per rank at N = 4 for stages 0, 1 and 2 alike.",
            (C04, "Communication: 2Ψ, and 3Ψ for stage 3")),
     Choice("zero3-doubles", "zero",
-           "'ZeRO-3 doubles communication.' How much more does it send than ZeRO-2?",
+           "'ZeRO-3 doubles communication.' With one micro-batch per step, how much more does "
+           "it send than ZeRO-2?",
            ("1.5x: parameters gathered twice plus one reduce-scatter, 3 psi vs 2 psi",
-            "2x", "The same"), 0, "Measured 2.25 psi vs 1.5 psi at N = 4.",
+            "2x", "The same"), 0, "Measured 2.25 psi vs 1.5 psi at N = 4. With k micro-batches "
+           "of accumulation ZeRO-3 gathers again for each: 3k(N-1)/N psi.",
            (C04, "Communication: 2Ψ, and 3Ψ for stage 3"),
            zh="ZeRO-2 和 ZeRO-3 在通信上的具体差异是什么？"),
     Choice("zero-4-8-16", "zero",
@@ -68,7 +70,7 @@ CHOICE = [
            "Where does tensor parallelism belong?",
            ("Inside a node, on NVLink; DP and PP across nodes", "Across nodes, DP inside",
             "Anywhere: its traffic is small"), 0,
-           "Four blocking all-reduces of b*s*h per layer per micro-batch.",
+           "Four blocking all-reduces of b*s*h per transformer layer per micro-batch.",
            (C05, "Why tensor parallelism stays inside a node")),
     Choice("gpt3-layer-size", "tensor parallel",
            "'GPT-3: 96 layers, about 1.8 GB per layer.' What is 1.8?",
@@ -103,14 +105,19 @@ CHOICE = [
     Choice("topk-1-percent", "compression",
            "Top-K at 1% with fp32 values: what share of a dense gradient's bytes does a rank "
            "send?", ("2% (values + int32 indices), and gathering grows with N",
-                     "1%", "0.5%"), 0, "The indices cost as much as the values.",
+                     "1%", "0.5%"), 0,
+           "With int32 indices beside fp32 values the indices cost as much as the values; "
+           "torch.topk's int64 indices cost twice that, and a compact encoding (sorted gaps as "
+           "varints) far less.",
            (C03, "Sparsification: Top-K, and why it needs error feedback")),
     Choice("accumulation-memory", "data parallel",
            "'Gradient accumulation reduces communication but increases memory.'",
            ("It adds no gradient memory, and keeps one micro-batch of activations",
             "It doubles gradient memory", "It needs k copies of the gradients"), 0,
-           "Measured: same gradient bytes; activations of one micro-batch.",
-           (C02, "Gradient accumulation: fewer all-reduces, and no extra gradient memory")),
+           "Measured: same gradient bytes; activations of one micro-batch. Its cost is time: "
+           "the k micro-batches run in sequence for each update.",
+           (C02, "Gradient accumulation: fewer all-reduces, no extra gradient memory, and $k$ "
+                 "times the time per update")),
     # -- the documents' common wrong answers ---------------------------------------------------
     Choice("param-averaging", "data parallel",
            "'Each GPU trains on different data and the parameters are averaged at the end.'",
@@ -123,7 +130,8 @@ CHOICE = [
            "'Data parallelism scales linearly with the number of GPUs.'",
            ("No: communication and latency make efficiency fall as N grows",
             "Yes, with ring all-reduce", "Yes, with overlap"), 0,
-           "Measured 82% at N=2 and 38% at N=4 here; alpha-beta + Amdahl predicts the rest.",
+           "Chapter 02 measures the efficiency at N = 2 and 4 on your machine; alpha-beta + "
+           "Amdahl predicts the rest.",
            (C02, 'Misconception (b): "the speed-up is linear"')),
     Choice("async-always-faster", "data parallel",
            "'Asynchronous updates avoid waiting, so they are always better.'",
@@ -148,19 +156,24 @@ CHOICE = [
            "'Pipeline parallelism just splits the layers, no downside.'",
            ("It has a bubble of (p-1)/(m+p-1) and runs at its slowest stage's pace",
             "Right", "Its only cost is memory"), 0,
-           "Measured bubble and a balanced partition 1.2x faster.", (C06, "Stage balance")),
+           "Chapter 06 measures the bubble, and a balanced partition running faster than a "
+           "uniform one.", (C06, "Stage balance")),
     # -- more traps --------------------------------------------------------------------------
     Choice("ef-optional", "compression",
            "Top-K at 0.1% without error feedback, same steps. Expect?",
            ("Clearly worse: the dropped coordinates are lost for good",
             "The same as with error feedback", "Better: less noise"), 0,
-           "Measured: 67.5% vs 78.0% accuracy with error feedback.",
+           "Chapter 03's experiment prints both accuracies: without error feedback it ends "
+           "clearly lower.",
            (C03, "The convergence experiment")),
     Choice("fp16-underflow", "compression",
            "Gradients of order 1e-7 sent in fp16 vs bf16?",
-           ("fp16 flushes many to zero; bf16 keeps them (8-bit exponent)",
-            "Both flush them", "Neither: 16 bits are enough"), 0,
-           "Measured: 43% zeros in fp16, none in bf16.",
+           ("fp16 keeps them as subnormals with only a few bits, and rounds the smallest to "
+            "zero; bf16 keeps them (8-bit exponent)",
+            "Both round them to zero", "Neither loses anything: 16 bits are enough"), 0,
+           "fp16's smallest normal is 2^-14 (6.1e-5) and its smallest subnormal 2^-24 (6.0e-8): "
+           "1e-7 keeps about one significant bit, and below 2^-25 a value rounds to 0. bf16 "
+           "has fp32's exponent. Chapter 03 prints the share of zeros.",
            (C03, "Quantization: send 16 bits instead of 32")),
     Choice("zero3-vs-tp-traffic", "tensor parallel",
            "What does each send? ZeRO-3 vs tensor parallelism",

@@ -175,9 +175,11 @@ def _tp_elements(rng):
 
 def _tp_allreduces(rng):
     layers = rng.choice([24, 32, 96])
-    return (f"A {layers}-layer transformer under Megatron TP: all-reduces per micro-batch, "
-            "forward and backward (no recomputation)?", 4.0 * layers,
-            "2 forward and 2 backward per layer.")
+    return (f"A {layers}-layer transformer under Megatron TP: all-reduces per micro-batch in "
+            "the transformer layers, forward and backward (no recomputation)?", 4.0 * layers,
+            "2 forward and 2 backward per layer. The vocabulary-parallel ends add five more: "
+            "the embedding's output and the loss's max, sum and target logit going forward, the "
+            "output layer's input gradient going back: 4L + 5 in all in the engine's GPT.")
 
 
 def _layer_params(rng):
