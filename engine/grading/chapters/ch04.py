@@ -122,9 +122,11 @@ EXERCISES = [
 
 DRILLS = [
     Drill("ch04.zero3_vs_zero2_traffic",
-          "How many times the per-step communication of ZeRO-2 does ZeRO-3 send?", 1.5,
+          "With one micro-batch per step, how many times the per-step communication of "
+          "ZeRO-2 does ZeRO-3 send?", 1.5,
           "ZeRO-2: reduce-scatter gradients + all-gather parameters = 2 psi. ZeRO-3 gathers "
-          "the parameters twice (forward and backward) = 3 psi: 1.5x, not 2x."),
+          "the parameters twice (forward and backward) = 3 psi: 1.5x, not 2x. With k "
+          "micro-batches it is 3k against k+1: ZeRO-3 gathers again for each one."),
     Drill("ch04.zero1_saving_at_4",
           "Mixed-precision Adam over 4 GPUs: by what factor does ZeRO-1 cut model-state memory "
           "per GPU (16 psi to ...)?", 16 / 7,
