@@ -8,8 +8,8 @@ waits; in the zig-zag layout every rank computes the same ``2N + 1`` smaller blo
 
 The seconds are measured by running each rank's own schedule with the ring's own kernels
 (:func:`engine.cp.blocks.block_forward` and :func:`~engine.cp.blocks.merge`), one rank after
-another in this process: that is the time a rank spends computing, free of the ranks sharing
-the machine's cores. The ring finishes no sooner than its busiest rank.
+another in this process on one thread: that is the time a rank spends computing, free of the
+ranks sharing the machine's cores. The ring finishes no sooner than its busiest rank.
 """
 
 from __future__ import annotations
@@ -54,9 +54,14 @@ def rank_seconds(seq: int, n: int, layout: str, causal: bool = True, batch: int 
 
     schedule = ring_schedule(n, layout, causal)
     best = [float("inf")] * n
-    for _ in range(repeats):  # ranks interleaved, so a slow moment does not hit one rank only
-        for rank, steps in schedule.items():
-            best[rank] = min(best[rank], run(steps))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one core, as each rank has; a second thread waiting on a busy
+    try:                      # core made single blocks 100x slower here
+        for _ in range(repeats):  # ranks interleaved: a slow moment does not hit one rank only
+            for rank, steps in schedule.items():
+                best[rank] = min(best[rank], run(steps))
+    finally:
+        torch.set_num_threads(threads)
     return best
 
 
