@@ -1,5 +1,5 @@
-"""Misconception items: a claim from the source documents or common interview answers, the
-options, and the chapter section whose measurement settles it."""
+"""Misconception items: a claim from two widely shared model interview answers, or a common
+one, the options, and the chapter section whose measurement settles it."""
 
 from __future__ import annotations
 

@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.grading", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", choices=SOURCES, default="exercises")
-    parser.add_argument("--only", default="", help="chapters (ch00) or exercise names, comma-separated")
+    parser.add_argument("--only", default="",
+                        help="chapters (ch00) or exercise names, comma-separated")
     parser.add_argument("--junit", default="", help="write junit XML to this path")
     parser.add_argument("--root", default=None, help="the course folder (holds exercises/)")
     args = parser.parse_args(argv)
