@@ -305,3 +305,20 @@ def test_under_torchrun_only_global_rank_0_reports_and_writes_the_trace(tmp_path
     assert printed[0].count("tokens/s") == 1 and "Chrome trace" in printed[0]
     assert printed[1] == ""
     assert trace.exists()
+
+
+def test_a_compute_share_gap_between_identical_ranks_is_noted_only_beyond_the_noise(capsys):
+    from engine.topology import Coordinates
+    from engine.train_report import _compute_share_note
+
+    def runs(*compute_per_rank):
+        return [{"coords": Coordinates(dp=rank, tp=0, pp=0), "device_type": "cpu",
+                 "step_s": [1.0, 1.0, 1.0], "compute_s": compute}
+                for rank, compute in enumerate(compute_per_rank)]
+
+    _compute_share_note(runs([0.90, 0.91, 0.90], [0.60, 0.61, 0.60]))
+    note = capsys.readouterr().out
+    assert "ranks 0 and 1 do the same work but computed 90% and 60% of the step" in note
+    assert "noise (1%)" in note
+    _compute_share_note(runs([0.90, 0.50, 0.90], [0.60, 0.61, 0.95]))  # a 45-point range
+    assert capsys.readouterr().out == ""
