@@ -58,3 +58,27 @@ def test_outside_the_rules_gloo_takes_what_it_takes():
         return float(t)
 
     assert run_ranks(fn, 2) == [2.0, 2.0]
+
+
+def test_torch_distributed_called_directly_is_checked_too():
+    def fn(rank, world_size):
+        import torch.distributed as dist
+
+        with nccl_rules("cpu"):
+            dist.all_reduce(torch.tensor([0.1], dtype=torch.float64), op=dist.ReduceOp.MAX)
+
+    with pytest.raises(RankError, match=r"torch.distributed.all_reduce got a tensor made "
+                                        r"without a device at .*test_nccl_rules.py:\d+ in fn"):
+        run_ranks(fn, 2)
+
+
+def test_torch_distributed_is_restored_when_the_rules_close():
+    def fn(rank, world_size):
+        import torch.distributed as dist
+
+        before = dist.all_reduce
+        with nccl_rules("cpu"):
+            inside = dist.all_reduce
+        return inside is not before and dist.all_reduce is before
+
+    assert run_ranks(fn, 2) == [True, True]

@@ -241,22 +241,12 @@ def test_a_cpu_run_on_a_gpu_machine_reports_no_gpu_mfu(capsys, monkeypatch):
 
 # -- NCCL's rules and torchrun, checked on CPU ranks --------------------------------------------
 
-COLLECTIVES = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor")
-
-
 def _under_nccl_rules(rank, world_size, fn, cfg):
-    """``fn`` inside ``nccl_rules()``, with torch.distributed's own collectives checked too
-    (the rules see engine.comm.ops; a trainer could call torch.distributed directly)."""
-    from engine.comm import nccl_rules as rules
+    """``fn`` inside ``nccl_rules()``: engine.comm.ops and torch.distributed's own collectives
+    refuse what NCCL would."""
+    from engine.comm.nccl_rules import nccl_rules
 
-    for name in COLLECTIVES:
-        def checked(*args, _original=getattr(dist, name), _name=name, **kwargs):
-            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-            rules.check(_name, tensors, kwargs.get("group"))
-            return _original(*args, **kwargs)
-
-        setattr(dist, name, checked)
-    with rules.nccl_rules():
+    with nccl_rules():
         return fn(rank, world_size, cfg)
 
 

@@ -10,8 +10,9 @@ Gloo can break on the first GPU run:
 3. **Tags.** NCCL ignores them: messages between two ranks match in the order they were sent.
 
 Every wrapper in :mod:`engine.comm.ops` checks these rules whenever the group runs on NCCL, and
-also inside ``with nccl_rules():`` on any backend. A refusal is a ``ValueError`` naming the op,
-the rule and the line of the caller that issued it.
+also inside ``with nccl_rules():`` on any backend, where ``torch.distributed``'s own collectives
+and sends are checked too (code may call them directly). A refusal is a ``ValueError`` naming
+the op, the rule and the line of the caller that issued it.
 
 **On a CPU, rule 1 needs one more step**, because the rank's device (the CPU) is also where a
 tensor made without ``device=`` lands, so such a tensor looks right. Inside ``nccl_rules()`` a
@@ -66,11 +67,15 @@ class nccl_rules(TorchFunctionMode):
         self.device = torch.device(device)
 
     def __enter__(self):
+        if not _ACTIVE:
+            _check_torch_distributed(True)
         _ACTIVE.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
         _ACTIVE.remove(self)
+        if not _ACTIVE:
+            _check_torch_distributed(False)
         return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -85,10 +90,46 @@ class nccl_rules(TorchFunctionMode):
         return out
 
 
+_DIST_OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
+             "reduce_scatter", "reduce_scatter_tensor", "all_to_all_single", "send", "recv",
+             "isend", "irecv")
+_ORIGINAL: dict = {}  # torch.distributed's functions while they are wrapped
+
+
+def _check_torch_distributed(on: bool) -> None:
+    """Wrap (``on``) or restore ``torch.distributed``'s ops so that direct calls are checked."""
+    if not on:
+        for name, original in _ORIGINAL.items():
+            setattr(dist, name, original)
+        _ORIGINAL.clear()
+        return
+    for name in _DIST_OPS:
+        _ORIGINAL[name] = original = getattr(dist, name)
+
+        def checked(*args, _original=original, _name=name, **kwargs):
+            tensors = [t for a in (*args, *kwargs.values())
+                       for t in (a if isinstance(a, (list, tuple)) else [a])
+                       if isinstance(t, torch.Tensor)]
+            peer = {}
+            if _name in ("send", "recv", "isend", "irecv"):
+                tag = kwargs.get("tag", args[3] if len(args) > 3 else 0)
+                if _name in ("recv", "irecv"):
+                    peer["src"] = kwargs.get("src", args[1] if len(args) > 1 else None)
+                peer["tag"] = tag
+            check(f"torch.distributed.{_name}", tensors, kwargs.get("group"), **peer)
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, checked)
+
+
 def _names_a_device(args, kwargs) -> bool:
     if kwargs.get("device") is not None:
         return True
     return any(isinstance(a, (str, torch.device)) or type(a) is int for a in args)
+
+
+def _op(name: str) -> str:
+    return name if "." in name else f"ops.{name}"
 
 
 def _backend(group) -> str | None:
@@ -109,19 +150,19 @@ def check(op: str, tensors, group=None, src: int | None | str = "given", tag: in
         return
     where = caller()
     if src is None:
-        raise ValueError(f"ops.{op} from any source (src=None), at {where}: NCCL has no "
+        raise ValueError(f"{_op(op)} from any source (src=None), at {where}: NCCL has no "
                          "any-source receive; name the sending rank")
     if tag:
-        raise ValueError(f"ops.{op} with tag={tag}, at {where}: NCCL ignores tags and matches "
+        raise ValueError(f"{_op(op)} with tag={tag}, at {where}: NCCL ignores tags and matches "
                          "the messages between two ranks in the order they were sent; send "
                          "them in the order the receiver posts its receives, with tag 0")
     for t in tensors:
         if t.device != device and not (t.device.type == device.type == "cpu"):
-            raise ValueError(f"ops.{op} got a tensor on {t.device}, at {where}, but this rank "
+            raise ValueError(f"{_op(op)} got a tensor on {t.device}, at {where}, but this rank "
                              f"computes on {device}: NCCL moves only tensors on the "
                              "rank's GPU; create it with device=engine.device.rank_device()")
         made_at = getattr(t, _MARK, None)
         if made_at is not None:
-            raise ValueError(f"ops.{op} got a tensor made without a device at {made_at}, "
+            raise ValueError(f"{_op(op)} got a tensor made without a device at {made_at}, "
                              f"handed over at {where}: on a GPU it would be on the CPU, which "
                              "NCCL refuses; create it with device=engine.device.rank_device()")
