@@ -90,9 +90,9 @@ class nccl_rules(TorchFunctionMode):
         return out
 
 
+# isend/irecv stay unwrapped: P2POp and batch_isend_irecv recognise them by identity
 _DIST_OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
-             "reduce_scatter", "reduce_scatter_tensor", "all_to_all_single", "send", "recv",
-             "isend", "irecv")
+             "reduce_scatter", "reduce_scatter_tensor", "all_to_all_single", "send", "recv")
 _ORIGINAL: dict = {}  # torch.distributed's functions while they are wrapped
 
 
@@ -111,9 +111,9 @@ def _check_torch_distributed(on: bool) -> None:
                        for t in (a if isinstance(a, (list, tuple)) else [a])
                        if isinstance(t, torch.Tensor)]
             peer = {}
-            if _name in ("send", "recv", "isend", "irecv"):
+            if _name in ("send", "recv"):
                 tag = kwargs.get("tag", args[3] if len(args) > 3 else 0)
-                if _name in ("recv", "irecv"):
+                if _name == "recv":
                     peer["src"] = kwargs.get("src", args[1] if len(args) > 1 else None)
                 peer["tag"] = tag
             check(f"torch.distributed.{_name}", tensors, kwargs.get("group"), **peer)
