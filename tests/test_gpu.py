@@ -63,3 +63,15 @@ def _tp_pp_on_cuda(rank, world_size):
 def test_3d_trainer_at_world_size_1_on_nccl():
     [losses] = launch(_tp_pp_on_cuda, 1, backend="nccl", timeout=120, quiet=True)
     assert len(losses) == 2 and losses[1] < losses[0]
+
+
+def _where_am_i(rank, world_size):
+    from engine.device import rank_device
+
+    return str(rank_device()), torch.cuda.current_device(), dist.get_backend()
+
+
+def test_an_nccl_rank_computes_on_the_gpu_it_was_bound_to():
+    [(device, current, backend)] = launch(_where_am_i, 1, backend="nccl", timeout=120,
+                                          quiet=True)
+    assert (device, current, backend) == ("cuda:0", 0, "nccl")
