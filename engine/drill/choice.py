@@ -9,6 +9,7 @@ C01, C02, C03 = "course/01_collectives.ipynb", "course/02_data_parallel.ipynb", 
     "course/03_compression.ipynb"
 C04, C05, C06, C07 = "course/04_zero.ipynb", "course/05_tensor_parallel.ipynb", \
     "course/06_pipeline.ipynb", "course/07_3d_parallelism.ipynb"
+C10 = "course/10_moe.ipynb"
 
 CHOICE = [
     # -- common claims that are wrong or imprecise ---------------------------------------------
@@ -187,4 +188,72 @@ CHOICE = [
            ("v times more point-to-point messages (and m a multiple of p)", "Nothing",
             "v times more memory for parameters"), 0, "It divides the bubble by v.",
            (C06, "Interleaving: a smaller bubble for more messages")),
+    Choice("zero-bubble-free", "pipeline",
+           "A common answer: 'zero-bubble schedules remove the bubble at no cost.' What do they "
+           "pay?",
+           ("Memory: each micro-batch keeps its layers' inputs and output gradients from B to "
+            "W; and two smaller passes instead of one backward",
+            "Nothing: the weight gradient had to be computed anyway",
+            "Twice the point-to-point traffic"), 0,
+           "Measured per stage: the W-stash is each linear layer's input and output gradient.",
+           (C06, "When zero-bubble loses")),
+    Choice("zb-two-formulas", "pipeline",
+           "ZB-H1's bubble: (p-1)(F+B-W) in the paper, (PP-1)(F+B-2W) in the DualPipe README. "
+           "Which is right?",
+           ("Both: the README's B is the full backward (input + weight gradient), the paper's "
+            "the input gradient alone", "The paper's; the README has a typo",
+            "The README's; the paper forgets W"), 0,
+           "Substitute B_full = B + W.", (C06, "Two published formulas, one bubble")),
+    Choice("zbv-placement", "pipeline",
+           "ZB-V and DualPipeV on p GPUs, two chunks each: which virtual stages does GPU 0 hold?",
+           ("0 and 2p-1: the chunks go down the GPUs and come back up, a V",
+            "0 and p, as in interleaved 1F1B", "0 and 1"), 0,
+           "The bottom of the V stays on GPU p-1, no message.",
+           (C06, "ZB-V and DualPipeV: two chunks per GPU, placed in a V")),
+    # -- mixture of experts (chapter 10) -------------------------------------------------------
+    Choice("moe-experts-need-tp", "moe",
+           "A common answer: 'MoE expert layers are so large that they must use tensor "
+           "parallelism.' How are experts actually split?",
+           ("Expert parallelism: whole experts on different GPUs; one expert is an ordinary MLP",
+            "Tensor parallelism inside every expert, always",
+            "Pipeline parallelism over the experts"), 0,
+           "What grows is the number of experts, and EP splits exactly that; a Mixtral expert is "
+           "0.35 GB in bf16. TP stays an option, not a requirement.",
+           (C10, "EP in a mesh with DP and TP: which group reduces which gradient")),
+    Choice("moe-expert-gradients", "moe",
+           "EP x DP: over which ranks are an expert's gradients reduced?",
+           ("Summed over the dp ranks holding the same expert, divided by dp x ep",
+            "Averaged over its expert-parallel group", "Averaged over every rank, like dense "
+            "weights"), 0,
+           "The all-to-all already brought back the gradients of the whole EP group's tokens; "
+           "only the expert's replicas are missing. Dividing by dp only is ep times too large.",
+           (C10, "EP in a mesh with DP and TP: which group reduces which gradient")),
+    Choice("moe-dropped-token", "moe",
+           "Switch-style routing: what happens to a token whose expert is over capacity?",
+           ("That expert contributes nothing; with every choice dropped the residual carries "
+            "the token through", "It waits for the next batch",
+            "It goes to the next expert with room"), 0,
+           "Drops are decided in a fixed priority order: first choices, then second choices.",
+           (C10, "Capacity and dropped tokens")),
+    Choice("moe-flops", "moe",
+           "Mixtral-8x7B (47B parameters, top-2 of 8) against a dense 47B model: FLOPs per "
+           "token?",
+           ("About a 13B model's: only 2 of each layer's 8 experts run",
+            "The same as the dense 47B", "One eighth of the dense 47B"), 0,
+           "Memory follows the total parameters, FLOPs the active ones.",
+           (C10, "Dense vs sparse: parameters and FLOPs per token")),
+    Choice("moe-balancing-gradient", "moe",
+           "In Switch's balancing loss alpha E sum_i f_i P_i, which factor carries the gradient?",
+           ("P_i, the mean router probability: f_i is a count", "f_i, the fraction routed",
+            "Both"), 0,
+           "The loss is alpha at perfect balance and grows with imbalance.",
+           (C10, "The load-balancing loss at work")),
+    Choice("moe-ep-inside-node", "moe",
+           "Why keep an expert-parallel group inside a node?",
+           ("Its all-to-alls are on the critical path, four per layer per micro-batch, and the "
+            "network is ~10-20x slower than NVLink", "Experts cannot be copied across nodes",
+            "All-to-all is impossible over InfiniBand"), 0,
+           "The planner: the same layout's all-to-all time grows more than 10x when "
+           "the group crosses nodes.",
+           (C10, "Why all-to-all across nodes hurts")),
 ]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 TOPICS = ("collectives", "data parallel", "compression", "zero", "tensor parallel",
-          "pipeline", "3d and scale")
+          "pipeline", "3d and scale", "moe")
 
 
 @dataclass(frozen=True)

@@ -234,6 +234,35 @@ def _inflight_1f1b(rng):
             f"activations does stage {s} hold?", float(p - s), "p - s: the warm-up plus one.")
 
 
+def _zb_h1_bubble(rng):
+    p, k = rng.choice([4, 8]), rng.choice([2, 4, 8])
+    t_b, t_w = rng.choice([1.0, 1.5, 2.0]), rng.choice([0.5, 1.0])
+    return (f"ZB-H1, {p} stages, {p * k} micro-batches; per stage and micro-batch the forward "
+            f"takes 1, the input gradient B {t_b:g}, the weight gradient W {t_w:g}: bubble as a "
+            "fraction of total time?",
+            theory.zb_h1_bubble_fraction(p, p * k, 1.0, t_b, t_w),
+            "Idle (p-1)(F+B-W) over m(F+B+W) plus that idle; B is the input gradient alone.")
+
+
+def _zb_h1_readme(rng):
+    p, t_w = rng.choice([4, 8, 16]), rng.choice([0.5, 1.0])
+    t_full = rng.choice([2.0, 2.5, 3.0])
+    return (f"The DualPipe README gives ZB1P's bubble as (PP-1)(F+B-2W). PP = {p}, F = 1, the "
+            f"full backward B = {t_full:g}, W = {t_w:g}: idle time per stage, in units of F?",
+            theory.zb_h1_bubble_time(p, 1.0, t_full, t_w, b="full"),
+            "B there is the full backward: (PP-1)(F+B_full-2W) = (p-1)(F+B_input-W), the paper's "
+            "formula.")
+
+
+def _zb_h1_over_1f1b(rng):
+    t_b, t_w = rng.choice([1.0, 2.0]), rng.choice([0.5, 1.0])
+    return (f"Forward 1, input gradient {t_b:g}, weight gradient {t_w:g} per stage: ZB-H1's "
+            "idle time per stage as a fraction of 1F1B's?",
+            theory.zb_h1_bubble_time(4, 1.0, t_b, t_w) /
+            theory.one_f_one_b_bubble_time(4, 1.0, t_b, t_w),
+            "(F+B-W)/(F+B+W): a third when the three are equal.")
+
+
 def _inflight_gpipe(rng):
     m = rng.choice([8, 16, 32])
     return (f"GPipe with {m} micro-batches: micro-batches' activations held by the first stage "
@@ -278,6 +307,32 @@ def _states_3d(rng):
             "psi/(tp pp) parameters per GPU, then the ZeRO formula over dp.")
 
 
+def _moe_capacity(rng):
+    t, e, k, cf = rng.choice([1024, 2048, 4096]), rng.choice([8, 16, 64]), rng.choice([1, 2]), \
+        rng.choice([1.0, 1.25, 2.0])
+    return (f"{t} tokens per GPU, {e} experts, top-{k} routing, capacity factor {cf}: token slots "
+            "per expert?", float(theory.expert_capacity(t, e, k, cf)), "ceil(T k cf / E).")
+
+
+def _moe_dispatch_bytes(rng):
+    n, t, h, k = rng.choice([4, 8, 16]), rng.choice([2048, 4096]), rng.choice([4096, 7168]), \
+        rng.choice([1, 2, 8])
+    sent = theory.moe_all_to_all_bytes(t, h, k, n, 2)
+    return (f"{n}-way expert parallelism, {t} tokens per GPU, hidden {h}, top-{k}, bf16, uniform "
+            "routing: MB (10^6 bytes) each GPU sends in one MoE layer, forward and backward?",
+            sent["total"] / 1e6, "Four all-to-alls (dispatch and combine, each way), each "
+            "(n-1)/n x T k h x 2 bytes.")
+
+
+def _moe_active(rng):
+    layers, e, k = rng.choice([32, 56]), rng.choice([8, 16]), rng.choice([1, 2])
+    p = theory.moe_params(layers, 4096, 14336, e, k, 32000, kv_hidden=1024)
+    return (f"A Mixtral-shaped decoder (h 4096, SwiGLU experts of 14336, 8 kv heads of 128, vocab "
+            f"32000) with {layers} layers, {e} experts, top-{k}: billions of parameters one token "
+            "uses?", p["active"] / 1e9, "Shared attention, norms, routers and embeddings, plus "
+            "k experts per layer (3 h f each), not E.")
+
+
 NUMERIC = [
     Numeric("ring-bytes", "collectives", _ring_bytes,
             zh="数据并行中，梯度同步的通信量具体是多少？"),
@@ -318,9 +373,15 @@ NUMERIC = [
             zh="流水线并行中，如何选择stage数量和微批次大小？"),
     Numeric("inflight-1f1b", "pipeline", _inflight_1f1b),
     Numeric("inflight-gpipe", "pipeline", _inflight_gpipe),
+    Numeric("zb-h1-bubble", "pipeline", _zb_h1_bubble),
+    Numeric("zb-h1-readme-formula", "pipeline", _zb_h1_readme),
+    Numeric("zb-h1-over-1f1b", "pipeline", _zb_h1_over_1f1b),
     Numeric("transformer-params", "3d and scale", _params),
     Numeric("training-days", "3d and scale", _days),
     Numeric("step-flops", "3d and scale", _flops),
     Numeric("global-batch", "3d and scale", _global_batch),
     Numeric("states-3d", "3d and scale", _states_3d),
+    Numeric("moe-capacity", "moe", _moe_capacity),
+    Numeric("moe-all-to-all-bytes", "moe", _moe_dispatch_bytes),
+    Numeric("moe-active-params", "moe", _moe_active),
 ]
