@@ -17,6 +17,15 @@ data-parallel all-reduce behind backward):
     pp        = 2m point-to-point messages of b*s*h fp16 values between neighbour stages
     dp        = gradient all-reduce, 2(d-1)/d * 2 bytes * psi/(tp*pp) (3(d-1)/d for ZeRO-3)
 
+Long sequences (chapter 09): ``cp_degrees`` adds context parallelism (ring attention), each
+rank holding s/cp tokens of every activation (:func:`engine.theory.activation_bytes_per_layer`),
+    cp        = ring attention K/V (and dK/dV) per layer per micro-batch,
+                theory.ring_attention_bytes, over NVLink while tp x cp fits in a node;
+and ``sequence_parallel=True`` turns on Megatron sequence parallelism wherever tp > 1
+(activations of Korthikanti et al. section 4.2.2; one more all-reduce's worth of traffic per
+layer, the backward re-gather). The GPUs are dp x ep x cp x tp x pp; the context-parallel
+ranks share each micro-batch and average gradients with the data-parallel ones.
+
 The alpha, bandwidth and MFU figures are assumptions you can change (``Cluster``), not
 measurements: a plan is as good as its inputs.
 """
@@ -109,25 +118,32 @@ class Plan:
     memory: dict = field(default_factory=dict)  # bytes per GPU by part, and "total"
     time: dict = field(default_factory=dict)  # seconds per step by part, and "total"
     ep: int = 1  # expert parallelism: each expert on dp ranks, dense weights on dp x ep
+    cp: int = 1  # context parallelism: s/cp tokens per rank (ring attention)
+    sp: bool = False  # Megatron sequence parallelism inside the tp group
 
     def label(self) -> str:
         ep = f" ep{self.ep}" if self.ep > 1 else ""
-        return (f"dp{self.dp}{ep} tp{self.tp} pp{self.pp} ZeRO-{self.zero} "
+        cp = f" cp{self.cp}" if self.cp > 1 else ""
+        sp = "+sp" if self.sp else ""
+        return (f"dp{self.dp}{ep}{cp} tp{self.tp}{sp} pp{self.pp} ZeRO-{self.zero} "
                 f"mb{self.micro_batch} x{self.micro_batches}")
 
 
 def memory_per_gpu(model: ModelSpec, dp: int, tp: int, pp: int, zero: int, micro_batch: int,
-                   micro_batches: int, recompute: bool = True, ep: int = 1) -> dict:
+                   micro_batches: int, recompute: bool = True, ep: int = 1, cp: int = 1,
+                   sp: bool = False) -> dict:
     # an MoE's experts are split over ep and sharded by ZeRO over their dp replicas; the
-    # dense weights are on all dp x ep data-parallel ranks (engine.moe.mesh)
+    # dense weights are on all dp x ep data-parallel ranks (engine.moe.mesh); context-parallel
+    # ranks hold replicas too, and ZeRO shards over them as well (Megatron-Core's dp x cp)
     dense = (model.params - model.expert_params) / (tp * pp)
-    states = theory.zero_model_state_bytes(dense, dp * ep, zero)
+    states = theory.zero_model_state_bytes(dense, dp * ep * cp, zero)
     if model.is_moe:
-        experts = theory.zero_model_state_bytes(model.expert_params / (tp * pp * ep), dp, zero)
+        experts = theory.zero_model_state_bytes(model.expert_params / (tp * pp * ep), dp * cp,
+                                                zero)
         states = {part: states[part] + experts[part] for part in states}
     in_flight = min(pp, micro_batches)
-    per_layer = theory.tp_activation_bytes_per_layer(model.seq_len, micro_batch, model.hidden,
-                                                     model.heads, tp, recompute)
+    per_layer = theory.activation_bytes_per_layer(model.seq_len, micro_batch, model.hidden,
+                                                  model.heads, tp, cp, sp, recompute)
     activations = in_flight * (model.layers / pp) * per_layer
     out = {"params": states["params"], "grads": states["grads"],
            "optimizer": states["optimizer"], "activations": activations}
@@ -143,35 +159,45 @@ def _ring(bytes_: float, n: int, alpha: float, gbps: float) -> float:
 
 def step_time(model: ModelSpec, cluster: Cluster, dp: int, tp: int, pp: int, zero: int,
               micro_batch: int, global_batch: int, mfu: float = 0.5,
-              recompute: bool = True, ep: int = 1) -> dict:
+              recompute: bool = True, ep: int = 1, cp: int = 1, sp: bool = False) -> dict:
     m = global_batch // (dp * ep * micro_batch)
     s, h, n = model.seq_len, model.hidden, cluster.gpus
+    tokens = micro_batch * s / cp  # this rank's tokens of a micro-batch
     flops = _step_flops(model, global_batch, recompute) / n
     compute = flops / (mfu * cluster.peak_tflops * 1e12)
     node = cluster.gpus_per_node
     tp_link = (cluster.alpha_intra, cluster.intra_gbps) if tp <= node else \
         (cluster.alpha_inter, cluster.inter_gbps)
-    activation = micro_batch * s * h * 2
-    tp_time = (6 if recompute else 4) * (model.layers / pp) * m * _ring(activation, tp, *tp_link)
+    activation = tokens * h * 2
+    tp_ops = (6 if recompute else 4) + (1 if sp and tp > 1 else 0)
+    tp_time = tp_ops * (model.layers / pp) * m * _ring(activation, tp, *tp_link)
+    # ring attention: 3(cp-1) steps, 3 (4 with recomputation) times the forward's K/V bytes
+    # per layer per micro-batch; each tensor-parallel rank passes only its own heads' K/V
+    cp_link = (cluster.alpha_intra, cluster.intra_gbps) if tp * cp <= node else \
+        (cluster.alpha_inter, cluster.inter_gbps)
+    ring = theory.ring_attention_bytes(micro_batch * s, model.kv_hidden or h, cp, 2)
+    cp_bytes = (ring["total"] + (ring["forward"] if recompute else 0)) / tp
+    cp_time = 0.0 if cp == 1 else (model.layers / pp) * m * (
+        3 * (cp - 1) * cp_link[0] + cp_bytes / (cp_link[1] * 1e9))
     # expert parallelism: 4 all-to-alls per MoE layer per micro-batch (6 with recomputation)
     # of b*s*k*h fp16 values, over NVLink while the tp x ep ranks of a group fit in a node
     ep_link = (cluster.alpha_intra, cluster.intra_gbps) if tp * ep <= node else \
         (cluster.alpha_inter, cluster.inter_gbps)
     ep_time = 0.0 if ep == 1 else (6 if recompute else 4) * (model.layers / pp) * m * (
         (ep - 1) * ep_link[0] + theory.moe_all_to_all_bytes(
-            micro_batch * s, h, model.top_k, ep, 2)["dispatch"] / (ep_link[1] * 1e9))
-    pp_link = (cluster.alpha_intra, cluster.intra_gbps) if dp * ep * tp * pp <= node else \
+            tokens, h, model.top_k, ep, 2)["dispatch"] / (ep_link[1] * 1e9))
+    pp_link = (cluster.alpha_intra, cluster.intra_gbps) if dp * ep * cp * tp * pp <= node else \
         (cluster.alpha_inter, cluster.inter_gbps)
     pp_time = 0.0 if pp == 1 else 2 * m * (pp_link[0] + activation / (pp_link[1] * 1e9))
-    dp_link = (cluster.alpha_intra, cluster.intra_gbps) if dp * ep * tp <= node else \
+    dp_link = (cluster.alpha_intra, cluster.intra_gbps) if dp * ep * cp * tp <= node else \
         (cluster.alpha_inter, cluster.inter_gbps)
     dense_bytes = 2 * (model.params - model.expert_params) / (tp * pp)
     expert_bytes = 2 * model.expert_params / (tp * pp * ep)
-    dp_time = (_ring(dense_bytes, dp * ep, *dp_link) + _ring(expert_bytes, dp, *dp_link)) * (
-        1.5 if zero == 3 else 1.0)
-    bubble = (pp - 1) / m * (compute + tp_time + ep_time)
-    out = {"compute": compute, "tp": tp_time, "ep": ep_time, "bubble": bubble, "pp": pp_time,
-           "dp": dp_time}
+    dp_time = (_ring(dense_bytes, dp * ep * cp, *dp_link)
+               + _ring(expert_bytes, dp * cp, *dp_link)) * (1.5 if zero == 3 else 1.0)
+    bubble = (pp - 1) / m * (compute + tp_time + ep_time + cp_time)
+    out = {"compute": compute, "tp": tp_time, "ep": ep_time, "cp": cp_time, "bubble": bubble,
+           "pp": pp_time, "dp": dp_time}
     out["total"] = sum(out.values())
     return out
 
@@ -196,12 +222,14 @@ def _divisors(n: int) -> list[int]:
 
 def plan(model: ModelSpec, cluster: Cluster, global_batch: int, mfu: float = 0.5,
          zero_stages=(0, 1, 2, 3), micro_batch_sizes=(1, 2, 4, 8), recompute: bool = True,
-         reserve: float = 0.1) -> list[Plan]:
+         reserve: float = 0.1, cp_degrees=(1,), sequence_parallel: bool = False) -> list[Plan]:
     """Every (dp, tp, pp, ZeRO stage, micro-batch) that fits in ``(1 - reserve)`` of a GPU's
     memory, fastest first (ties: less memory first). tp stays within a node and divides the
     heads; pp divides the layers; dp * tp * pp = the GPU count; the global batch splits into
     whole micro-batches. For an MoE model also every expert-parallel degree ep dividing the
-    experts: then dp x ep x tp x pp = the GPU count, each expert on dp ranks."""
+    experts: then dp x ep x tp x pp = the GPU count, each expert on dp ranks. Each of
+    ``cp_degrees`` whose zig-zag split the sequence allows (2 cp divides it) adds a context-
+    parallel degree: dp x ep x cp x tp x pp GPUs. ``sequence_parallel`` applies it with tp > 1."""
     if cluster.gpus < 1 or global_batch < 1:
         raise ValueError(f"need gpus >= 1 and global_batch >= 1, got {cluster.gpus} and "
                          f"{global_batch}")
@@ -213,18 +241,24 @@ def plan(model: ModelSpec, cluster: Cluster, global_batch: int, mfu: float = 0.5
         for pp in _divisors(cluster.gpus // tp):
             if model.layers % pp:
                 continue
-            data = cluster.gpus // (tp * pp)  # data-parallel ranks: dp x ep
-            for ep in [e for e in _divisors(data) if model.experts % e == 0]:
-                dp = data // ep
-                for mb in micro_batch_sizes:
-                    if global_batch % (data * mb):
-                        continue
-                    m = global_batch // (data * mb)
-                    for zero in zero_stages:
-                        memory = memory_per_gpu(model, dp, tp, pp, zero, mb, m, recompute, ep)
-                        if memory["total"] > budget:
+            sp = sequence_parallel and tp > 1
+            for cp in cp_degrees:
+                if (cluster.gpus // (tp * pp)) % cp or model.seq_len % (2 * cp):
+                    continue
+                data = cluster.gpus // (tp * pp * cp)  # data-parallel ranks: dp x ep
+                for ep in [e for e in _divisors(data) if model.experts % e == 0]:
+                    dp = data // ep
+                    for mb in micro_batch_sizes:
+                        if global_batch % (data * mb):
                             continue
-                        time = step_time(model, cluster, dp, tp, pp, zero, mb, global_batch,
-                                         mfu, recompute, ep)
-                        plans.append(Plan(dp, tp, pp, zero, mb, m, memory, time, ep))
+                        m = global_batch // (data * mb)
+                        for zero in zero_stages:
+                            memory = memory_per_gpu(model, dp, tp, pp, zero, mb, m, recompute,
+                                                    ep, cp, sp)
+                            if memory["total"] > budget:
+                                continue
+                            time = step_time(model, cluster, dp, tp, pp, zero, mb,
+                                             global_batch, mfu, recompute, ep, cp, sp)
+                            plans.append(Plan(dp, tp, pp, zero, mb, m, memory, time, ep, cp,
+                                              sp))
     return sorted(plans, key=lambda p: (p.time["total"], p.memory["total"]))

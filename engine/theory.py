@@ -441,6 +441,25 @@ def sp_activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, h
     return s * b * h / t * (34 + 5 * a * s / h)
 
 
+def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, heads: int,
+                               tp: int = 1, cp: int = 1, sequence_parallel: bool = False,
+                               recompute: bool = False) -> float:
+    """Activation bytes per layer per GPU under tensor parallelism ``tp`` (with or without
+    sequence parallelism) and context parallelism ``cp``. Context parallelism gives each rank
+    ``s/cp`` tokens of every activation, attention included (ring attention works in blocks of
+    ``s/cp`` queries by ``s/cp`` keys), so the forms of Korthikanti et al. 2023 apply to
+    ``s/cp`` tokens: equation 2 (:func:`tp_activation_bytes_per_layer`) or, with sequence
+    parallelism, :func:`sp_activation_bytes_per_layer`. Full recomputation keeps the layer
+    input, ``2 (s/cp) b h``, divided by ``t`` too when it is sequence-parallel."""
+    _check_n(cp)
+    s = seq_len / cp
+    if recompute:
+        return 2 * s * micro_batch * hidden / (tp if sequence_parallel else 1)
+    if sequence_parallel:
+        return sp_activation_bytes_per_layer(s, micro_batch, hidden, heads, tp)
+    return tp_activation_bytes_per_layer(s, micro_batch, hidden, heads, tp)
+
+
 def sp_comm_elements_per_layer(b: int, s: int, h: int, t: int) -> float:
     """Elements each rank sends per layer per micro-batch under Megatron tensor + sequence
     parallelism: each of the 4 all-reduces of :func:`tp_comm_elements_per_layer` becomes a

@@ -246,3 +246,63 @@ def test_tiny_gpt_trained_with_context_parallelism_equals_one_process(world_size
                                                                         attention):
     for diff in run_ranks(_train, world_size, cp, layout, attention):
         assert diff <= 1e-6
+
+
+# -- theory, planner and figures ----------------------------------------------------------------
+
+
+def test_activation_forms_compose_tp_sp_and_cp():
+    s, b, h, a = 8192, 1, 4096, 32
+    assert theory.activation_bytes_per_layer(s, b, h, a, tp=8) == \
+        theory.tp_activation_bytes_per_layer(s, b, h, a, 8)
+    assert theory.activation_bytes_per_layer(s, b, h, a, tp=8, sequence_parallel=True) == \
+        theory.sp_activation_bytes_per_layer(s, b, h, a, 8) == s * b * h / 8 * (34 + 5 * a * s / h)
+    assert theory.activation_bytes_per_layer(s, b, h, a, tp=2, cp=4) == \
+        theory.tp_activation_bytes_per_layer(s / 4, b, h, a, 2)
+    assert theory.activation_bytes_per_layer(s, b, h, a, tp=8, cp=2, sequence_parallel=True,
+                                             recompute=True) == 2 * (s / 2) * b * h / 8
+
+
+def test_the_planner_enumerates_context_and_sequence_parallelism():
+    import dataclasses
+
+    from engine.planner import MODELS, Cluster, memory_per_gpu, plan, step_time
+
+    spec = dataclasses.replace(MODELS["LLaMA 7B"], seq_len=131072)
+    cluster = Cluster(64)
+    memory = memory_per_gpu(spec, 2, 8, 1, 1, 1, 1, recompute=False, cp=4, sp=True)
+    assert memory["activations"] == 32 * theory.activation_bytes_per_layer(
+        131072, 1, 4096, 32, 8, 4, True)
+    assert memory["optimizer"] == theory.zero_model_state_bytes(spec.params / 8, 2 * 4,
+                                                                1)["optimizer"]
+    t = step_time(spec, cluster, 2, 8, 1, 1, 1, 64, recompute=False, cp=4, sp=True)
+    ring = theory.ring_attention_bytes(131072, 4096, 4, 2)["total"] / 8  # each tp rank its heads
+    m = 64 // 2
+    assert t["cp"] == pytest.approx(32 * m * (3 * 3 * cluster.alpha_inter
+                                              + ring / (cluster.inter_gbps * 1e9)))
+    assert step_time(spec, cluster, 16, 4, 1, 1, 1, 64)["cp"] == 0
+    plans = plan(spec, cluster, 64, recompute=False, cp_degrees=(1, 2, 4, 8, 16, 32, 64),
+                 sequence_parallel=True)
+    assert plans and any(p.cp > 1 for p in plans)
+    for p in plans:
+        assert p.dp * p.ep * p.cp * p.tp * p.pp == 64 and 131072 % (2 * p.cp) == 0
+        assert p.sp == (p.tp > 1)
+    # 128k tokens without recomputation: nothing fits unless the sequence is split
+    assert not plan(spec, cluster, 64, recompute=False)
+
+
+def test_figures_and_explorers_draw():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from engine.viz.cp import long_context_rows, ring_explorer, ring_step_figure
+    from engine.viz.zero import per_gpu_bytes
+
+    assert ring_step_figure(4, "zigzag", 2).axes and ring_explorer() is not None
+    rows = long_context_rows([4096, 65536], n=8)
+    assert rows["memory"]["TP+SP 8"] == rows["memory"]["ring CP 8"] == rows["memory"]["Ulysses 8"]
+    assert all(u < r < t for u, r, t in zip(rows["bytes"]["Ulysses 8"], rows["bytes"]["ring CP 8"],
+                                           rows["bytes"]["TP 8"]))
+    one = per_gpu_bytes("LLaMA 7B", 8, 3, checkpoint=True, seq_len=131072)
+    four = per_gpu_bytes("LLaMA 7B", 8, 3, checkpoint=True, seq_len=131072, cp=4)
+    assert one["activations"] == 4 * four["activations"] == 32 * 2 * 131072 * 4096

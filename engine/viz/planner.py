@@ -2,24 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import matplotlib.pyplot as plt
 
 from engine.planner import GPUS, MODELS, Cluster, plan
 from engine.viz.style import apply_style, full_labels
 from engine.viz.zero import PART_COLORS
 
-TIME_COLORS = {"compute": "#1f77b4", "tp": "#ff7f0e", "ep": "#8c564b", "bubble": "#d62728",
-               "pp": "#9467bd", "dp": "#2ca02c"}
+TIME_COLORS = {"compute": "#1f77b4", "tp": "#ff7f0e", "ep": "#8c564b", "cp": "#17becf",
+               "bubble": "#d62728", "pp": "#9467bd", "dp": "#2ca02c"}
+CP_DEGREES = (1, 2, 4, 8, 16, 32, 64)
 
 
 def plans_table(plans, top: int = 10) -> str:
-    lines = [f"{'#':>2}  {'configuration':<34}{'GB/GPU':>8}{'step s':>8}   time: compute / tp / "
-             "ep / bubble / pp / dp"]
+    lines = [f"{'#':>2}  {'configuration':<42}{'GB/GPU':>8}{'step s':>8}   time: compute / tp / "
+             "ep / cp / bubble / pp / dp"]
     for i, p in enumerate(plans[:top], 1):
         t = p.time
-        lines.append(f"{i:>2}  {p.label():<34}{p.memory['total'] / 1e9:>8.1f}{t['total']:>8.2f}"
+        lines.append(f"{i:>2}  {p.label():<42}{p.memory['total'] / 1e9:>8.1f}{t['total']:>8.2f}"
                      f"   {t['compute']:.2f} / {t['tp']:.2f} / {t.get('ep', 0):.2f} / "
-                     f"{t['bubble']:.2f} / {t['pp']:.2f} / {t['dp']:.2f}")
+                     f"{t.get('cp', 0):.2f} / {t['bubble']:.2f} / {t['pp']:.2f} / "
+                     f"{t['dp']:.2f}")
     return "\n".join(lines)
 
 
@@ -55,13 +59,18 @@ def plans_figure(plans, memory_gb: float, top: int = 6, title: str = ""):
 
 def planner_explorer():
     """Widgets: model, GPU type, GPU count, GPUs per node, NVLink and network bandwidth per
-    GPU, global batch, MFU; the ranked table and the figure."""
+    GPU, global batch, MFU, sequence length, the largest context-parallel degree to try and
+    sequence parallelism; the ranked table and the figure."""
     import ipywidgets as widgets
 
-    def show(model, gpu, gpus, gpus_per_node, nvlink_gbps, network_gbps, global_batch, mfu):
+    def show(model, gpu, gpus, gpus_per_node, nvlink_gbps, network_gbps, global_batch, mfu,
+             seq_len, max_cp, sequence_parallel):
         specs = dict(GPUS[gpu], intra_gbps=nvlink_gbps, inter_gbps=network_gbps)
         cluster = Cluster(gpus, gpus_per_node=gpus_per_node, **specs)
-        plans = plan(MODELS[model], cluster, global_batch, mfu)
+        spec = dataclasses.replace(MODELS[model], seq_len=seq_len)
+        plans = plan(spec, cluster, global_batch, mfu,
+                     cp_degrees=tuple(c for c in CP_DEGREES if c <= max_cp),
+                     sequence_parallel=sequence_parallel)
         if not plans:
             print(f"nothing fits: {model} on {gpus} x {gpu} with a global batch of "
                   f"{global_batch}")
@@ -87,4 +96,9 @@ def planner_explorer():
         global_batch=widgets.SelectionSlider(options=[256, 512, 1024, 1536, 2048, 4096],
                                              value=1536, description="global batch"),
         mfu=widgets.FloatSlider(value=0.45, min=0.2, max=0.7, step=0.05, description="MFU"),
+        seq_len=widgets.SelectionSlider(options=[2048, 4096, 8192, 32768, 131072],
+                                        value=2048, description="sequence length"),
+        max_cp=widgets.SelectionSlider(options=list(CP_DEGREES), value=1,
+                                       description="context parallel up to"),
+        sequence_parallel=widgets.Checkbox(value=False, description="sequence parallel"),
     ))

@@ -24,19 +24,23 @@ PART_COLORS = {"params": "#1f77b4", "grads": "#ff7f0e", "optimizer": "#2ca02c",
 
 def per_gpu_bytes(preset: str, gpus: int, stage: int, precision: str = "mixed",
                   offload: bool = False, checkpoint: bool = False, micro_batch: int = 1,
-                  psi: float | None = None) -> dict[str, float]:
-    """Bytes per GPU by part. ``psi`` overrides the preset's parameter count. ``offload``
-    moves the optimizer state (with the fp32 master weights) to CPU memory."""
+                  psi: float | None = None, seq_len: int | None = None, cp: int = 1
+                  ) -> dict[str, float]:
+    """Bytes per GPU by part. ``psi`` overrides the preset's parameter count, ``seq_len`` its
+    sequence length. ``offload`` moves the optimizer state (with the fp32 master weights) to
+    CPU memory. ``cp``: context parallelism over ``cp`` of the GPUs, each holding ``s/cp``
+    tokens of every activation (:func:`engine.theory.activation_bytes_per_layer`)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {list(PRESETS)}")
     base_psi, layers, hidden, heads, seq = PRESETS[preset]
+    seq = seq if seq_len is None else seq_len
     psi = base_psi if psi is None else psi
     sizes = {} if precision == "mixed" else dict(param_bytes=4, grad_bytes=4, k=8)
     parts = theory.zero_model_state_bytes(psi, gpus, stage, **sizes)
     if offload:
         parts["optimizer"] = 0.0
-    acts = theory.transformer_activation_bytes(layers, hidden, heads, seq, micro_batch,
-                                               checkpoint)
+    acts = layers * theory.activation_bytes_per_layer(seq, micro_batch, hidden, heads, cp=cp,
+                                                      recompute=checkpoint)
     if precision != "mixed":
         acts *= 2  # fp32 activations
     return {"params": parts["params"], "grads": parts["grads"],
@@ -45,13 +49,15 @@ def per_gpu_bytes(preset: str, gpus: int, stage: int, precision: str = "mixed",
 
 def memory_figure(preset: str = "LLaMA 7B", gpus: int = 8, stage: int = 2,
                   precision: str = "mixed", offload: bool = False, checkpoint: bool = True,
-                  micro_batch: int = 1, psi: float | None = None):
+                  micro_batch: int = 1, psi: float | None = None, seq_len: int | None = None,
+                  cp: int = 1):
     """Stacked bars per GPU for stages 0-3 (the chosen one outlined), against device memory."""
     apply_style()
     fig, ax = plt.subplots(figsize=(8, 4.2))
     top = 0.0
     for s in range(4):
-        parts = per_gpu_bytes(preset, gpus, s, precision, offload, checkpoint, micro_batch, psi)
+        parts = per_gpu_bytes(preset, gpus, s, precision, offload, checkpoint, micro_batch, psi,
+                              seq_len, cp)
         bottom = 0.0
         for name in PARTS:
             gb = parts[name] / 1e9
@@ -78,7 +84,8 @@ def memory_figure(preset: str = "LLaMA 7B", gpus: int = 8, stage: int = 2,
     label = f"{psi / 1e9:g}B params" if psi else preset
     ax.set_title(f"{label} on {gpus} GPU{'s' if gpus != 1 else ''}, {precision}"
                  f"{', offload' if offload else ''}{', checkpointing' if checkpoint else ''}, "
-                 f"micro-batch {micro_batch}")
+                 f"micro-batch {micro_batch}"
+                 + (f", {seq_len:,} tokens" if seq_len else "") + (f", cp {cp}" if cp > 1 else ""))
     ax.legend(loc="upper center", fontsize=8, ncol=4)
     fig.tight_layout()
     return fig
@@ -86,15 +93,20 @@ def memory_figure(preset: str = "LLaMA 7B", gpus: int = 8, stage: int = 2,
 
 def memory_explorer():
     """Widgets over :func:`memory_figure`: preset or custom size, GPUs, stage, precision,
-    offload, activation checkpointing, micro-batch."""
+    offload, activation checkpointing, micro-batch, sequence length, context parallelism."""
     import ipywidgets as widgets
 
-    def show(preset, custom_billions, gpus, stage, precision, offload, checkpoint, micro_batch):
+    def show(preset, custom_billions, gpus, stage, precision, offload, checkpoint, micro_batch,
+             seq_len, cp):
         psi = custom_billions * 1e9 if custom_billions > 0 else None
+        seq = None if seq_len == "preset" else seq_len
+        if cp > gpus:
+            print(f"context parallelism over {cp} GPUs needs at least {cp} GPUs")
+            return
         plt.show(memory_figure(preset, gpus, stage, precision, offload, checkpoint,
-                               micro_batch, psi))
+                               micro_batch, psi, seq, cp))
         parts = per_gpu_bytes(preset, gpus, stage, precision, offload, checkpoint,
-                              micro_batch, psi)
+                              micro_batch, psi, seq, cp)
         print("  ".join(f"{k} {v / 1e9:,.2f} GB" for k, v in parts.items()),
               f"| total {sum(parts.values()) / 1e9:,.2f} GB per GPU")
 
@@ -109,6 +121,10 @@ def memory_explorer():
         offload=widgets.Checkbox(value=False, description="offload optimizer"),
         checkpoint=widgets.Checkbox(value=True, description="activation checkpointing"),
         micro_batch=widgets.IntSlider(value=1, min=1, max=16, description="micro-batch"),
+        seq_len=widgets.SelectionSlider(options=["preset", 8192, 32768, 131072, 1048576],
+                                        value="preset", description="sequence length"),
+        cp=widgets.SelectionSlider(options=[1, 2, 4, 8, 16, 32], value=1,
+                                   description="context parallel"),
     ))
 
 
