@@ -9,7 +9,7 @@ C01, C02, C03 = "course/01_collectives.ipynb", "course/02_data_parallel.ipynb", 
     "course/03_compression.ipynb"
 C04, C05, C06, C07 = "course/04_zero.ipynb", "course/05_tensor_parallel.ipynb", \
     "course/06_pipeline.ipynb", "course/07_3d_parallelism.ipynb"
-C10 = "course/10_moe.ipynb"
+C09, C10 = "course/09_long_context.ipynb", "course/10_moe.ipynb"
 
 CHOICE = [
     # -- common claims that are wrong or imprecise ---------------------------------------------
@@ -256,4 +256,37 @@ CHOICE = [
            "The planner: the same layout's all-to-all time grows more than 10x when "
            "the group crosses nodes.",
            (C10, "Why all-to-all across nodes hurts")),
+    Choice("ring-attention-bytes-fall", "long context",
+           "'Ring attention: the more GPUs, the less each one sends.' Per GPU and layer?",
+           ("About constant: each GPU must see every K/V block once, ~2 S kv forward",
+            "It falls as 1/N", "It grows as N"), 0,
+           "Counted: 2(N-1)(S/N) kv per rank forward; what falls with N is memory and compute.",
+           (C09, "Ring attention, step by step")),
+    Choice("sp-saves-communication", "long context",
+           "What does Megatron sequence parallelism do to tensor parallelism's communication?",
+           ("Each all-reduce becomes a reduce-scatter plus an all-gather: same bytes forward; "
+            "backward adds a re-gather of each column layer's input",
+            "It halves it", "It removes the all-reduces"), 0,
+           "It buys activation memory (10sbh becomes 10sbh/t), not bandwidth.",
+           (C09, "Megatron sequence parallelism")),
+    Choice("ring-attention-approximate", "long context",
+           "Is ring attention an approximation of full attention?",
+           ("No: the online-softmax merge makes it exact (equal to dense attention to fp32 "
+            "round-off)", "Yes: each GPU sees only nearby tokens",
+            "Yes: softmax is renormalised per block"), 0,
+           "Each block's output and log-sum-exp merge exactly; gradients too.",
+           (C09, "The online-softmax merge")),
+    Choice("causal-contiguous-balance", "long context",
+           "Causal ring attention with the sequence split into contiguous chunks: the load?",
+           ("The last GPU does about 2N/(N+1) times the average; zig-zag chunks even it out",
+            "Even: every GPU holds S/N tokens", "The first GPU is the busiest"), 0,
+           "Rank r computes r + 1 of the blocks below the diagonal; zig-zag gives each 2N+1 "
+           "half-size blocks.", (C09, "The causal imbalance, and zig-zag")),
+    Choice("ulysses-any-degree", "long context",
+           "Ulysses on a model with 32 query heads and 8 KV heads, over 16 GPUs?",
+           ("Not as is: each GPU needs whole heads, so N must divide 8; use ring attention "
+            "(or Ulysses 8 x ring 2)", "Fine: heads split into halves",
+            "Fine: 32 is divisible by 16"), 0,
+           "The all-to-all hands each rank a/N heads; KV heads too.",
+           (C09, "Ulysses and its head constraint")),
 ]

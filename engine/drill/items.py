@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 TOPICS = ("collectives", "data parallel", "compression", "zero", "tensor parallel",
-          "pipeline", "3d and scale", "moe")
+          "pipeline", "3d and scale", "moe", "long context")
 
 
 @dataclass(frozen=True)

@@ -333,6 +333,48 @@ def _moe_active(rng):
             "k experts per layer (3 h f each), not E.")
 
 
+def _ring_attention_gb(rng):
+    n, s, kv = rng.choice([4, 8, 16]), rng.choice([32768, 131072]), rng.choice([1024, 4096])
+    return (f"Ring attention over {n} GPUs, one sequence of {s:,} tokens, K/V width {kv} (KV "
+            "heads x head dim), bf16: GB each GPU sends in one layer's forward?",
+            theory.ring_attention_bytes(s, kv, n, 2)["forward"] / 1e9,
+            "2 (N-1) (S/N) kv x 2 bytes: one K/V block per step, N-1 steps; ~2 S kv whatever N.")
+
+
+def _ulysses_gb(rng):
+    n, s = rng.choice([2, 4, 8]), rng.choice([32768, 131072])
+    return (f"DeepSpeed-Ulysses over {n} GPUs, {s:,} tokens, hidden 4096 with 8 KV heads of 128 "
+            "(kv 1024), bf16: GB each GPU sends in one layer's forward (both all-to-alls)?",
+            theory.ulysses_bytes(s, 4096, n, 2, kv_hidden=1024)["forward"] / 1e9,
+            "(N-1)/N of each rank's S/N tokens of q, k, v, then of the output: falls as 1/N.")
+
+
+def _sp_activation_saving(rng):
+    t, s = rng.choice([2, 4, 8]), rng.choice([2048, 4096])
+    tp = theory.tp_activation_bytes_per_layer(s, 1, 12288, 96, t)
+    sp = theory.sp_activation_bytes_per_layer(s, 1, 12288, 96, t)
+    return (f"GPT-3 layer (h 12288, 96 heads), sequence {s}, micro-batch 1, tensor parallel "
+            f"{t}: MB of activations per layer per GPU that sequence parallelism saves?",
+            (tp - sp) / 1e6, "sbh (10 + 24/t + 5as/(ht)) - sbh/t (34 + 5as/h) = 10 sbh (1 - 1/t).")
+
+
+def _causal_imbalance(rng):
+    n = rng.choice([2, 4, 8, 16])
+    flops = [theory.ring_attention_flops(1024 * n, n, r, "contiguous") for r in range(n)]
+    return (f"Causal ring attention, contiguous split over {n} GPUs, diagonal blocks computed "
+            "whole: the busiest GPU's attention work over the average's?",
+            max(flops) / (sum(flops) / n), "Rank r computes r + 1 blocks: 2N/(N+1).")
+
+
+def _zigzag_speedup(rng):
+    n = rng.choice([2, 4, 8, 16])
+    return (f"Causal ring attention over {n} GPUs: how many times faster is the busiest GPU "
+            "with the zig-zag split than with the contiguous one (block FLOPs)?",
+            theory.ring_attention_flops(1024 * n, n, n - 1, "contiguous")
+            / theory.ring_attention_flops(1024 * n, n, 0, "zigzag"),
+            "N blocks of (S/N)^2 against 2N+1 of (S/2N)^2: 4N/(2N+1).")
+
+
 NUMERIC = [
     Numeric("ring-bytes", "collectives", _ring_bytes,
             zh="数据并行中，梯度同步的通信量具体是多少？"),
@@ -384,4 +426,9 @@ NUMERIC = [
     Numeric("moe-capacity", "moe", _moe_capacity),
     Numeric("moe-all-to-all-bytes", "moe", _moe_dispatch_bytes),
     Numeric("moe-active-params", "moe", _moe_active),
+    Numeric("ring-attention-bytes", "long context", _ring_attention_gb),
+    Numeric("ulysses-bytes", "long context", _ulysses_gb),
+    Numeric("sp-activation-saving", "long context", _sp_activation_saving),
+    Numeric("causal-imbalance", "long context", _causal_imbalance),
+    Numeric("zigzag-speedup", "long context", _zigzag_speedup),
 ]

@@ -89,4 +89,11 @@ OUTLINE = [
             ("reverse-order buckets fill first during backward",
              "each bucket's async all-reduce starts when full", "wait at the end of backward"),
             evidence=("course/02_data_parallel.ipynb", "Buckets, and overlap with backward")),
+    Outline("ans-long-context", "long context",
+            "How would you train with a 128k-token context?",
+            ("activations ~34 sbh per layer even without scores; ZeRO and TP do not split s",
+             "Megatron SP: reduce-scatter + all-gather, LayerNorm on s/t, same bytes",
+             "ring attention: S/N per GPU, K/V round a ring, online softmax, zig-zag",
+             "Ulysses: two all-to-alls, bytes fall as 1/N, N divides the KV heads"),
+            evidence=("course/09_long_context.ipynb", "The interview answer, in 30 seconds")),
 ]
