@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import pytest
@@ -248,6 +249,34 @@ def _resolved_caps():
         return model.bucket_cap_bytes, model.first_bucket_bytes
 
     return run_ranks(rank_fn, 1)[0]
+
+
+def _batch_norm(rank, world_size, broadcast_buffers):
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+
+    ours = DataParallel(make(), bucket_cap_mb=1.0, broadcast_buffers=broadcast_buffers)
+    theirs = nn.parallel.DistributedDataParallel(make(), bucket_cap_mb=1.0)
+    for model in (ours, theirs):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):  # each rank's batches differ, so do its running statistics
+            torch.manual_seed(10 * rank + step)
+            opt.zero_grad()
+            # PyTorch skips the broadcast in the forward after one under no_sync(): the last
+            with model.no_sync() if step == 1 else contextlib.nullcontext():
+                model(torch.randn(8, 4) * (rank + 1)).square().mean().backward()
+            opt.step()
+    return [b.clone() for b in ours.module.buffers()], [b.clone() for b in theirs.module.buffers()]
+
+
+def test_buffers_are_broadcast_at_each_forward_as_pytorch_does():
+    for ours, theirs in run_ranks(_batch_norm, 2, True):
+        for a, b in zip(ours, theirs, strict=True):
+            assert torch.allclose(a, b, atol=1e-6)
+    # without the broadcast, rank 1 keeps statistics of its own batches only: not PyTorch's
+    ours, theirs = run_ranks(_batch_norm, 2, False)[1]
+    assert not torch.allclose(ours[0], theirs[0], atol=1e-3)
 
 
 def _first_launch_vs_backward_end(rank, world_size, overlap):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.memory import ActivationTracker, model_state_bytes, unique_storage_bytes
+from engine.memory import (ActivationTracker, StateTensors, model_state_bytes,
+                           unique_storage_bytes)
 from engine.models import MLP, GPTConfig, TinyGPT
 
 
@@ -82,3 +83,14 @@ def test_cuda_reports_allocator_numbers():
     got = model_state_bytes(model)
     assert got.memory_allocated is not None and got.memory_allocated >= got.params
     assert got.max_memory_allocated >= got.memory_allocated
+
+
+def test_any_object_with_state_tensors_is_counted_through_the_protocol():
+    class Holder:  # a strategy of one's own
+        def state_tensors(self):
+            return StateTensors(params=[torch.zeros(10)], buffers=[torch.zeros(5)],
+                                offloaded=[torch.zeros(3)])
+
+    got = model_state_bytes(Holder())
+    # total is what is on the device: host-offloaded bytes are reported apart
+    assert (got.params, got.grads, got.buffers, got.offloaded, got.total) == (40, 0, 20, 12, 60)

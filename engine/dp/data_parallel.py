@@ -103,13 +103,12 @@ class DataParallel(nn.Module):
                  overlap: bool = True, compressor=None, group=None,
                  first_bucket_mb: float | None = None, broadcast_buffers: bool = True):
         super().__init__()
-        if bucket_cap_mb is None:
-            bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
-            first_bucket_mb = DEFAULT_FIRST_BUCKET_MB if first_bucket_mb is None \
-                else first_bucket_mb
-        positive_number("bucket_cap_mb", bucket_cap_mb)
         if first_bucket_mb is not None:
             positive_number("first_bucket_mb", first_bucket_mb)
+        if bucket_cap_mb is None:  # PyTorch's rule: the default cap comes with a small first one
+            bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
+            first_bucket_mb = first_bucket_mb or DEFAULT_FIRST_BUCKET_MB
+        positive_number("bucket_cap_mb", bucket_cap_mb)
         if compressor is not None and not callable(compressor):
             raise ValueError(f"compressor must be None or callable, got {compressor!r}")
         params = [p for p in _checked_params(module) if p.requires_grad]  # frozen: skipped
