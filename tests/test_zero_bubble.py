@@ -259,3 +259,22 @@ def test_memory_held_per_stage_is_the_orders_count_times_the_measured_sizes(name
         sim = simulate(make(p, m), placement=placement, t_w=1)
         assert run.peak_in_flight == sim.peak_in_flight[stage]
         assert run.peak_held == sim.peak_held[stage]
+
+
+def test_the_gantt_chart_shows_w_and_the_explorer_runs_every_schedule():
+    from engine.pp.experiments import schedule_by_name
+    from engine.viz.pipeline import SCHEDULES, formula_line, gantt_figure, pipeline_explorer
+
+    result = simulate(zb_v(2, 4), t_w=1.0, placement="v")
+    fig = gantt_figure(result.timeline)
+    assert len(fig.axes[0].patches) == len(result.timeline) == 2 * 2 * 4 * 3  # F, B and W
+    labels = {t.get_text() for t in fig.axes[0].get_legend().get_texts()}
+    assert {"B: input gradient", "W: weight gradient"} <= labels
+    for key in SCHEDULES.values():
+        plan, placement, v = schedule_by_name(key, 4, 8)
+        assert simulate(plan, placement=placement).peak_in_flight  # runs under its placement
+    expected = theory.zb_h1_bubble_fraction(4, 8, 1.0, 1.0, 0.5)
+    assert f"{expected:.1%}" in formula_line("ZB-H1", 4, 8, 1, 1.0, 1.0, 0.5)
+    with pytest.raises(ValueError, match="kind must be one of gpipe, 1f1b, interleaved, zb_h1"):
+        schedule_by_name("zb_h2", 4, 8)
+    assert pipeline_explorer() is not None

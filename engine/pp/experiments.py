@@ -1,5 +1,6 @@
-"""Measurements for chapter 06: real pipeline runs whose timelines give the bubble, and the
-stage-imbalance experiment (uniform cut vs a cut balanced from profiled layer times)."""
+"""Measurements for chapter 06: real pipeline runs whose timelines give the bubble (and, for
+zero-bubble schedules, the split backward's memory), and the stage-imbalance experiment
+(uniform cut vs a cut balanced from profiled layer times)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,14 @@ import time
 import torch
 from torch import nn
 
+from engine.pp.actions import virtual_stages
 from engine.pp.runtime import run_pipeline, split_model
 from engine.pp.schedules import gpipe, interleaved_1f1b, one_f_one_b
+from engine.pp.zero_bubble import dualpipe_v, zb_h1, zb_v
+
+SCHEDULES = {"gpipe": (gpipe, "interleaved"), "1f1b": (one_f_one_b, "interleaved"),
+             "interleaved": (interleaved_1f1b, "interleaved"), "zb_h1": (zb_h1, "interleaved"),
+             "zb_v": (zb_v, "v"), "dualpipe_v": (dualpipe_v, "v")}
 
 
 def mlp_layers(widths: list[int], width: int = 512, seed: int = 0) -> nn.Sequential:
@@ -21,21 +28,26 @@ def mlp_layers(widths: list[int], width: int = 512, seed: int = 0) -> nn.Sequent
     return nn.Sequential(*blocks)
 
 
-def _schedule(kind: str, p: int, m: int, v: int = 1):
-    if kind == "gpipe":
-        return gpipe(p, m)
-    if kind == "1f1b":
-        return one_f_one_b(p, m)
-    return interleaved_1f1b(p, m, v)
+def schedule_by_name(kind: str, p: int, m: int, v: int = 2):
+    """``(schedule, placement, chunks per rank)`` for ``kind``, a key of :data:`SCHEDULES`
+    (``v``: chunks per rank of the interleaved schedule; the V-shaped ones have 2)."""
+    if kind not in SCHEDULES:
+        raise ValueError(f"kind must be one of {', '.join(SCHEDULES)}; got {kind!r}")
+    make, placement = SCHEDULES[kind]
+    if kind == "interleaved":
+        return make(p, m, v), placement, v
+    return make(p, m), placement, 2 if placement == "v" else 1
 
 
 def pipeline_step(rank: int, p: int, kind: str, m: int, starts: list[int], widths: list[int],
-                  rows: int = 64, v: int = 1, repeats: int = 2):
-    """Run one training step ``repeats`` times (the first warms up) on the model cut at
-    ``starts`` (``p * v`` pieces); return the last run's :class:`engine.pp.PipelineRun`."""
+                  rows: int = 64, v: int = 2, repeats: int = 2):
+    """Run one training step of schedule ``kind`` (:func:`schedule_by_name`) ``repeats``
+    times (the first warms up) on the model cut at ``starts`` (one piece per virtual stage);
+    return the last run's :class:`engine.pp.PipelineRun`."""
+    schedule, placement, v = schedule_by_name(kind, p, m, v)
     layers = mlp_layers(widths)
     pieces = split_model(layers, starts)
-    mine = [pieces[c * p + rank] for c in range(v)]
+    mine = [pieces[i] for i in virtual_stages(rank, p, v, placement)]
     width = layers[0][0].in_features
     g = torch.Generator().manual_seed(1)
     xs = [torch.randn(rows, width, generator=g) for _ in range(m)]
@@ -45,7 +57,7 @@ def pipeline_step(rank: int, p: int, kind: str, m: int, starts: list[int], width
         for chunk in mine:
             chunk.zero_grad()
         torch.distributed.barrier()
-        run = run_pipeline(mine, _schedule(kind, p, m, v), xs, ys, stage=rank)
+        run = run_pipeline(mine, schedule, xs, ys, stage=rank, placement=placement)
     return run
 
 

@@ -229,6 +229,31 @@ def _peak_held(actions, split: bool) -> int:
     return peak
 
 
+def measured_idle(events: list[TraceEvent]) -> dict[int, float]:
+    """Idle share of each stage between the run's first start and last end (shared clock)."""
+    start = min(e.start for e in events)
+    span = max(e.end for e in events) - start
+    busy: dict[int, float] = {}
+    for e in events:
+        busy[e.rank] = busy.get(e.rank, 0.0) + e.end - e.start
+    return {stage: 1 - b / span for stage, b in sorted(busy.items())}
+
+
+def stage_times(events: list[TraceEvent], chunks: int = 1) -> dict[str, list[float]]:
+    """Median seconds of each kind of action (``F``, ``B``, ``W``) per stage, times
+    ``chunks`` (so they are a whole stage's, as :func:`engine.pp.simulate` takes them)."""
+    import statistics
+
+    stages = sorted({e.rank for e in events})
+    out: dict[str, list[float]] = {}
+    for kind in "FBW":
+        per_stage = [[e.end - e.start for e in events if e.rank == s and e.args["kind"] == kind]
+                     for s in stages]
+        if all(per_stage):
+            out[kind] = [statistics.median(t) * chunks for t in per_stage]
+    return out
+
+
 def measured_bubble(events: list[TraceEvent], p: int) -> float:
     """Idle share of ``p`` ranks over the run, from their compute events (shared clock)."""
     start = min(e.start for e in events)

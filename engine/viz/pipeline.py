@@ -1,4 +1,5 @@
-"""Pipeline pictures: a Gantt chart per stage (simulated or measured) and an explorer."""
+"""Pipeline pictures: a Gantt chart per stage (simulated or measured) and an explorer over
+every schedule the engine has, zero-bubble ones included."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import matplotlib.pyplot as plt
 
 from engine.viz.style import apply_style, full_labels
 
-KIND_COLORS = {"F": "#1f77b4", "B": "#2ca02c"}
+KIND_COLORS = {"F": "#1f77b4", "B": "#2ca02c", "W": "#ff7f0e"}
 
 
 def timeline_rows(events) -> list[tuple]:
@@ -17,8 +18,9 @@ def timeline_rows(events) -> list[tuple]:
 
 
 def gantt_figure(timeline, title: str = "", ax=None, unit: str = "time", legend: bool = True):
-    """One row per stage; forward boxes blue, backward green (lighter for later chunks),
-    labelled with the micro-batch; white space is the bubble."""
+    """One row per stage; forward boxes blue, backward green, weight gradients (W, in a
+    zero-bubble schedule) orange, lighter for later chunks, labelled with the micro-batch;
+    white space is the bubble."""
     from matplotlib.patches import Patch
 
     apply_style()
@@ -40,8 +42,12 @@ def gantt_figure(timeline, title: str = "", ax=None, unit: str = "time", legend:
     ax.set_title(title, fontsize=10, pad=16 if legend else 6)
     ax.grid(axis="y", visible=False)
     if legend:
+        split = any(r[1] == "W" for r in timeline)
         handles = [Patch(color=KIND_COLORS["F"], label="forward (micro-batch)"),
-                   Patch(color=KIND_COLORS["B"], label="backward")]
+                   Patch(color=KIND_COLORS["B"],
+                         label="B: input gradient" if split else "backward")]
+        if split:
+            handles.append(Patch(color=KIND_COLORS["W"], label="W: weight gradient"))
         if any(r[3] for r in timeline):
             handles.append(Patch(color=KIND_COLORS["F"], alpha=0.65,
                                  label="lighter: second model chunk"))
@@ -53,43 +59,64 @@ def gantt_figure(timeline, title: str = "", ax=None, unit: str = "time", legend:
     return ax.figure
 
 
+SCHEDULES = {"GPipe": "gpipe", "1F1B": "1f1b", "interleaved 1F1B": "interleaved",
+             "ZB-H1": "zb_h1", "ZB-V": "zb_v", "DualPipeV": "dualpipe_v"}
+
+
+def formula_line(name: str, p: int, m: int, v: int, t_f: float, t_b: float, t_w: float) -> str:
+    """The closed-form bubble for schedule ``name``, where there is one, as text."""
+    from engine import theory
+
+    if name in ("GPipe", "1F1B", "interleaved 1F1B"):
+        return f"formula (p-1)/(vm+p-1) = {theory.bubble_fraction(p, m, v):.1%}"
+    if name == "ZB-H1" and m >= p and t_w <= min(t_f, t_b):
+        fraction = theory.zb_h1_bubble_fraction(p, m, t_f, t_b, t_w)
+        return f"ZB-H1 formula (p-1)(F+B-W) over the total = {fraction:.1%}"
+    if name == "ZB-H1":
+        return "the ZB-H1 formula needs m >= p and W <= F, B"
+    return "no closed form used here: simulated"
+
+
 def pipeline_explorer():
-    """Widgets over the simulator: p, m, v, schedule, backward/forward time ratio and
-    communication time; shows the Gantt chart, the bubble and the activations in flight."""
+    """Widgets over the simulator: schedule, p, m, v (interleaved), the input-gradient (B) and
+    weight-gradient (W) times relative to the forward, and a message delay; shows the Gantt
+    chart, the bubble next to its formula, and the micro-batches held per stage. Schedules
+    without W run B and W as one backward of time B + W."""
     import ipywidgets as widgets
 
-    from engine import theory
-    from engine.pp import gpipe, interleaved_1f1b, one_f_one_b, simulate
+    from engine.pp import simulate
+    from engine.pp.experiments import schedule_by_name
 
-    def show(schedule, p, m, v, tb_over_tf, t_comm):
+    def show(schedule, p, m, v, b_over_f, w_over_f, t_comm):
         try:
-            if schedule == "interleaved 1F1B":
-                plan = interleaved_1f1b(p, m, v)
-            else:
-                plan = (gpipe if schedule == "GPipe" else one_f_one_b)(p, m)
-                v = 1
+            plan, placement, chunks = schedule_by_name(SCHEDULES[schedule], p, m, v)
         except ValueError as e:
             print(f"not valid: {e}")
             return
-        result = simulate(plan, t_f=1.0, t_b=tb_over_tf, t_comm=t_comm)
+        result = simulate(plan, t_f=1.0, t_b=b_over_f, t_w=w_over_f, t_comm=t_comm,
+                          placement=placement)
         fig = gantt_figure(result.timeline, f"{schedule}: p={p}, m={m}" +
-                           (f", v={v}" if schedule == "interleaved 1F1B" else "") +
+                           (f", v={chunks}" if chunks > 1 else "") +
                            f"; bubble {result.bubble:.1%} of total time", unit="time (t_f = 1)")
         plt.show(fig)
         print(f"bubble: {result.bubble:.1%} of total ({result.bubble_vs_ideal():.1%} of ideal);"
-              f" formula without communication {theory.bubble_fraction(p, m, v):.1%}")
-        print("peak micro-batches in flight per stage (activations held): "
-              + ", ".join(f"{s}: {n}" for s, n in result.peak_in_flight.items()))
+              f" {formula_line(schedule, p, m, chunks, 1.0, b_over_f, w_over_f)}"
+              + (" (without communication)" if t_comm else ""))
+        print("per stage, micro-batches held for B (activations) / until W, in whole-stage "
+              "units: " + ", ".join(
+                  f"{s}: {result.peak_in_flight[s] / chunks:g} / {result.peak_held[s] / chunks:g}"
+                  for s in result.peak_in_flight))
 
     return full_labels(widgets.interactive(
         show,
-        schedule=widgets.ToggleButtons(options=["GPipe", "1F1B", "interleaved 1F1B"],
-                                       value="1F1B"),
+        schedule=widgets.ToggleButtons(options=list(SCHEDULES), value="1F1B"),
         p=widgets.IntSlider(value=4, min=1, max=8, description="stages p"),
         m=widgets.IntSlider(value=8, min=1, max=32, description="micro-batches m"),
-        v=widgets.IntSlider(value=2, min=1, max=4, description="chunks v"),
-        tb_over_tf=widgets.FloatSlider(value=2.0, min=0.5, max=4.0, step=0.5,
-                                       description="t_b / t_f"),
+        v=widgets.IntSlider(value=2, min=1, max=4, description="chunks v (interleaved)"),
+        b_over_f=widgets.FloatSlider(value=1.0, min=0.5, max=4.0, step=0.25,
+                                     description="B (input grad) / F"),
+        w_over_f=widgets.FloatSlider(value=1.0, min=0.0, max=4.0, step=0.25,
+                                     description="W (weight grad) / F"),
         t_comm=widgets.FloatSlider(value=0.0, min=0.0, max=1.0, step=0.1,
                                    description="comm time"),
     ))
