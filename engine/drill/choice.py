@@ -22,7 +22,7 @@ CHOICE = [
            "Summed over all ranks both move about 2(N-1)M; the server's link carries (N-1)M "
            "each way, the bottleneck.", (C01, "Parameter server against ring")),
     Choice("ring-independent-of-n", "collectives",
-           "'Ring all-reduce time is independent of the number of GPUs.' True?",
+           "'Ring all-reduce time is independent of the number of GPUs.' Is that true?",
            ("Only the bandwidth term is; the latency term 2(N-1) alpha grows with N",
             "Yes, completely", "No: its bandwidth term grows linearly with N"), 0,
            "Small messages are latency-bound: a tree (2 log N rounds) wins there.",
@@ -48,7 +48,8 @@ CHOICE = [
            (C04, "Communication: 2Ψ, and 3Ψ for stage 3"),
            zh="ZeRO-2 和 ZeRO-3 在通信上的具体差异是什么？"),
     Choice("zero-4-8-16", "zero",
-           "'ZeRO-1 saves 4x, ZeRO-2 8x, ZeRO-3 16x.' At 4 GPUs, mixed-precision Adam?",
+           "'ZeRO-1 saves 4x, ZeRO-2 8x, ZeRO-3 16x.' What do they save on 4 GPUs with "
+           "mixed-precision Adam?",
            ("2.29x, 2.91x and 4x", "4x, 8x and 16x", "1.33x, 2x and 4x"), 0,
            "4x and 8x are limits as N grows; ZeRO-3 saves N x.",
            (C04, "The stages, built one by one, measured")),
@@ -58,12 +59,14 @@ CHOICE = [
            "Each rank only needs the averaged gradient of its own slice.",
            (C04, "Communication: 2Ψ, and 3Ψ for stage 3")),
     Choice("dp-comm-linear", "data parallel",
-           "'Data-parallel communication grows linearly with the number of GPUs.' Per GPU?",
+           "'Data-parallel communication grows linearly with the number of GPUs.' How does what "
+           "each GPU sends grow?",
            ("About constant: 2(N-1)/N x M tends to 2M", "Linear in N", "Logarithmic in N"), 0,
            "Per GPU it is nearly flat; what grows is the latency term and stragglers.",
            (C02, 'Misconception (b): "the speed-up is linear"')),
     Choice("tp-one-allreduce", "tensor parallel",
-           "'Tensor parallelism needs one all-reduce per layer.' Megatron per layer?",
+           "'Tensor parallelism needs one all-reduce per layer.' How many does Megatron need per "
+           "layer?",
            ("2 forward and 2 backward (attention and MLP)", "1 forward, 1 backward",
             "1 per layer in total"), 0, "Counted by the meter: 2 + 2 per layer.",
            (C05, "Attention by heads, and the whole tiny GPT")),
@@ -112,7 +115,8 @@ CHOICE = [
            "varints) far less.",
            (C03, "Sparsification: Top-K, and why it needs error feedback")),
     Choice("accumulation-memory", "data parallel",
-           "'Gradient accumulation reduces communication but increases memory.'",
+           "'Gradient accumulation reduces communication but increases memory.' What does it "
+           "really cost in memory?",
            ("It adds no gradient memory, and keeps one micro-batch of activations",
             "It doubles gradient memory", "It needs k copies of the gradients"), 0,
            "Measured: same gradient bytes; activations of one micro-batch. Its cost is time: "
@@ -121,21 +125,22 @@ CHOICE = [
                  "times the time per update")),
     # -- the documents' common wrong answers ---------------------------------------------------
     Choice("param-averaging", "data parallel",
-           "'Each GPU trains on different data and the parameters are averaged at the end.'",
+           "'Each GPU trains on different data and the parameters are averaged at the end.' Is "
+           "that data parallelism?",
            ("Wrong: gradients are averaged every step; averaging parameters after local Adam "
             "steps diverges", "Right for any optimizer", "Right for Adam only"), 0,
            "Measured on 4 ranks with Adam: parameter averaging drifts from DDP.",
            (C02, 'Misconception (a): "data parallelism just averages the parameters"'),
            zh="什么是数据并行"),
     Choice("linear-speedup", "data parallel",
-           "'Data parallelism scales linearly with the number of GPUs.'",
+           "'Data parallelism scales linearly with the number of GPUs.' Does it?",
            ("No: communication and latency make efficiency fall as N grows",
             "Yes, with ring all-reduce", "Yes, with overlap"), 0,
            "Chapter 02 measures the efficiency at N = 2 and 4 on your machine; alpha-beta + "
            "Amdahl predicts the rest.",
            (C02, 'Misconception (b): "the speed-up is linear"')),
     Choice("async-always-faster", "data parallel",
-           "'Asynchronous updates avoid waiting, so they are always better.'",
+           "'Asynchronous updates avoid waiting, so they are always better.' Are they?",
            ("No: stale gradients hurt per update; bounded staleness trades waiting for "
             "freshness", "Yes, always", "Yes, except for Adam"), 0,
            "Measured loss against staleness, and a straggler with SSP.",
@@ -148,27 +153,28 @@ CHOICE = [
            (C07, "Which parallelism, when"),
            zh="大模型训练中的数据并行、模型并行、流水线并行分别适用于什么场景?ZeRO 是什么"),
     Choice("zero-always", "zero",
-           "'ZeRO is a memory optimization: just turn it on.'",
+           "'ZeRO is a memory optimization: just turn it on.' What can it cost?",
            ("Stage 3 costs 1.5x traffic and can be slower on a slow network",
             "Right: it is free", "It only works with pipelines"), 0,
            "ZeRO improves data parallelism; its stages differ in traffic.",
            (C04, "Communication: 2Ψ, and 3Ψ for stage 3")),
     Choice("pp-no-downside", "pipeline",
-           "'Pipeline parallelism just splits the layers, no downside.'",
+           "'Pipeline parallelism just splits the layers, no downside.' What is its downside?",
            ("It has a bubble of (p-1)/(m+p-1) and runs at its slowest stage's pace",
             "Right", "Its only cost is memory"), 0,
            "Chapter 06 measures the bubble, and a balanced partition running faster than a "
            "uniform one.", (C06, "Stage balance")),
     # -- more traps --------------------------------------------------------------------------
     Choice("ef-optional", "compression",
-           "Top-K at 0.1% without error feedback, same steps. Expect?",
+           "Top-K at 0.1% without error feedback, for the same number of steps: what do you "
+           "expect against Top-K with it?",
            ("Clearly worse: the dropped coordinates are lost for good",
             "The same as with error feedback", "Better: less noise"), 0,
            "Chapter 03's experiment prints both accuracies: without error feedback it ends "
            "clearly lower.",
            (C03, "The convergence experiment")),
     Choice("fp16-underflow", "compression",
-           "Gradients of order 1e-7 sent in fp16 vs bf16?",
+           "Gradients of order 1e-7 are sent in fp16, or in bf16: what happens to them?",
            ("fp16 keeps them as subnormals with only a few bits, and rounds the smallest to "
             "zero; bf16 keeps them (8-bit exponent)",
             "Both round them to zero", "Neither loses anything: 16 bits are enough"), 0,
@@ -177,7 +183,7 @@ CHOICE = [
            "has fp32's exponent. Chapter 03 prints the share of zeros.",
            (C03, "Quantization: send 16 bits instead of 32")),
     Choice("zero3-vs-tp-traffic", "tensor parallel",
-           "What does each send? ZeRO-3 vs tensor parallelism",
+           "ZeRO-3 vs tensor parallelism: what does each send?",
            ("ZeRO-3: parameters (batch-independent); TP: activations (grow with b*s)",
             "Both send parameters", "Both send activations"), 0,
            "Measured per layer, with the crossover near 4.5h tokens.",
@@ -257,7 +263,8 @@ CHOICE = [
            "the group crosses nodes.",
            (C10, "Why all-to-all across nodes hurts")),
     Choice("ring-attention-bytes-fall", "long context",
-           "'Ring attention: the more GPUs, the less each one sends.' Per GPU and layer?",
+           "'Ring attention: the more GPUs, the less each one sends.' What does each GPU send "
+           "per layer as N grows?",
            ("About constant: each GPU must see every K/V block once, ~2 S kv forward",
             "It falls as 1/N", "It grows as N"), 0,
            "Counted: 2(N-1)(S/N) kv per rank forward; what falls with N is memory and compute.",
@@ -277,13 +284,14 @@ CHOICE = [
            "Each block's output and log-sum-exp merge exactly; gradients too.",
            (C09, "The online-softmax merge")),
     Choice("causal-contiguous-balance", "long context",
-           "Causal ring attention with the sequence split into contiguous chunks: the load?",
+           "Causal ring attention with the sequence split into contiguous chunks: how is the work "
+           "spread over the GPUs?",
            ("The last GPU does about 2N/(N+1) times the average; zig-zag chunks even it out",
             "Even: every GPU holds S/N tokens", "The first GPU is the busiest"), 0,
            "Rank r computes r + 1 of the blocks below the diagonal; zig-zag gives each 2N+1 "
            "half-size blocks.", (C09, "The causal imbalance, and zig-zag")),
     Choice("ulysses-any-degree", "long context",
-           "Ulysses on a model with 32 query heads and 8 KV heads, over 16 GPUs?",
+           "Ulysses on a model with 32 query heads and 8 KV heads: can it run over 16 GPUs?",
            ("Not as is: each GPU needs whole heads, so N must divide 8; use ring attention "
             "(or Ulysses 8 x ring 2)", "Fine: heads split into halves",
             "Fine: 32 is divisible by 16"), 0,

@@ -9,6 +9,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable
 
+from engine.drill import answers
+
 TOPICS = ("collectives", "data parallel", "compression", "zero", "tensor parallel",
           "pipeline", "3d and scale", "moe", "long context")
 
@@ -28,15 +30,18 @@ class Question:
     explanation: str = ""
     evidence: tuple[str, str] | None = None  # (notebook, section heading)
     outline: tuple[str, ...] = ()
+    unit: str = ""  # numeric: the unit asked for (see engine.drill.answers.UNITS)
 
-    def as_text(self, indent: str = "") -> str:
+    def as_text(self, indent: str = "", original: bool = True) -> str:
         """The question as plain text: the terminal drill, the widget and the static
-        fallback all show this."""
+        fallback all show this. ``original=False`` leaves out the source interview's wording."""
         lines = [f"({self.topic}) {self.text}"]
-        if self.zh:
-            lines.append(f"{indent}原题: {self.zh}")
+        if self.zh and original:
+            lines.append(f"{indent}as asked in the source interview: {self.zh}")
         if self.kind == "numeric":
-            lines.append(f"{indent}(a number; within {self.rel_tol:.0%} counts)")
+            asked = answers.unit(self.unit)
+            note = f" ({asked.note})" if asked.note else ""
+            lines.append(f"{indent}answer {asked.asked}, within {self.rel_tol * 100:g}%{note}")
         if self.kind == "choice":
             lines += [f"{indent}{chr(ord('a') + i)}) {option}"
                       for i, option in enumerate(self.options)]
@@ -45,25 +50,45 @@ class Question:
             lines += [f"{indent}- {point}" for point in self.outline]
         return "\n".join(lines)
 
-    def grade(self, response) -> bool:
-        """Numeric: within ``rel_tol`` (relative) of the answer. Choice: the option's index
-        (0-based) or its letter. Outline: the learner's own yes/no after reading the outline."""
+    def how_to_answer(self) -> str:
         if self.kind == "numeric":
-            try:
-                value = float(response)
-            except (TypeError, ValueError):
-                return False
+            return f"answer with a number (units allowed), {answers.unit(self.unit).asked}"
+        if self.kind == "choice":
+            return f"answer with a letter, a to {chr(ord('a') + len(self.options) - 1)}"
+        return "answer y or n"
+
+    def read(self, response):
+        """The answer in ``response`` (typed text, or a number/index/bool): a value in the
+        item's unit, an option's 0-based index, or yes/no. Raises
+        :class:`engine.drill.answers.Unreadable` for text it cannot read."""
+        if not isinstance(response, str):
+            if self.kind == "outline" and isinstance(response, bool):
+                return response
+            if self.kind != "outline" and isinstance(response, (int, float)) \
+                    and not isinstance(response, bool):
+                return response
+            raise answers.Unreadable(f"{response!r} is not an answer")
+        if self.kind == "numeric":
+            return answers.read_number(response, self.unit)
+        if self.kind == "choice":
+            return answers.read_letter(response, len(self.options))
+        return answers.read_yes_no(response)
+
+    def grade(self, response) -> bool:
+        """Numeric: within ``rel_tol`` (relative) of the answer, in the asked unit. Choice: the
+        option's letter (or 0-based index). Outline: the learner's own yes/no after reading the
+        outline. An answer :meth:`read` cannot read is not right (the terminal drill asks
+        again instead of grading it)."""
+        try:
+            value = self.read(response)
+        except answers.Unreadable:
+            return False
+        if self.kind == "numeric":
             return math.isclose(value, float(self.answer), rel_tol=self.rel_tol,
                                 abs_tol=1e-12)
         if self.kind == "choice":
-            if isinstance(response, str) and len(response.strip()) == 1 \
-                    and response.strip().isalpha():
-                response = ord(response.strip().lower()) - ord("a")
-            try:
-                return int(response) == self.answer
-            except (TypeError, ValueError):
-                return False
-        return str(response).strip().lower() in ("y", "yes", "1", "true")
+            return value == self.answer
+        return value
 
 
 @dataclass(frozen=True)
@@ -73,11 +98,18 @@ class Numeric:
     make: Callable[[random.Random], tuple[str, float, str]]  # -> (text, answer, explanation)
     rel_tol: float = 0.01
     zh: str | None = None
+    unit: str = ""  # what the answer is in: "MB", "%", "fraction", "rounds" (answers.UNITS)
+
+    def __post_init__(self):
+        try:
+            answers.unit(self.unit)
+        except ValueError as e:
+            raise ValueError(f"numeric drill item {self.item_id!r}: {e}") from None
 
     def draw(self, rng: random.Random) -> Question:
         text, answer, explanation = self.make(rng)
         return Question(self.item_id, self.topic, "numeric", text, self.zh, answer=answer,
-                        rel_tol=self.rel_tol, explanation=explanation)
+                        rel_tol=self.rel_tol, explanation=explanation, unit=self.unit)
 
 
 @dataclass(frozen=True)
