@@ -3,7 +3,8 @@
 Each training run below is done twice on the same ranks and data: once with no meter (Gloo's
 built-in collectives) and once inside ``CommMeter(count="wire")`` (the engine's ring, chain and
 pairwise algorithms, every byte counted). At two ranks every reduction adds two numbers, in
-either order the same bits, so the parameters must be *equal*; at three ranks the ring adds in
+either order the same bits, so the parameters must be *equal* (so too for dp 2 x tp 2 x pp 2,
+where every group has two ranks); at three ranks the ring adds in
 another order than Gloo, so fp32 agreement to 1e-6 is the bar. The counted bytes are then
 checked against ``engine.theory`` formulas in the strategies' own tests.
 """
@@ -19,6 +20,7 @@ from torch import nn
 from engine.comm import CommMeter
 from engine.compress import FP16, PowerSGD, TopK
 from engine.dp import DataParallel
+from engine.hybrid import train_3d
 from engine.models import MLP, GPTConfig, TinyGPT, regression_data, shard, token_data
 from engine.tp import TensorParallelGPT
 from engine.zero import ZeroDataParallel, ZeroOptimizer
@@ -78,16 +80,27 @@ def _train_tp(rank, world_size, _name, count):
     return [p.detach().clone() for p in tp.parameters()], counted
 
 
+def _train_hybrid(rank, world_size, _name, count):
+    """dp 2 x tp 2 x pp 2 with ZeRO-1: every group has two ranks, so results are exact."""
+    cfg = GPTConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32)
+    meter = CommMeter(count=count) if count else contextlib.nullcontext()
+    with meter:
+        state = train_3d(rank, world_size, 2, 2, 2, cfg, steps=2)["state"]
+    counted = count is not None and meter.all_counted and len(meter.events) > 0
+    return [state[name].detach().clone() for name in sorted(state)], counted
+
+
 STRATEGIES = {name: _train_mlp for name in
               ("ddp", "ddp-fp16", "ddp-topk", "ddp-powersgd", "zero1", "zero2", "zero3")}
 STRATEGIES["tp"] = _train_tp
+STRATEGIES["3d"] = _train_hybrid
 
 
 # At 3 ranks only fp32 reductions are held to 1e-6: FP16 compression sums half-precision
 # values, and another order rounds differently by design (two ranks, exact, cover it). The
 # tiny GPT's 4 heads do not split over 3 ranks: TP runs at 2.
-CASES = [(name, n) for name in STRATEGIES for n in (2, 3)
-         if (name, n) not in (("tp", 3), ("ddp-fp16", 3))]
+CASES = [(name, n) for name in STRATEGIES if name != "3d" for n in (2, 3)
+         if (name, n) not in (("tp", 3), ("ddp-fp16", 3))] + [("3d", 8)]
 
 
 @pytest.mark.parametrize("name, world_size", CASES)
@@ -98,7 +111,7 @@ def test_counted_collectives_train_every_strategy_like_the_built_ins(name, world
     for (expected, _), (got, all_counted) in zip(built_in, counted, strict=True):
         assert all_counted  # every event of the run was counted on the wire, none modeled
         for a, b in zip(expected, got, strict=True):
-            if world_size == 2:
+            if world_size == 2 or name == "3d":
                 assert torch.equal(a, b), name
             else:
                 torch.testing.assert_close(b, a, atol=1e-6, rtol=0)
