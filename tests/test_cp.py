@@ -25,7 +25,7 @@ from engine.cp import (ContextParallelGPT, check_sequence_split, check_ulysses_h
                        shard_indices, shard_sequence, ulysses_attention)
 from engine.dp import DataParallel
 from engine.models import GPTConfig, TinyGPT, token_data
-from tests.helpers import run_ranks
+from tests.helpers import BEYOND_CPU, rank_device, run_ranks
 
 # per N: (heads, kv heads, zig-zag length, contiguous and Ulysses length); odd where it can be
 SIZES = {1: (4, 2, 8, 7), 2: (4, 2, 12, 10), 3: (6, 3, 12, 9), 4: (8, 4, 16, 12)}
@@ -94,6 +94,24 @@ def test_bf16_is_as_close_to_exact_as_pytorchs_own_bf16_attention(n):
         for case, rows in found.items():
             for mine, builtin, magnitude in rows:  # out, dq, dk, dv
                 assert mine <= 1.5 * builtin and mine <= 2**-6 * magnitude, (case, rows)
+
+
+def _on_device(rank, n, device):
+    on = rank_device(device)
+    found = {}
+    for attention, layout in CASES:
+        q, k, v, grad = (t.to(on) for t in _inputs(n, SIZES[n][2], torch.float32))
+        got = _parallel(q, k, v, grad, attention, True, layout)
+        want = _dense(q, k, v, grad, True, torch.float32)
+        found[attention, layout] = max((g - w).abs().max().item() for g, w in zip(got, want))
+    return found
+
+
+@pytest.mark.parametrize("device", BEYOND_CPU)
+def test_ring_and_ulysses_on_each_device(device):
+    """Host-staged Gloo ('cpu-staged', what a one-GPU machine runs) and CUDA (marked gpu)."""
+    for found in run_ranks(_on_device, 2, device, device=device):
+        assert max(found.values()) <= ATOL_FP32, found
 
 
 def _bytes(rank, n, layout, attention):
