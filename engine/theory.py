@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import math
 
+from engine.validation import positive_int
+
 
 def _check_n(n: int) -> None:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n (number of ranks) must be an int >= 1, got {n!r}")
+    positive_int("n (number of ranks)", n)
 
 
 def ring_all_reduce_bytes(size_bytes: float, n: int) -> float:
@@ -323,9 +324,8 @@ def bubble_fraction(p: int, m: int, v: int = 1, relative_to: str = "total") -> f
 
     1F1B has the same bubble as GPipe; interleaving divides it by ``v``."""
     _check_n(p)
-    for name, value in (("m", m), ("v", v)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    positive_int("m", m)
+    positive_int("v", v)
     if relative_to == "total":
         return (p - 1) / (v * m + p - 1)
     if relative_to == "ideal":

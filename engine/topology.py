@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from engine.validation import positive_int
+
 
 @dataclass(frozen=True)
 class Coordinates:
@@ -37,8 +39,7 @@ class Mesh:
 
     def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1):
         for name, value in (("dp", dp), ("tp", tp), ("pp", pp)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            positive_int(name, value)
         world = dist.get_world_size()
         if dp * tp * pp != world:
             raise ValueError(f"dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp} does not "

@@ -121,7 +121,7 @@ def test_no_meter_open_records_nothing_and_costs_nothing():
 def test_unknown_wire_model_is_a_clear_error():
     with pytest.raises(ValueError, match="no wire model for op 'all_to_all'"):
         theory.collective_wire_bytes("all_to_all", 100, 4, 0)
-    with pytest.raises(ValueError, match="n \\(number of ranks\\) must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="n \\(number of ranks\\) must be a positive int, got 0"):
         theory.ring_all_reduce_bytes(100, 0)
 
 

@@ -265,7 +265,7 @@ def test_casts_halve_the_bytes_within_their_precision(make, rtol):
     (lambda: TopK(0), "ratio must be a number in \\(0, 1\\]"),
     (lambda: TopK(1.5), "got 1.5"),
     (lambda: RandomK(-0.1), "got -0.1"),
-    (lambda: PowerSGD(0), "rank must be an integer >= 1, got 0"),
+    (lambda: PowerSGD(0), "PowerSGD rank must be a positive int, got 0"),
     (lambda: PowerSGD(1.5), "got 1.5"),
 ])
 def test_bad_settings_are_clear_errors(make, message):

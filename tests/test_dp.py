@@ -376,7 +376,7 @@ def test_local_sgd_averages_every_period_steps():
         assert averaged == [False, False, True, False, False, True, False]
         assert events == 2 * 6  # two averages of 6 tensors
         assert torch.equal(flat, results[0][2])  # replicas equal right after an average
-    with pytest.raises(ValueError, match="period must be an int >= 1"):
+    with pytest.raises(ValueError, match="period \\(local steps between averages\\) must be a positive int"):
         from engine.dp import LocalSGD
 
         LocalSGD(nn.Linear(2, 2), period=0)

@@ -36,7 +36,7 @@ def test_a_mesh_that_does_not_match_the_world_is_a_clear_error():
     with pytest.raises(Exception, match="dp x tp x pp = 2 x 2 x 1 = 4 does not match the "
                                         "world size 2"):
         run_ranks(_layout, 2, 2, 2, 1)
-    with pytest.raises(Exception, match="tp must be an int >= 1, got 0"):
+    with pytest.raises(Exception, match="tp must be a positive int, got 0"):
         run_ranks(_layout, 2, 2, 0, 1)
 
 

@@ -204,7 +204,7 @@ def test_matches_pytorch_dtensor_colwise_and_rowwise_parallel():
      "tensor-parallel degree 4"),
     (GPTConfig(vocab=63, heads=4, hidden=32), 2, "vocab=63 is not divisible by the "
      "tensor-parallel degree 2"),
-    (GPTConfig(), 0, "degree must be an int >= 1, got 0"),
+    (GPTConfig(), 0, "degree must be a positive int, got 0"),
 ])
 def test_sizes_that_do_not_split_are_clear_errors_before_any_rank_starts(cfg, t, message):
     with pytest.raises(ValueError, match=message):

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.validation import fraction
+
 
 class Done:
     """The work of a compressor that finished inside the call (``wait()`` returns at once)."""
@@ -50,7 +52,4 @@ def check_float_bucket(buffer: torch.Tensor, who: str) -> None:
 
 
 def check_ratio(ratio) -> float:
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
-        raise ValueError(f"ratio must be a number in (0, 1], the fraction of coordinates "
-                         f"kept, got {ratio!r}")
-    return float(ratio)
+    return float(fraction("ratio", ratio))  # the fraction of coordinates kept

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from engine.comm import ops
 from engine.compress.base import Done, Then, check_float_bucket
-from engine.validation import non_negative_int
+from engine.validation import non_negative_int, positive_int
 
 
 def should_compress(n: int, m: int, rank: int, min_compression_rate: float = 2) -> bool:
@@ -65,8 +65,7 @@ class PowerSGD:
 
     def __init__(self, rank: int = 1, warm_start: bool = True, error_feedback: bool = True,
                  start_iter: int = 1000, min_compression_rate: float = 2, seed: int = 0):
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"PowerSGD rank must be an integer >= 1, got {rank!r}")
+        positive_int("PowerSGD rank", rank)
         non_negative_int("start_iter", start_iter)
         self.rank, self.warm_start, self.error_feedback = rank, warm_start, error_feedback
         self.start_iter, self.min_compression_rate = start_iter, min_compression_rate

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.comm import ops
+from engine.validation import positive_int
 
 
 def average_parameters(module: nn.Module, group=None) -> None:
@@ -33,9 +34,7 @@ class LocalSGD:
     """Call :meth:`step` after each local optimizer step; it averages every ``period`` steps."""
 
     def __init__(self, module: nn.Module, period: int, group=None):
-        if not isinstance(period, int) or period < 1:
-            raise ValueError(f"period must be an int >= 1 (local steps between averages), "
-                             f"got {period!r}")
+        positive_int("period (local steps between averages)", period)
         self.module, self.period, self.group = module, period, group
         self.steps = 0
 

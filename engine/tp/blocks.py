@@ -29,6 +29,7 @@ from engine.tp.layers import (ColumnParallelLinear, RowParallelLinear,
                               tp_rank_and_size, vocab_parallel_cross_entropy)
 from engine.tp.mappings import (check_sequence_split, copy_to_tp, gather_from_tp,
                                 gathered_linear, scatter_to_sequence_parallel)
+from engine.validation import positive_int
 
 
 class ParallelMLP(nn.Module):
@@ -103,8 +104,7 @@ class ParallelBlock(nn.Module):
 def check_tp_degree(cfg, t: int) -> None:
     """Raise a clear error, naming both values, if ``cfg`` cannot be split ``t`` ways. Pure:
     call it before any rank starts."""
-    if isinstance(t, bool) or not isinstance(t, int) or t < 1:
-        raise ValueError(f"the tensor-parallel degree must be an int >= 1, got {t!r}")
+    positive_int("the tensor-parallel degree", t)
     check_divisible("hidden", cfg.hidden, t)
     check_divisible("heads", cfg.heads, t)
     check_divisible("vocab", cfg.vocab, t)
