@@ -20,7 +20,7 @@ tensor the trainer hands to a collective is created there.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -72,6 +72,7 @@ class Strategy:
     mesh: Mesh
     device: torch.device
     engine: bool = True  # False: PyTorch's own wrappers, whose buckets live in C++
+    groups: dict[str, Any] = field(default_factory=dict)  # more groups whose bytes to report
 
     def state_bytes(self) -> StateBytes | None:
         """What this rank holds (:func:`engine.memory.model_state_bytes`); None for
@@ -161,6 +162,12 @@ def build(cfg, model: GPTConfig, impl: str, mesh: Mesh, device: torch.device,
     """The strategy ``cfg`` (a :class:`engine.train.TrainConfig`) names for a ``model``-sized
     GPT, for ``impl`` "engine" or "torch", on ``mesh``. The model is built on the CPU; the
     3D strategy moves only this rank's stage to ``device``."""
+    from engine.moe.gpt import MOE_MODELS
+
+    if cfg.model in MOE_MODELS:
+        from engine.moe.strategy import moe_strategy
+
+        return moe_strategy(cfg, model, mesh, device, precision)
     gpt = TinyGPT(model, seed=0)
     if impl == "torch":
         return torch_strategy(gpt, cfg, mesh, device, precision)

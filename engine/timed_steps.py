@@ -63,7 +63,7 @@ def run_steps(strategy, inputs: list[torch.Tensor], labels: list[torch.Tensor], 
         if i == 0:
             with CommMeter(count="wire") as meter:
                 run = strategy.step(inputs, labels)
-            traffic = traffic_by_group(meter.events, strategy.mesh)
+            traffic = traffic_by_group(meter.events, strategy.mesh, strategy.groups)
             counted = all(e.measured for e in meter.events)
         else:
             run = strategy.step(inputs, labels)
@@ -91,16 +91,20 @@ def slowest(seconds: list[float], device: torch.device) -> list[float]:
     return times.tolist()
 
 
-def traffic_by_group(events, mesh: Mesh) -> dict[str, int]:
+def traffic_by_group(events, mesh: Mesh, more: dict | None = None) -> dict[str, int]:
     """Bytes sent, by the kind of mesh group each op went through: point-to-point traffic
     is the pipeline's (``pp``); a collective is ``dp``, ``tp`` or ``embedding`` by its group's
     ranks (the pp and embedding groups can hold the same two ranks: collectives there are the
-    tied embedding's), ``other`` if none."""
-    groups = {"tp": mesh.tp_group, "dp": mesh.dp_group, "embedding": mesh.embedding_group}
+    tied embedding's), or one of the strategy's ``more`` groups (kind -> group: expert
+    parallelism's ``ep`` and ``expert-dp``), ``other`` if none."""
+    groups = {**(more or {}), "tp": mesh.tp_group, "dp": mesh.dp_group,
+              "embedding": mesh.embedding_group}  # the mesh's kind wins for the same ranks
     kinds = {ops.group_ranks(g): kind for kind, g in groups.items() if g is not None}
     traffic = dict.fromkeys(GROUP_KINDS, 0)
     for event in events:
         point_to_point = event.op in ("send", "recv", "isend", "irecv")
         kind = "pp" if point_to_point else kinds.get(event.group, "other")
+        if event.op == "all_to_all" and "ep" in groups:  # dispatch and combine, even when
+            kind = "ep"  # the expert-parallel group is every rank
         traffic[kind] = traffic.get(kind, 0) + event.bytes_sent
     return traffic

@@ -5,11 +5,14 @@ measures, each number beside the formula it checks (:mod:`engine.train_report`).
     torchrun --nproc-per-node 8 -m engine train --dp 2 --tp 4 --pp 1        # one GPU node
     python -m engine train --world-size 2 --dp 2 --impl both               # vs torch DDP
     python -m engine train --world-size 2 --dp 2 --zero 0 --compress fp16 --impl both
+    python -m engine train --ep 2 --dp 2 --model tiny-moe                  # experts on 4 ranks
 
 Every rank builds one :class:`engine.strategy.Strategy` from the configuration: the 3D
 composition of :mod:`engine.hybrid` (a tensor-parallel pipeline stage, ZeRO-0/1/2 over dp),
 ZeRO-3, :class:`engine.dp.DataParallel` with a chapter-03 gradient compressor (``--compress``),
-or, with ``--impl torch``, PyTorch's own DDP / ZeroRedundancyOptimizer / FSDP for the same
+the tiny MoE GPT under expert x data parallelism (``--model tiny-moe --ep E --dp D``,
+:mod:`engine.moe.strategy`), or, with ``--impl torch``, PyTorch's own DDP /
+ZeroRedundancyOptimizer / FSDP for the same
 data-parallel configuration (``--impl both`` runs the two one after the other in the same
 launch). Each runs through the one loop of :mod:`engine.timed_steps`. Only global rank 0
 prints the report and writes the trace, under torchrun too.
@@ -24,7 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -36,6 +39,7 @@ MODELS = {
     "tiny": GPTConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32),
     "small": GPTConfig(vocab=256, seq_len=64, layers=4, heads=4, hidden=128),
     "medium": GPTConfig(vocab=512, seq_len=128, layers=8, heads=8, hidden=256),
+    "tiny-moe": GPTConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32),  # MoE MLPs
 }
 IMPLS = {"engine": ("engine",), "torch": ("torch",), "both": ("engine", "torch")}
 
@@ -43,6 +47,7 @@ IMPLS = {"engine": ("engine",), "torch": ("torch",), "both": ("engine", "torch")
 @dataclass(frozen=True)
 class TrainConfig:
     dp: int = 1
+    ep: int = 1
     tp: int = 1
     pp: int = 1
     zero: int = 1
@@ -60,12 +65,12 @@ class TrainConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.ep * self.tp * self.pp
 
 
 def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     """Every clear error we can give before a rank starts."""
-    for name in ("dp", "tp", "pp", "microbatches", "micro_batch", "steps"):
+    for name in ("dp", "ep", "tp", "pp", "microbatches", "micro_batch", "steps"):
         positive_int(f"--{name.replace('_', '-')}", getattr(cfg, name))
     positive_number("--lr", cfg.lr)
     if cfg.peak_tflops is not None:
@@ -75,8 +80,12 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
                           ("precision", ("auto", "fp32", "bf16"))):
         one_of(f"--{name}", getattr(cfg, name), choices)
     if world_size is not None and cfg.world_size != world_size:
-        raise ValueError(f"dp x tp x pp = {cfg.dp} x {cfg.tp} x {cfg.pp} = {cfg.world_size} "
-                         f"does not match the world size {world_size}")
+        ep = (" x ep", f" x {cfg.ep}") if cfg.ep > 1 else ("", "")
+        raise ValueError(f"dp{ep[0]} x tp x pp = {cfg.dp}{ep[1]} x {cfg.tp} x {cfg.pp} = "
+                         f"{cfg.world_size} does not match the world size {world_size}")
+    from engine.moe.strategy import check_moe_config
+
+    check_moe_config(cfg)
     if cfg.zero == 3 and (cfg.tp > 1 or cfg.pp > 1):
         raise ValueError("--zero 3 runs here with data parallelism only (--tp 1 --pp 1); "
                          "with tp or pp use --zero 1 or 2")
@@ -135,7 +144,7 @@ def train_on_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
 
     device = rank_device()
     precision = resolve_precision(cfg.precision, device)
-    mesh = Mesh(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp)
+    mesh = Mesh(dp=cfg.dp * cfg.ep, tp=cfg.tp, pp=cfg.pp)  # every ep rank reads its own data
     inputs, labels = global_batch(MODELS[cfg.model], mesh, cfg.microbatches, cfg.micro_batch,
                                   device)
     out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
@@ -144,6 +153,10 @@ def train_on_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         strategy = build(cfg, MODELS[cfg.model], impl, mesh, device, precision)
         formulas = traffic_formulas(strategy, cfg, MODELS[cfg.model]) if impl == "engine" \
             else {}
+        if hasattr(strategy, "moe_stats"):  # expert parallelism: its own gradient rule
+            from engine.moe.strategy import moe_traffic_formulas
+
+            formulas = moe_traffic_formulas(strategy, cfg)
         run = run_steps(strategy, inputs, labels, cfg.steps)
         out[impl] = {
             "name": strategy.name, "coords": mesh.coords, "device_type": device.type,
@@ -152,7 +165,8 @@ def train_on_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             "psi": strategy.psi, "memory_formula": memory_formula(strategy, cfg),
             "state": strategy.state_bytes(),
             "activations": run.last.peak_activation_bytes, "events": run.last.events,
-            "cuda_allocated": run.cuda_allocated, "cuda_peak": run.cuda_peak}
+            "cuda_allocated": run.cuda_allocated, "cuda_peak": run.cuda_peak,
+            "moe": strategy.moe_stats() if hasattr(strategy, "moe_stats") else None}
     return out
 
 
@@ -169,15 +183,17 @@ def parser() -> argparse.ArgumentParser:
                 allow_abbrev=False)
     d = TrainConfig()
     p.add_argument("--world-size", type=int, default=None,
-                   help="ranks to launch here (default: dp x tp x pp; under torchrun its "
-                        "WORLD_SIZE)")
-    for name, what in (("dp", "data-parallel"), ("tp", "tensor-parallel"),
-                       ("pp", "pipeline-parallel")):
+                   help="ranks to launch here (default: dp x ep x tp x pp; under torchrun "
+                        "its WORLD_SIZE)")
+    for name, what in (("dp", "data-parallel"), ("ep", "expert-parallel (--model tiny-moe: "
+                       "experts spread over ep ranks, each rank its own data)"),
+                       ("tp", "tensor-parallel"), ("pp", "pipeline-parallel")):
         p.add_argument(f"--{name}", type=int, default=getattr(d, name),
                        help=f"{what} degree (default: %(default)s)")
     p.add_argument("--zero", type=int, default=d.zero, choices=(0, 1, 2, 3),
                    help="ZeRO stage over the data-parallel group: 0 none, 1 optimizer state, "
-                        "2 + gradients, 3 + parameters (dp only) (default: %(default)s)")
+                        "2 + gradients, 3 + parameters (dp only); --model tiny-moe shards "
+                        "nothing and takes 0 (default: %(default)s)")
     p.add_argument("--schedule", default=d.schedule, choices=("1f1b", "gpipe"),
                    help="pipeline schedule, used when --pp > 1 (default: %(default)s)")
     p.add_argument("--microbatches", type=int, default=d.microbatches,
@@ -222,6 +238,10 @@ def parse(argv) -> tuple[TrainConfig, argparse.Namespace, set[str]]:
         action.default = argparse.SUPPRESS
     p.parse_args(argv, given)
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+    from engine.moe.gpt import MOE_MODELS
+
+    if cfg.model in MOE_MODELS and "zero" not in vars(given):
+        cfg = replace(cfg, zero=0)  # the MoE strategy shards nothing (engine.moe.strategy)
     return cfg, args, set(vars(given))
 
 
@@ -243,7 +263,8 @@ def resolved(cfg: TrainConfig, args: argparse.Namespace, given: set[str], world:
               **{f.name: getattr(cfg, f.name) for f in fields(TrainConfig)}}
     shown = {}
     for name, value in values.items():
-        if (name == "schedule" and cfg.pp == 1) or (value is None and name not in given):
+        if (name == "schedule" and cfg.pp == 1) or (value is None and name not in given) or \
+                (name == "ep" and cfg.ep == 1 and name not in given):
             continue
         text = f"auto -> {decided[name]}" if value == "auto" and name in decided else str(value)
         shown[name.replace("_", "-")] = text + ("" if name in given else " (default)")

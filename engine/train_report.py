@@ -182,19 +182,23 @@ def report(cfg, results: list[dict], chosen: dict[str, str]) -> dict:
     ``chosen``: the resolved configuration, option -> value text, with "(default)" where the
     learner did not choose it."""
     from engine.models import TinyGPT
+    from engine.moe.gpt import MOE_MODELS, TinyMoEGPT
     from engine.train import MODELS
 
     model_cfg = MODELS[cfg.model]
     first = results[0]
-    sequences = cfg.dp * cfg.microbatches * cfg.micro_batch
+    sequences = cfg.dp * cfg.ep * cfg.microbatches * cfg.micro_batch  # every ep rank: own data
     tokens = sequences * model_cfg.seq_len
-    params = sum(p.numel() for p in TinyGPT(model_cfg).parameters())
+    gpt = TinyMoEGPT(model_cfg, **MOE_MODELS[cfg.model]) if cfg.model in MOE_MODELS else \
+        TinyGPT(model_cfg)
+    params = sum(p.numel() for p in gpt.parameters())
+    ep = f"ep {cfg.ep} x " if cfg.ep > 1 else ""
     print(f"\n{cfg.model} GPT, {params:,} parameters, on {len(results)} rank(s): dp {cfg.dp} x "
-          f"tp {cfg.tp} x pp {cfg.pp}; {first['device']}, {first['precision']}")
+          f"{ep}tp {cfg.tp} x pp {cfg.pp}; {first['device']}, {first['precision']}")
     print("configuration: " + "  ".join(f"--{k} {v}" for k, v in chosen.items()))
     print(f"batch: sequence length {model_cfg.seq_len} tokens; micro-batch {cfg.micro_batch} "
           f"sequences; {cfg.microbatches} micro-batches per step; global batch dp {cfg.dp} x "
-          f"{cfg.microbatches} x {cfg.micro_batch} = {sequences} sequences = {tokens:,} tokens "
+          f"{ep}{cfg.microbatches} x {cfg.micro_batch} = {sequences} sequences = {tokens:,} tokens "
           "per step")
     summary = {"tokens_per_step": tokens}
     for impl in ("engine", "torch"):
@@ -218,6 +222,11 @@ def _implementation(impl, cfg, model_cfg, results, tokens, sequences) -> dict:
     peak = peak_flops(results[0]["device"], results[0]["precision"], cfg.peak_tflops)
     flops = theory.transformer_flops(sequences, model_cfg.seq_len, model_cfg.layers,
                                      model_cfg.hidden, model_cfg.vocab, recompute=False)
+    if runs[0].get("moe"):  # k experts of 4h per token, not one MLP: 3 passes of 4 h f each
+        from engine.moe.gpt import MOE_MODELS
+
+        h, extra = model_cfg.hidden, MOE_MODELS[cfg.model]["top_k"] - 1
+        flops += 12 * extra * h * 4 * h * sequences * model_cfg.seq_len * model_cfg.layers
     mfu = flops / (median * len(results) * peak) if peak else None
     losses = _losses(runs, cfg)
     print(f"\n[{impl}] {runs[0]['name']}")
@@ -236,6 +245,10 @@ def _implementation(impl, cfg, model_cfg, results, tokens, sequences) -> dict:
         _compute_shares(runs)
         _traffic_table(runs, results[0]["precision"])
         _memory_table(runs, cfg)
+        if runs[0].get("moe"):
+            from engine.moe.strategy import print_moe_load
+
+            print_moe_load(runs, cfg, model_cfg)
         if cfg.pp > 1:
             _pipeline_line(runs, cfg)
         _compute_share_note(runs)
@@ -258,7 +271,7 @@ def _coords(c) -> str:
 
 
 def _traffic_table(runs, precision: str) -> None:
-    kinds = [k for k in ("dp", "tp", "pp", "embedding")
+    kinds = [k for k in ("dp", "tp", "pp", "embedding", "ep", "expert-dp")
              if any(r["traffic"].get(k) or k in r["formulas"] for r in runs)]
     if not kinds:
         return

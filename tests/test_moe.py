@@ -548,3 +548,43 @@ def test_the_planner_ranks_expert_parallel_layouts_for_an_moe_model():
     assert across["compute"] == inside["compute"]
     assert across["ep"] > 10 * inside["ep"]  # 300 GB/s NVLink against 25 GB/s InfiniBand
     assert all(p.ep == 1 and p.time["ep"] == 0 for p in plan(MODELS["LLaMA 7B"], Cluster(8), 64))
+
+
+# -- python -m engine train --ep 2 --dp 2 --model tiny-moe -------------------------------------
+
+def test_engine_train_runs_expert_by_data_parallelism_and_reports_load_and_drops(capsys):
+    import re
+
+    from engine.__main__ import main as engine_main
+    assert engine_main(["train", "--ep", "2", "--dp", "2", "--model", "tiny-moe",
+                        "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "on 4 rank(s): dp 2 x ep 2 x tp 1 x pp 1" in out and "--zero 0 (default)" in out
+    assert "global batch dp 2 x ep 2 x 2 x 4 = 32 sequences = 512 tokens per step" in out
+    assert re.search(r"[\d,]+ tokens/s", out)
+    loads = re.findall(r"rank (\d) \(ep slot (\d), replica (\d)\): load min [\d,]+ / mean "
+                       r"[\d,]+ / max [\d,]+; drop rate [\d.]+%", out)
+    assert loads == [("0", "0", "0"), ("1", "1", "0"), ("2", "0", "1"), ("3", "1", "1")]
+    assert "per-rank load, last step: min" in out
+    # the gradient rule's two all-reduces, counted, equal their formulas; the all-to-alls too
+    traffic = re.findall(r"rank \d \(dp\d tp0 pp0, Ψ = [\d,]+\): dp ([\d,]+) B = ([\d,]+) B; "
+                         r"ep ([\d,]+) B; expert-dp ([\d,]+) B = ([\d,]+) B", out)
+    assert len(traffic) == 4
+    for dp, dp_formula, ep, experts, experts_formula in traffic:
+        assert dp == dp_formula and experts == experts_formula and int(ep.replace(",", "")) > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ep", "2", "--dp", "2"], "--ep 2 spreads experts, and --model tiny has none"),
+    (["--ep", "3", "--model", "tiny-moe"], "ep = 3 must divide num_experts = 4"),
+    (["--ep", "2", "--tp", "2", "--model", "tiny-moe"], "--tp must be 1, got 2"),
+    (["--ep", "2", "--model", "tiny-moe", "--zero", "1"], "--zero must be 0, got 1"),
+    (["--ep", "0", "--model", "tiny-moe"], "--ep must be a positive int, got 0"),
+    (["--world-size", "2", "--ep", "2", "--dp", "2", "--model", "tiny-moe"],
+     "dp x ep x tp x pp = 2 x 2 x 1 x 1 = 4 does not match the world size 2"),
+])
+def test_engine_train_refuses_bad_expert_parallel_layouts_before_any_rank(args, message,
+                                                                          capsys):
+    from engine.__main__ import main as engine_main
+    assert engine_main(["train", *args]) == 2
+    assert message in capsys.readouterr().err

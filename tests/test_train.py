@@ -146,7 +146,8 @@ def test_compression_side_by_side_with_pytorchs_fp16_hook(capsys):
     (["--world-size", "3", "--tp", "3"], "hidden=32 is not divisible by the tensor-parallel "
                                           "degree 3"),
     (["--world-size", "1", "--model", "huge"], "argument --model: invalid choice: 'huge' "
-                                               "(choose from 'tiny', 'small', 'medium')"),
+                                               "(choose from 'tiny', 'small', 'medium', "
+                                               "'tiny-moe')"),
     (["--world-size", "2", "--dp", "2", "--compress", "fp16"], "--compress fp16 runs on data "
                                                                "parallelism without ZeRO"),
     (["--world-size", "2", "--dp", "2", "--zero", "0", "--compress", "zip"],
@@ -184,7 +185,7 @@ def test_help_gives_every_flag_its_text_choices_and_default(capsys):
     assert exit_.value.code == 0
     entries = _help_entries(capsys.readouterr().out)
     options = [a for a in parser()._actions if "--help" not in a.option_strings]
-    assert len(options) == len(entries) == 17
+    assert len(options) == len(entries) == 18
     for action in options:
         flag = action.option_strings[0]
         entry = entries[flag]
@@ -194,7 +195,7 @@ def test_help_gives_every_flag_its_text_choices_and_default(capsys):
         for choice in action.choices or ():
             assert str(choice) in entry, (flag, choice)
     assert entries["--zero"].startswith("  --zero {0,1,2,3} ")
-    assert entries["--model"].startswith("  --model {tiny,small,medium} ")
+    assert entries["--model"].startswith("  --model {tiny,small,medium,tiny-moe} ")
     assert entries["--impl"].startswith("  --impl {engine,torch,both} ")
     assert entries["--schedule"].startswith("  --schedule {1f1b,gpipe} ")
     assert entries["--precision"].startswith("  --precision {auto,fp32,bf16} ")

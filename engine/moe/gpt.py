@@ -18,6 +18,7 @@ from engine.models import Block, GPTConfig, TinyGPT, _gpt2_init, seeded
 from engine.moe.layer import MoE
 
 TINY_MOE = dict(num_experts=4, top_k=2, capacity_factor=1.25)
+MOE_MODELS = {"tiny-moe": TINY_MOE}  # python -m engine train --model NAME: the MoE settings
 
 
 class MoEBlock(nn.Module):
