@@ -97,7 +97,9 @@ def test_the_terminal_drill_runs_from_a_script_and_keeps_scores(tmp_path, capsys
             str(scores)]
     assert engine_main(args) == 0
     assert "score: 6/6" in capsys.readouterr().out
-    script.write_text("\n".join(["0"] * 6), encoding="utf-8")  # a second, worse sitting
+    wrong = ["0" if q.kind == "numeric" else "n" if q.kind == "outline"
+             else chr(ord("a") + (q.answer + 1) % len(q.options)) for q in questions]
+    script.write_text("\n".join(wrong), encoding="utf-8")  # a second, worse sitting
     engine_main(args)
     out = capsys.readouterr().out
     saved = json.loads(scores.read_text())

@@ -108,12 +108,12 @@ def evaluate(expression: str) -> float:
     if len(expression) > MAX_LENGTH:
         raise Unreadable(f"longer than {MAX_LENGTH} characters")
     try:
-        tree = ast.parse(expression, mode="eval")
+        tree = ast.parse(expression.strip(), mode="eval")
     except (SyntaxError, ValueError):
-        raise Unreadable(f"{expression!r} is not a number or arithmetic") from None
+        raise Unreadable("not a number or arithmetic") from None
     value = _value(tree.body)
     if not math.isfinite(value):
-        raise Unreadable(f"{expression!r} is not a finite number")
+        raise Unreadable("not a finite number")
     return value
 
 
@@ -152,8 +152,6 @@ def split_unit(text: str) -> tuple[float, str]:
     if not match:
         raise Unreadable("no number in it")
     expr, unit_text = match["expr"], match["unit"].strip()
-    if re.search(r"\d[eE]$", expr) and unit_text[:1] in ("+", "-"):
-        raise Unreadable("an exponent needs its digits")
     if re.search(r"[*/+\-]$", unit_text) or unit_text[:1] in ("*", "/", "+"):
         raise Unreadable("arithmetic after the unit is not read")
     return evaluate(expr), unit_text
@@ -214,3 +212,14 @@ def read_yes_no(text: str) -> bool:
     if word in _YES or word in _NO:
         return word in _YES
     raise Unreadable("not y or n")
+
+
+def show(value: float, asked: Unit | str) -> str:
+    """``value`` with its unit, as the drill prints it: ``175 MB``, ``82.7%``, ``1.5x``."""
+    asked = asked if isinstance(asked, Unit) else unit(asked)
+    number = f"{value:.4g}"
+    if asked.name in ("%", "x"):
+        return number + asked.name
+    if asked.name == "fraction":
+        return number
+    return f"{number} {asked.name}"

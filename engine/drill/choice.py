@@ -133,14 +133,15 @@ CHOICE = [
            (C02, 'Misconception (a): "data parallelism just averages the parameters"'),
            zh="什么是数据并行"),
     Choice("linear-speedup", "data parallel",
-           "'Data parallelism scales linearly with the number of GPUs.' Does it?",
+           "'Data parallelism scales linearly with the number of GPUs.' Does it, as N grows?",
            ("No: communication and latency make efficiency fall as N grows",
             "Yes, with ring all-reduce", "Yes, with overlap"), 0,
            "Chapter 02 measures the efficiency at N = 2 and 4 on your machine; alpha-beta + "
            "Amdahl predicts the rest.",
            (C02, 'Misconception (b): "the speed-up is linear"')),
     Choice("async-always-faster", "data parallel",
-           "'Asynchronous updates avoid waiting, so they are always better.' Are they?",
+           "'Asynchronous updates avoid waiting, so they are always better.' Are they always "
+           "better?",
            ("No: stale gradients hurt per update; bounded staleness trades waiting for "
             "freshness", "Yes, always", "Yes, except for Adam"), 0,
            "Measured loss against staleness, and a straggler with SSP.",

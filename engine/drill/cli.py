@@ -1,27 +1,37 @@
 """``python -m engine drill``: the interview drill in a terminal.
 
 Interactive by default. ``--answers FILE`` (one answer per line, ``-`` for stdin) runs it
-without a person: for scripted practice, and for the tests. Numeric answers are numbers;
-multiple choice takes the letter; 30-second prompts take y or n after you compare your answer
-with the outline.
+without a person: for scripted practice, and for the tests. Answers are read the way people
+type them (:mod:`engine.drill.answers`): numbers with units or arithmetic (``175 MB``,
+``2*7/8*100``), letters (``a``, ``B)``, ``(c)``), y or n for the 30-second prompts after you
+compare your answer with the outline. An answer the drill cannot read is asked again, never
+graded. When the input ends (Ctrl-D, or the end of the file) the sitting stops: only the
+answered items are scored and saved.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
+from engine.drill.answers import Unreadable, show
 from engine.drill.bank import Scores, by_topic, draw
 from engine.drill.items import TOPICS, Question
+from engine.validation import positive_int
 
 
-def render(q: Question, index: int, total: int) -> str:
-    return f"\n[{index}/{total}] " + q.as_text(indent="    ")
+def render(q: Question, index: int, total: int, original: bool = True) -> str:
+    return f"\n[{index}/{total}] " + q.as_text(indent="    ", original=original)
 
 
-def feedback(q: Question, correct: bool) -> str:
+def feedback(q: Question, correct: bool, value) -> str:
+    """Right or not, the answer, and why."""
     if q.kind == "numeric":
-        head = f"{'right' if correct else 'not quite'}: {q.answer:.4g}"
+        head = f"{'right' if correct else 'not quite'}: {show(q.answer, q.unit)}"
+        if not correct:
+            head += f" (you: {show(value, q.unit)})"
     elif q.kind == "choice":
         head = f"{'right' if correct else 'not quite'}: {chr(ord('a') + q.answer)}) " \
                f"{q.options[q.answer]}"
@@ -38,14 +48,91 @@ def prompt_for(q: Question) -> str:
             "(y/n)> "}[q.kind]
 
 
+Ask = Callable[[str], "str | None"]  # shows a prompt, returns the answer, None at end of input
+
+
+def ask_terminal(prompt: str) -> str | None:
+    try:
+        return input(prompt)
+    except (EOFError, KeyboardInterrupt):
+        print()
+        return None
+
+
+def ask_from(lines: Iterator[str]) -> Ask:
+    """Answers from ``lines`` (a file or a pipe), read one at a time after each prompt and
+    echoed, so the transcript reads like a sitting."""
+    def ask(prompt: str) -> str | None:
+        print(prompt, end="", flush=True)
+        line = next(lines, None)
+        if line is None:
+            print("(end of input)", flush=True)
+            return None
+        line = line.rstrip("\r\n")
+        print(line, flush=True)
+        return line
+    return ask
+
+
+@dataclass
+class Sitting:
+    right: int = 0
+    answered: int = 0
+    drawn: int = 0
+
+    @property
+    def skipped(self) -> int:
+        return self.drawn - self.answered
+
+    def summary(self) -> str:
+        text = f"score: {self.right}/{self.answered}"
+        if self.skipped:
+            text += f" ({self.skipped} of {self.drawn} skipped: the input ended; not scored)"
+        return text
+
+
+def sit(questions: list[Question], ask: Ask, scores: Scores, original: bool = True) -> Sitting:
+    """Ask each question until it is answered in a form the drill reads; stop at the end of
+    input. Records only the answered ones in ``scores``."""
+    sitting = Sitting(drawn=len(questions))
+    for i, q in enumerate(questions, 1):
+        print(render(q, i, len(questions), original), flush=True)
+        while (response := ask(prompt_for(q))) is not None:
+            try:
+                value = q.read(response)
+                break
+            except Unreadable as e:
+                print(f"  could not read {response!r}: {q.how_to_answer()} ({e}).", flush=True)
+        if response is None:
+            break
+        correct = q.grade(value)
+        sitting.right += correct
+        sitting.answered += 1
+        scores.record(q, correct)
+        print(feedback(q, correct, value), flush=True)
+    return sitting
+
+
+def _count(text: str) -> int:
+    try:
+        return positive_int("--count", int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--count must be a positive int, got {text!r}") \
+            from None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine drill",
                                      description="The distributed-training interview drill.")
-    parser.add_argument("--topic", choices=TOPICS)
-    parser.add_argument("--count", type=int, default=10)
-    parser.add_argument("--seed", type=int)
+    parser.add_argument("--topic", choices=TOPICS, help="draw from one topic (default: all)")
+    parser.add_argument("--count", type=_count, default=10,
+                        help="questions per sitting (default: 10)")
+    parser.add_argument("--seed", type=int, help="draw the same questions again")
     parser.add_argument("--answers", help="a file of answers, one per line ('-': stdin)")
-    parser.add_argument("--scores", help="where to keep the scores (default: ~/.cache/...)")
+    parser.add_argument("--scores", help="where to keep the scores (default: $DRILL_SCORES or "
+                                         "~/.cache/distributed-course/drill.json)")
+    parser.add_argument("--no-original", dest="original", action="store_false",
+                        help="leave out the question as asked in the source interview")
     parser.add_argument("--list", action="store_true", help="print the bank's size per topic")
     args = parser.parse_args(argv)
     if args.list:
@@ -53,23 +140,19 @@ def main(argv=None) -> int:
             print(f"{topic:<18}{n:>4} items")
         return 0
     questions = draw(args.count, args.topic, args.seed)
-    scripted = None
-    if args.answers:
-        source = sys.stdin if args.answers == "-" else open(args.answers, encoding="utf-8")
-        scripted = [line.strip() for line in source]
-    scores, right = Scores(args.scores), 0
-    for i, q in enumerate(questions, 1):
-        print(render(q, i, len(questions)))
-        if scripted is not None:
-            response = scripted[i - 1] if i - 1 < len(scripted) else ""
-            print(prompt_for(q) + response)
-        else:
-            response = input(prompt_for(q))
-        correct = q.grade(response)
-        right += correct
-        scores.record(q, correct)
-        print(feedback(q, correct))
+    scores = Scores(args.scores)
+    if args.answers is None:
+        sitting = sit(questions, ask_terminal, scores, args.original)
+    elif args.answers == "-":
+        sitting = sit(questions, ask_from(iter(sys.stdin)), scores, args.original)
+    else:
+        with open(args.answers, encoding="utf-8") as source:
+            sitting = sit(questions, ask_from(iter(source)), scores, args.original)
+    print(f"\n{sitting.summary()}")
+    if not sitting.answered:
+        print("nothing answered: no score saved")
+        return 0
     scores.save()
-    print(f"\nscore: {right}/{len(questions)}\n\nall sittings so far ({scores.path}):")
+    print(f"\nall sittings so far ({scores.path}):")
     print(scores.table())
     return 0

@@ -1,0 +1,283 @@
+"""The drill reads answers the way people type them, and never grades what it could not read.
+
+Every input form (numbers with units, arithmetic, letters, y/n); unreadable input asked again
+and not scored; the end of input stops the sitting without scoring the rest; questions printed
+before their answer is read from a pipe; the original-language line labelled and optional; and
+every item of the bank states a question whose answer, written as a learner would, reads back
+as right.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import select
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.__main__ import main as engine_main
+from engine.drill import BANK, draw
+from engine.drill.answers import (UNITS, Unreadable, evaluate, read_letter, read_number,
+                                  read_yes_no, show, unit)
+from engine.drill.items import Numeric
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- every input form ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, asked, value", [
+    ("6 rounds", "rounds", 6), ("6", "rounds", 6), ("6 steps", "rounds", 6),
+    ("175 MB", "MB", 175), ("175 megabytes", "MB", 175), ("175MB", "MB", 175),
+    ("0.175 GB", "MB", 175), ("175 MiB", "MB", 175 * 2**20 / 1e6),
+    ("2.9%", "%", 2.9), ("2.9 %", "%", 2.9), ("2.9", "%", 2.9), ("2.9 percent", "%", 2.9),
+    ("25%", "fraction", 0.25), ("0.25", "fraction", 0.25), ("1/4", "fraction", 0.25),
+    ("1.5x", "x", 1.5), ("1.5", "x", 1.5), ("150%", "x", 1.5), ("1.5 psi", "x", 1.5),
+    ("1.8B", "billion", 1.8), ("1.8 billion parameters", "billion", 1.8),
+    ("1800 million", "billion", 1.8), ("1.8", "billion", 1.8),
+    ("816 hours", "days", 34), ("34 days", "days", 34), ("0.5 s", "ms", 500),
+    ("3.5e18 FLOPs", "EFLOP", 3.5), ("3.5 EFLOPs", "EFLOP", 3.5), ("10 GB/s", "GB/s", 10),
+    ("4,608", "MB", 4608), ("-2.5", "x", -2.5),
+])
+def test_numbers_with_units(text, asked, value):
+    assert read_number(text, asked) == pytest.approx(value, rel=1e-12)
+
+
+@pytest.mark.parametrize("text, value", [
+    ("4.5*1024", 4608), ("2*7/8*100", 175), ("(8-1)/8", 0.875), ("2^20", 2**20),
+    ("2**20", 2**20), ("3 x 4", 12), ("3×4", 12), ("1e3/8", 125), (" 2 * ( 3 + 4 ) ", 14),
+    ("-(1-3)", 2),
+])
+def test_arithmetic(text, value):
+    assert read_number(text, "rounds") == value
+
+
+def test_arithmetic_is_evaluated_from_the_syntax_tree_only():
+    assert evaluate(" (8-1)/8 ") == 0.875 and evaluate("2**10") == 1024
+    for code in ("x", "True", "'7'", "[1][0]", "(1).real", "7 if 1 else 2", "1 < 2"):
+        with pytest.raises(Unreadable):
+            evaluate(code)
+
+
+def test_arithmetic_with_a_unit():
+    assert read_number("4.5*1024 MB", "GB") == pytest.approx(4.608)
+    assert read_number("2*7/8*100 %", "fraction") == pytest.approx(1.75)
+
+
+@pytest.mark.parametrize("text", ["a", "A", "a)", "(a)", "A.", "a:", " ( A ) "])
+def test_letters(text):
+    assert read_letter(text, 3) == 0
+    assert read_letter(text.replace("a", "c").replace("A", "C"), 3) == 2
+
+
+@pytest.mark.parametrize("text, value", [("y", True), ("Yes", True), ("n", False),
+                                         ("no", False), ("N.", False)])
+def test_yes_no(text, value):
+    assert read_yes_no(text) is value
+
+
+@pytest.mark.parametrize("text, asked, why", [
+    ("a guess", "MB", "no number"), ("", "MB", "no number"), ("A)", "MB", "not a number"),
+    ("__import__('os').system('true')", "x", "only numbers"), ("len(2)", "x", "only numbers"),
+    ("1/0", "x", "division by zero"), ("9**9**9", "x", "exponent"), ("10**400", "x", "large"),
+    ("6 GB", "rounds", "'GB' measures data size; this answer is in rounds"),
+    ("175 ms", "MB", "'ms' measures time"), ("175 foo", "MB", "'foo' is not a unit of data size"),
+    ("5 %", "rounds", "'%' measures a fraction"), ("4 * MB", "MB", "arithmetic after the unit"),
+    ("2 3", "x", "not a number"), ("1" * 200, "x", "longer than"),
+])
+def test_unreadable_numbers_say_why(text, asked, why):
+    with pytest.raises(Unreadable, match=re.escape(why)):
+        read_number(text, asked)
+
+
+@pytest.mark.parametrize("text", ["d", "ab", "1", "", "a b", "option a"])
+def test_unreadable_letters(text):
+    with pytest.raises(Unreadable):
+        read_letter(text, 3)
+
+
+@pytest.mark.parametrize("text", ["maybe", "", "yn"])
+def test_unreadable_yes_no(text):
+    with pytest.raises(Unreadable):
+        read_yes_no(text)
+
+
+def test_a_unit_that_names_a_measure_must_be_a_known_one():
+    assert unit("MB") is UNITS["MB"] and unit("rounds").dimension == "count"
+    for bad in ("", "MiB", "seconds", None):
+        with pytest.raises(ValueError, match="unit"):
+            unit(bad)
+    with pytest.raises(ValueError, match="'no-unit'.*non-empty"):
+        Numeric("no-unit", "zero", lambda rng: ("?", 1.0, ""))
+
+
+# -- the sitting ---------------------------------------------------------------------------------
+
+def _first(kind: str, topic: str | None = None, zh: bool = False):
+    """A seed whose first drawn question has ``kind`` (and a source-interview line)."""
+    for seed in range(1000):
+        q = draw(1, topic, seed)[0]
+        if q.kind == kind and (q.zh if zh else True):
+            return seed, q
+    raise AssertionError(f"no {kind} item drawn first")
+
+
+def _run(tmp_path, capsys, seed, lines, count=1, extra=()):
+    script = tmp_path / "answers.txt"
+    script.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    scores = tmp_path / "scores.json"
+    args = ["drill", "--count", str(count), "--seed", str(seed), "--answers", str(script),
+            "--scores", str(scores), *extra]
+    assert engine_main(args) == 0
+    out = capsys.readouterr().out
+    saved = json.loads(scores.read_text()) if scores.exists() else {}
+    return out, sum(e["total"] for e in saved.values()), sum(e["right"] for e in saved.values())
+
+
+def test_unreadable_numeric_answer_is_asked_again_and_not_scored(tmp_path, capsys):
+    seed, q = _first("numeric")
+    out, total, right = _run(tmp_path, capsys, seed, ["A)", f"{q.answer:.6g} {q.unit}"])
+    assert f"could not read 'A)': answer with a number (units allowed), " \
+           f"{unit(q.unit).asked}" in out
+    assert out.count("answer> ") == 2 and "score: 1/1" in out
+    assert (total, right) == (1, 1)
+
+
+@pytest.mark.parametrize("form", ["{}", "{})", "({})", "{}."])
+def test_unreadable_letter_is_asked_again_then_every_form_is_read(tmp_path, capsys, form):
+    seed, q = _first("choice")
+    letter = chr(ord("A") + q.answer)
+    out, total, right = _run(tmp_path, capsys, seed, ["1", "z", form.format(letter)])
+    assert "could not read '1': answer with a letter, a to" in out
+    assert "could not read 'z'" in out and "there are options a to" in out
+    assert out.count("letter> ") == 3 and "score: 1/1" in out
+    assert (total, right) == (1, 1)
+
+
+def test_the_original_issue_inputs_are_right(tmp_path, capsys):
+    """'6 rounds', 'A)' and '4.5*1024' were marked wrong; each now reads as what it says."""
+    q = next(q for q in draw(200, seed=0) if q.item_id == "ring-rounds")
+    assert q.grade(f"{q.answer:g} rounds") and not q.grade(f"{q.answer + 1:g} rounds")
+    choice = next(q for q in draw(200, seed=0) if q.kind == "choice")
+    assert choice.grade(chr(ord("A") + choice.answer) + ")")
+    assert choice.grade("(" + chr(ord("a") + choice.answer) + ")")
+    numeric = next(q for q in draw(200, seed=0) if q.unit == "MB")
+    assert numeric.grade(f"{numeric.answer / 1024}*1024")
+
+
+def test_end_of_input_stops_the_sitting_and_only_answered_items_count(tmp_path, capsys):
+    questions = draw(5, seed=3)
+    first = questions[0]
+    answer = {"numeric": f"{first.answer:.6g}", "outline": "y"}.get(
+        first.kind, chr(ord("a") + (first.answer or 0)))
+    out, total, right = _run(tmp_path, capsys, 3, [answer], count=5)
+    assert "score: 1/1 (4 of 5 skipped: the input ended; not scored)" in out
+    assert "[2/5]" in out and "[3/5]" not in out  # the second is asked, the sitting stops there
+    assert (total, right) == (1, 1)
+
+
+def test_no_answer_at_all_saves_nothing(tmp_path, capsys):
+    out, total, _ = _run(tmp_path, capsys, 3, [], count=5)
+    assert "score: 0/0 (5 of 5 skipped" in out and "nothing answered: no score saved" in out
+    assert not (tmp_path / "scores.json").exists() and total == 0
+
+
+def test_unreadable_answers_until_the_end_are_not_scored(tmp_path, capsys):
+    seed, _ = _first("numeric")
+    out, total, _ = _run(tmp_path, capsys, seed, ["a guess", "?"], count=3)
+    assert out.count("could not read") == 2 and "score: 0/0 (3 of 3 skipped" in out
+    assert total == 0
+
+
+def test_the_original_line_is_labelled_and_can_be_left_out(tmp_path, capsys):
+    seed, q = _first("numeric", zh=True)
+    out, _, _ = _run(tmp_path, capsys, seed, [])
+    assert f"as asked in the source interview: {q.zh}" in out
+    out, _, _ = _run(tmp_path, capsys, seed, [], extra=["--no-original"])
+    assert q.zh not in out and "source interview" not in out and q.text in out
+
+
+def test_count_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        engine_main(["drill", "--count", "0"])
+    assert "--count must be a positive int, got '0'" in capsys.readouterr().err
+
+
+def _read_until(stream, marker: str, after: str = "", timeout: float = 120.0) -> str:
+    """Read the child's stdout until it ends with ``marker`` (a prompt has no newline),
+    printed after ``after``."""
+    seen = b""
+    while not (seen.endswith(marker.encode()) and after.encode() in seen):
+        ready, _, _ = select.select([stream], [], [], timeout)
+        assert ready, f"nothing more after {seen.decode()[-300:]!r}"
+        chunk = os.read(stream.fileno(), 4096)
+        assert chunk, f"the drill ended before printing {marker!r}: {seen.decode()[-300:]!r}"
+        seen += chunk
+    return seen.decode()
+
+
+def test_each_question_is_printed_before_its_answer_is_read_from_a_pipe(tmp_path):
+    """With --answers -, the first question and its prompt come out while stdin is still open
+    and empty; each answer gets its feedback before the next is written."""
+    seed, q = _first("choice")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine", "drill", "--count", "2", "--seed", str(seed),
+         "--answers", "-", "--scores", str(tmp_path / "scores.json")],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        first = _read_until(proc.stdout, "letter> ")
+        assert "[1/2]" in first and q.text in first
+        proc.stdin.write(f"{chr(ord('a') + q.answer)})\n".encode())
+        proc.stdin.flush()
+        second = _read_until(proc.stdout, "> ", after="[2/2]")  # the second item's prompt
+        assert "-> right" in second and "[2/2]" in second
+        proc.stdin.close()  # end of input: the second item is not scored
+        rest = proc.stdout.read().decode()
+        assert proc.wait(timeout=120) == 0
+    finally:
+        proc.kill()
+    assert "score: 1/1 (1 of 2 skipped" in rest
+
+
+# -- every item of the bank ----------------------------------------------------------------------
+
+def _question_sentence(text: str) -> str:
+    """The last sentence, after any quoted claim."""
+    return re.split(r"(?<=[.?!'])\s+(?=[A-Z'])", text.strip())[-1]
+
+
+@pytest.mark.parametrize("item", BANK, ids=lambda i: i.item_id)
+def test_every_item_states_its_question_and_its_answer_reads_back_as_right(item):
+    for seed in range(5):
+        q = item.draw(random.Random(seed))
+        sentence = _question_sentence(q.text)
+        assert sentence.endswith("?") and len(sentence.split()) >= 3, q.text
+        text = q.as_text()
+        assert text.count(q.text) == 1
+        if q.kind == "numeric":
+            asked = unit(q.unit)
+            assert f"answer {asked.asked}, within {q.rel_tol * 100:g}%" in text
+            typed = [show(q.answer, asked), f"{q.answer:.6g}", f"{q.answer:.6g} {q.unit}"]
+            assert all(q.grade(t) for t in typed), (typed, q.answer)
+            assert not q.grade(show(q.answer * 1.1 + 1, asked))
+        elif q.kind == "choice":
+            assert all(f"{chr(ord('a') + i)}) {o}" in text for i, o in enumerate(q.options))
+            letter = chr(ord("a") + q.answer)
+            assert all(q.grade(t) for t in (letter, letter.upper() + ")", f"({letter})"))
+            assert not any(q.grade(chr(ord("a") + i)) for i in range(len(q.options))
+                           if i != q.answer)
+        else:
+            assert q.grade("y") and not q.grade("n") and all(p in text for p in q.outline)
+
+
+@pytest.mark.parametrize("name", ["MB", "GB", "TB", "%", "fraction"])
+def test_units_with_two_common_forms_say_how_the_other_reads(name):
+    """MB vs MiB, fraction vs percent: the question says which is wanted and the other form
+    reads, converted."""
+    other = {"MB": "MiB", "GB": "GiB", "TB": "TiB", "%": "82%", "fraction": "25%"}[name]
+    assert other in UNITS[name].note
