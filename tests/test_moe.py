@@ -16,13 +16,13 @@ import torch
 import torch.distributed as dist
 
 from engine import theory
-from engine.comm import CommMeter
+from engine.comm import CommMeter, ops
 from engine.models import GPTConfig, token_data
 from engine.moe import (ExpertMesh, MoE, TinyMoEGPT, check_layout, expert_parallel,
                         expert_parameters, load_balancing_loss, reduce_gradients, route,
                         router_z_loss, single_rank_group)
-from engine.moe.experiments import balance_run, drop_rates, zipf_logits
-from tests.helpers import run_ranks
+from engine.moe.experiments import balance_run, drop_rates, one_thread, zipf_logits
+from tests.helpers import BEYOND_CPU, DEVICE_WORLD_SIZES, rank_device, run_ranks
 
 ATOL = 1e-6
 
@@ -162,16 +162,17 @@ def test_from_dense_refuses_a_layer_already_spread_over_ranks():
 
 # -- expert parallelism equals one process ---------------------------------------------------
 
-def _ep_against_one_process(rank, world_size):
+def _ep_against_one_process(rank, world_size, experts=8, device="cpu"):
     """For each capacity factor: the layer on this rank's tokens under EP, and the same layer
     holding all experts run on every rank's tokens; the differences, and the drop rate."""
     one = single_rank_group()
+    on = rank_device(device)
     out = {}
     for cf in (4.0, 0.75):  # nothing dropped / about a third dropped
         torch.manual_seed(0)
-        dense = MoE(16, 32, 8, top_k=2, capacity_factor=cf, group=one)
-        xs = [torch.randn(24, 16) for _ in range(world_size)]
-        upstream = [torch.randn(24, 16) for _ in range(world_size)]
+        dense = MoE(16, 32, experts, top_k=2, capacity_factor=cf, group=one).to(on)
+        xs = [torch.randn(24, 16).to(on) for _ in range(world_size)]
+        upstream = [torch.randn(24, 16).to(on) for _ in range(world_size)]
         ref_out, ref_aux, ref_z, ref_xgrad = [], [], [], []
         for x, u in zip(xs, upstream):  # one process: every rank's tokens, one call each
             x = x.clone().requires_grad_()
@@ -186,7 +187,7 @@ def _ep_against_one_process(rank, world_size):
         y = ep(x)
         ((y * upstream[rank]).sum() + ep.aux_loss + ep.z_loss).backward()
         router_grad = ep.router.weight.grad.clone()
-        dist.all_reduce(router_grad)  # the router is replicated: its gradients add up
+        ops.all_reduce(router_grad)  # the router is replicated: its gradients add up
         expert_err = max((p.grad - dense.experts[ep.first_expert + i].get_parameter(name).grad)
                          .abs().max().item()
                          for i, e in enumerate(ep.experts) for name, p in e.named_parameters())
@@ -210,6 +211,19 @@ def test_expert_parallel_layer_equals_one_process_with_and_without_drops(world_s
         assert per_cf[0.75]["drop_rate"] > 0.1
         local = 8 // world_size
         assert per_cf[4.0]["experts_held"] == list(range(rank * local, (rank + 1) * local))
+        for cf, diffs in per_cf.items():
+            for what in ("output", "aux", "z", "input_grad", "router_grad", "expert_grads"):
+                assert diffs[what] <= ATOL, (rank, cf, what, diffs[what])
+
+
+@pytest.mark.parametrize("device", BEYOND_CPU)
+@pytest.mark.parametrize("world_size", DEVICE_WORLD_SIZES)
+def test_expert_parallel_layer_equals_one_process_on_every_device(world_size, device):
+    """Host-staged Gloo (the path a one-GPU lab runs) and CUDA; 6 experts, so 3 ranks hold 2
+    each. The CUDA case has not run here (no GPU on this machine)."""
+    results = run_ranks(_ep_against_one_process, world_size, 6, device, device=device)
+    for rank, per_cf in enumerate(results):
+        assert per_cf[0.75]["drop_rate"] > 0.1 and per_cf[4.0]["drop_rate"] == 0
         for cf, diffs in per_cf.items():
             for what in ("output", "aux", "z", "input_grad", "router_grad", "expert_grads"):
                 assert diffs[what] <= ATOL, (rank, cf, what, diffs[what])
@@ -366,7 +380,8 @@ def _reference_name(name: str, ep_index: int, local: int) -> str:
 
 def test_tiny_moe_gpt_trains_under_ep2_dp2_equal_to_one_process():
     ep, dp, cf = 2, 2, 1.0  # capacity factor 1: tokens are dropped, and still equal
-    reference, ref_losses = _one_process(ep * dp, cf)
+    with one_thread():
+        reference, ref_losses = _one_process(ep * dp, cf)
     for rank, (runs, ep_index) in enumerate(run_ranks(_train_ep_dp, 4, ep, dp, cf,
                                                       timeout=60)):
         state, losses, drops = runs["right"]
