@@ -197,7 +197,7 @@ def test_volume_formula_checks_catch_the_seed_documents_claims():
 
     from solutions import ch01_volume_formulas as good
 
-    wrong_ring = types.SimpleNamespace(  # "2(N-1)M" per rank: NOTES.md item 1
+    wrong_ring = types.SimpleNamespace(  # "2(N-1)M" per rank: a common wrong answer
         ring_bytes_per_rank=lambda s, n: 2 * (n - 1) * s, ps_worker_bytes=good.ps_worker_bytes,
         ps_server_bytes=good.ps_server_bytes)
     report = run_checks("ch01.volume_formulas", impl=wrong_ring)
