@@ -84,7 +84,7 @@ def test_every_exercise_has_a_stub_a_solution_and_a_check():
 
 
 def test_every_chapter_opens_with_what_you_learn_and_the_questions_it_answers():
-    for path in sorted((ROOT / "course").glob("0*.ipynb")):
+    for path in sorted((ROOT / "course").glob("[0-9][0-9]_*.ipynb")):
         first = "".join(json.loads(path.read_text())["cells"][0]["source"])
         assert first.startswith("# "), f"{path.name}: the first cell is not the title"
         for heading in ("**You will learn**", "**Interview questions answered**"):
@@ -93,7 +93,7 @@ def test_every_chapter_opens_with_what_you_learn_and_the_questions_it_answers():
 
 def test_the_course_map_gives_every_chapter_a_cpu_run_time():
     table = (ROOT / "course" / "README.md").read_text()
-    for path in sorted((ROOT / "course").glob("0*.ipynb")):
+    for path in sorted((ROOT / "course").glob("[0-9][0-9]_*.ipynb")):
         row = next((line for line in table.splitlines() if f"]({path.name})" in line), None)
         assert row is not None, f"course/README.md does not list {path.name}"
         assert re.search(r"\| ~\d+ s \|", row), f"no CPU run time for {path.name}: {row}"
