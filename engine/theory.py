@@ -536,9 +536,9 @@ def moe_all_to_all_bytes(tokens: int, hidden: int, top_k: int, n: int, dtype_byt
     The rank holds ``tokens * top_k`` (token, expert) rows of ``hidden`` values; 1/n of them
     go to its own experts, the rest cross the wire: ``(n-1)/n * tokens * k * h * dtype_bytes``
     per all-to-all (:func:`all_to_all_bytes`). Forward has two (dispatch to the experts,
-    combine back), and backward the same two reversed (Lepikhin et al., GShard, 2021,
-    section 3.2). The exchange of token counts before the dispatch (E integers) is not
-    included."""
+    combine back), and backward the same two reversed (Lepikhin et al., "GShard", ICLR 2021:
+    dispatch and combine as all-to-alls). The exchange of token counts before the dispatch
+    (E integers) is not included."""
     one = all_to_all_bytes(tokens * top_k * hidden * dtype_bytes, n)
     return {"dispatch": one, "combine": one, "forward": 2 * one, "backward": 2 * one,
             "total": 4 * one}

@@ -2,8 +2,8 @@
 
 Expert parallelism spreads the ``E`` experts of a layer over the ``n`` ranks of a group, ``E/n``
 consecutive experts each (rank r holds experts ``r E/n .. (r+1) E/n - 1``). Every rank routes
-its own tokens, so every rank has rows for every expert. The dispatch (Lepikhin et al.,
-GShard, ICLR 2021, section 3.2):
+its own tokens, so every rank has rows for every expert. The dispatch (as in Lepikhin et
+al., GShard, ICLR 2021, where dispatch and combine are all-to-alls):
 
 1. sort this rank's rows by expert, so the rows for each destination rank are consecutive,
    and within them the rows of each of its experts;

@@ -6,7 +6,7 @@ group is ``ep`` consecutive ranks, on one node when it fits: its all-to-alls are
 traffic). Every rank reads its own tokens, holds a full copy of the dense weights (attention,
 embeddings, norms, routers) and, in every MoE layer, the experts of its slot ``e`` of the
 ``ep`` slots. Each expert is thus held by ``dp`` ranks, one per expert-parallel group
-(DeepSpeed-MoE's "expert data parallel" group; Rajbhandari et al., ICML 2022, section 5).
+(the "expert data parallel" group of DeepSpeed-MoE; Rajbhandari et al., ICML 2022).
 
 **The gradient rule.** The loss is the mean over all ``dp * ep`` ranks of each rank's loss.
 
