@@ -13,11 +13,12 @@ An exercise is a triple: a stub ``exercises/<module>.py``, a reference ``solutio
 with the same names, and an :class:`Exercise` in an ``engine/grading/chapters/chNN.py`` module.
 """
 
-from engine.grading.core import CheckFailed, CheckResult, Exercise, Frame, Report, run_ranks
+from engine.grading.core import (CheckFailed, CheckResult, Exercise, Frame, Report, passed,
+                                 run_ranks)
 from engine.grading.feedback import format_report
 from engine.grading.learner import SOURCES, ExerciseLoadError, course_root, load_impl
 from engine.grading.runner import check, get_exercise, registry, run_checks
 
 __all__ = ["check", "run_checks", "registry", "get_exercise", "load_impl", "course_root",
-           "format_report", "run_ranks", "CheckFailed", "CheckResult", "Exercise",
+           "format_report", "run_ranks", "passed", "CheckFailed", "CheckResult", "Exercise",
            "ExerciseLoadError", "Frame", "Report", "SOURCES"]

@@ -1,7 +1,8 @@
 """What an exercise and a check result are, and how a check runs ranks.
 
 A check is a function ``check_<what>(impl)`` that raises :class:`CheckFailed` (saying what was
-expected, what was observed, and on which input) or returns. It starts ranks through
+expected, what was observed, and on which input) or returns, with :func:`passed`'s line when
+it measured something: the report prints it beside the check's ✓. It starts ranks through
 :func:`run_ranks`, which always uses Gloo on the CPU (the checks' tensors live there, even on a
 GPU machine) and keeps what the ranks printed, so a failure can show it.
 """
@@ -20,6 +21,14 @@ OUTPUT_TAIL_LINES = 12  # the last lines of the ranks' output a failure shows
 # The meter's names for point-to-point ops. A collective called through engine.comm.ops is
 # counted on the wire too, so an exercise that must build one from sends checks these names.
 POINT_TO_POINT = frozenset({"send", "recv", "isend", "irecv"})
+
+
+def passed(measured: str, formula: str, **at: Any) -> str:
+    """What a passing check returns, shown after its ✓ in one line: the measured quantity
+    beside the formula it matches, ``passed("sent 1.50 x S", "2(N-1)/N", N=4)`` ->
+    ``"sent 1.50 x S = 2(N-1)/N at N = 4"``."""
+    where = ", ".join(f"{name} = {value}" for name, value in at.items())
+    return f"{measured} = {formula}" + (f" at {where}" if where else "")
 
 
 class CheckFailed(AssertionError):
@@ -69,6 +78,7 @@ class CheckResult:
     ranks: tuple[int, ...] = ()  # the rank(s) the failure happened on; () for the caller
     frames: tuple[Frame, ...] = ()  # the learner's own lines on the way to the error
     output: str = ""  # the last lines the ranks printed
+    note: str = ""  # a passing check's measurement beside its formula (see passed())
 
     @property
     def not_implemented(self) -> bool:

@@ -85,7 +85,8 @@ def format_report(report: Report, color: bool = True) -> str:
     got, total = report.score
     head = f"{report.exercise.name}: {got}/{total} checks passed"
     lines = [f"{g if report.passed else r}{'PASS' if report.passed else 'FAIL'}{x} {head}"]
-    lines += [f"  {g}✓{x} {res.name}" for res in report.results if res.passed]
+    lines += [f"  {g}✓{x} {res.name}" + (f": {res.note}" if res.note else "")
+              for res in report.results if res.passed]
     groups: dict[tuple, list] = {}
     for res in report.results:
         if not res.passed:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.comm import CommMeter
-from engine.grading.core import POINT_TO_POINT, CheckFailed, Exercise, run_ranks
+from engine.grading.core import POINT_TO_POINT, CheckFailed, Exercise, passed, run_ranks
 from engine.grading.drill import Drill
 
 CASES = [(2, 0), (3, 2), (4, 1)]  # (world_size, src): odd sizes and a source that is not 0
@@ -51,6 +51,7 @@ def check_in_place_and_returned(impl):
 
 
 def check_traffic_is_n_minus_1_copies(impl):
+    copies = []
     for world_size, src in CASES:
         results = _run(impl, world_size, src)
         size = _rank_data(0, torch.float32).numel() * 4
@@ -70,6 +71,9 @@ def check_traffic_is_n_minus_1_copies(impl):
             raise CheckFailed("each rank but the source should receive the tensor exactly once",
                               world_size=world_size, src=src, received_per_rank=received,
                               expected=expected)
+        copies.append(f"{total_sent / size:g}")
+    return passed(f"sent {', '.join(copies)} x S in all", "N-1",
+                  N=", ".join(str(n) for n, _ in CASES))
 
 
 EXERCISES = [

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from engine import theory
 from engine.comm import CommMeter
 from engine.comm import ops as engine_ops
-from engine.grading.core import POINT_TO_POINT, CheckFailed, Exercise, run_ranks
+from engine.grading.core import POINT_TO_POINT, CheckFailed, Exercise, passed, run_ranks
 from engine.grading.drill import Drill
 
 RING_CASES = [(2, 5), (3, 1001), (4, 3), (4, 64), (3, 1_000_003)]  # awkward counts; ~4 MB
@@ -86,6 +86,7 @@ def check_sums_exactly(impl):
 
 
 def check_sends_2_n_minus_1_over_n(impl):
+    largest = {}  # N -> (numel, the most any rank sent / S), on the largest tensor per N
     for world_size, numel, subgroup, results in _all_cases(impl):
         n = 2 if subgroup else world_size
         formula = theory.ring_all_reduce_bytes(numel * 4, n)
@@ -98,6 +99,11 @@ def check_sends_2_n_minus_1_over_n(impl):
                 raise CheckFailed(f"rank {rank} sent {res['sent']} bytes; a ring sends "
                                   f"2(N-1)/N·S = {formula:.0f} (± {slack} for uneven chunks)",
                                   world_size=n, numel=numel, tensor_bytes=numel * 4)
+        if numel > largest.get(n, (0, 0))[0]:
+            largest[n] = (numel, max(res["sent"] for _, res in results) / (numel * 4))
+    ns = sorted(largest)
+    return passed(f"sent {', '.join(f'{largest[n][1]:.2f}' for n in ns)} x S", "2(N-1)/N",
+                  N=", ".join(map(str, ns)))
 
 
 def _hidden_cases(seed: int = 2026, count: int = 25):
