@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from engine.comm import ops
+from engine.validation import divides
 
 
 class _AllToAll(torch.autograd.Function):
@@ -85,6 +86,7 @@ def dispatch(rows: torch.Tensor, expert: torch.Tensor, num_experts: int, group=N
     :func:`combine` needs.
     """
     n = dist.get_world_size(group)
+    divides("the ranks in group", n, "num_experts", num_experts)
     local = num_experts // n
     order = torch.argsort(expert, stable=True)
     counts = torch.bincount(expert, minlength=num_experts)
