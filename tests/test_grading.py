@@ -604,3 +604,25 @@ def test_a_collective_from_ops_is_not_a_hand_written_ring():
     report = run_checks("ch01.ring_all_reduce", impl=_all_reduce_through_ops)
     assert {r.name for r in report.results if not r.passed} == {
         "sums_exactly", "sends_2_n_minus_1_over_n"}
+
+
+def test_a_hanging_exercise_gets_a_verdict_within_its_deadline(monkeypatch):
+    import time
+
+    from engine.grading.chapters import ch00
+
+    def waits_for_a_send_that_never_comes(tensor, src):
+        ops.recv(tensor, (dist.get_rank() + 1) % dist.get_world_size())  # nobody sends
+        return tensor
+
+    from engine.launch import _DEADLINE_GRACE_S
+
+    monkeypatch.setattr(ch00, "TIMEOUT_S", 3)
+    start = time.monotonic()
+    report = run_checks("ch00.p2p_broadcast", impl=waits_for_a_send_that_never_comes)
+    # each of the three checks stops at its first case: the group's timeout, then the parent's
+    # deadline; the margin is for starting and stopping ranks on a busy machine
+    assert time.monotonic() - start < 3 * (3 + _DEADLINE_GRACE_S + 5)
+    assert [r.kind for r in report.results] == ["stuck"] * 3
+    text = format_report(report, color=False)
+    assert "never finished" in text and "waits_for_a_send_that_never_comes" in text

@@ -22,7 +22,10 @@ from engine.grading.core import NOT_IMPLEMENTED, NOT_LOADED, Frame, Report
 _ENGINE = Path(__file__).resolve().parents[1]
 _LIBRARY = {Path(p).resolve() for key in ("stdlib", "platstdlib", "purelib", "platlib")
             if (p := sysconfig.get_paths().get(key))}
-_FRAME_LINE = re.compile(r'^  File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>.+)$')
+# a frame of a formatted traceback, indented as traceback prints it or nested in another message
+_FRAME_LINE = re.compile(r'^(?P<indent> *)File "(?P<file>[^"]+)", line (?P<line>\d+), '
+                         r'in (?P<function>.+)$')
+_ADDRESS = re.compile(r"\[[0-9a-fA-F.:]+\]:\d+")  # a peer's address in Gloo's errors, per run
 
 
 def is_learner_file(file: str) -> bool:
@@ -45,7 +48,8 @@ def frames_from_text(tb_text: str) -> tuple[Frame, ...]:
         if not match or not is_learner_file(match["file"]):
             continue
         following = lines[i + 1] if i + 1 < len(lines) else ""
-        code = following.strip() if following.startswith("    ") else ""
+        deeper = len(following) - len(following.lstrip(" ")) > len(match["indent"])
+        code = following.strip() if deeper and not _FRAME_LINE.match(following) else ""
         frames.append(Frame(match["file"], int(match["line"]), match["function"], code))
     return tuple(frames)
 
@@ -90,7 +94,7 @@ def format_report(report: Report, color: bool = True) -> str:
     groups: dict[tuple, list] = {}
     for res in report.results:
         if not res.passed:
-            key = (res.kind, res.message, res.frames,
+            key = (res.kind, _ADDRESS.sub("[address]", res.message), res.frames,
                    tuple((k, repr(v)) for k, v in res.inputs.items()))
             groups.setdefault(key, []).append(res)
     for (_, message, frames, _), members in groups.items():
