@@ -9,7 +9,8 @@ tensor-parallel index ``t`` and pipeline stage ``p`` writes
 
     tp{t}-pp{p}-rank{d}-of{dp}.pt    (``rank{d}-of{dp}.pt`` when tp = pp = 1)
 
-with its parameter shards, fp32 masters, inner optimizer state and buffers. Global rank 0
+with its parameter shards, fp32 masters (where they are a separate copy: fp32 parameters are
+their own masters and are not written twice), inner optimizer state and buffers. Global rank 0
 then writes ``manifest.json``: the layout (dp, tp, pp), the stage, where every parameter
 sits in its bucket (per part), and the SHA-256 of every file.
 
@@ -21,6 +22,12 @@ sits in its bucket (per part), and the SHA-256 of every file.
 * ``consolidate(directory, tp=None, pp=None)`` needs no process group. It joins the dp
   shards of one part, drops the padding and returns ``{name: tensor}`` for that part's
   module. PyTorch's distributed checkpoint has the same step, ``dcp_to_torch_save``.
+
+* ``consolidate_optimizer(directory, tp=None, pp=None)`` does the same for the optimizer's
+  state (AdamW's moments per parameter, its step count), and ``load_dense(model, optimizer,
+  params, optimizer_state)`` loads such a whole state into any layout: together they re-cut a
+  checkpoint for another dp, the way DeepSpeed's universal checkpoint does (its per-parameter
+  fp32 "atoms"). :mod:`engine.reshard` joins the tp and pp parts of the trainer's GPT too.
 
 ``mesh`` is required when the dp group is not the whole world: only the mesh knows which
 part a dp group holds.
@@ -159,9 +166,7 @@ def _place(state: _Sharded, mesh) -> tuple[MeshShape, Place]:
 def _part_layout(state: _Sharded) -> dict:
     """Where every parameter sits in its bucket, under all its names (tied ones have two),
     and the buffers' shapes: what a checkpoint and a model must agree on."""
-    names: dict[nn.Parameter, list[str]] = {}
-    for name, p in state.module.named_parameters(remove_duplicate=False):
-        names.setdefault(p, []).append(name)
+    names = _param_names(state.module)
     buckets = [{"padded": b.padded,
                 "params": [{"names": names[p], "offset": b.offsets[p],
                             "shape": list(b.shapes[p])} for p in b.params]}
@@ -173,7 +178,7 @@ def _part_layout(state: _Sharded) -> dict:
 # -- files ----------------------------------------------------------------------------------
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
+def write_atomically(path: Path, data: bytes) -> None:
     """A temporary file in the same directory, then a rename: whoever looks (or crashes) sees
     the old file or the whole new one, never part of one."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -182,6 +187,10 @@ def _write_atomically(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(temporary, path)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _onto(device: torch.device):
@@ -232,7 +241,8 @@ def save_sharded(directory, model: nn.Module, optimizer=None, mesh=None) -> Path
     state = _sharded(model, optimizer)
     shape, place = _place(state, mesh)
     payload = {"shards": [b.shard.detach().clone() for b in state.buckets],
-               "masters": [b.master.detach().clone() for b in state.buckets],
+               "masters": [None if _same_storage(b.master, b.shard) else b.master.detach().clone()
+                           for b in state.buckets],
                "optimizer": state.inner.state_dict(),
                "buffers": {k: v.clone() for k, v in state.module.named_buffers()}}
     buffer = io.BytesIO()
@@ -244,7 +254,7 @@ def save_sharded(directory, model: nn.Module, optimizer=None, mesh=None) -> Path
         directory.mkdir(parents=True, exist_ok=True)
         (directory / MANIFEST).unlink(missing_ok=True)
     ops.barrier()  # the whole mesh: nobody writes while an old manifest could vouch for it
-    _write_atomically(directory / name, data)
+    write_atomically(directory / name, data)
     entry = (part_key(place.tp, place.pp), name, hashlib.sha256(data).hexdigest(),
              _part_layout(state) if place.dp == 0 else None)
     entries = [None] * dist.get_world_size() if first else None
@@ -254,7 +264,7 @@ def save_sharded(directory, model: nn.Module, optimizer=None, mesh=None) -> Path
                     "sharded": state.sharded,
                     "parts": {key: layout for key, _, _, layout in entries if layout},
                     "files": {file: digest for _, file, digest, _ in entries}}
-        _write_atomically(directory / MANIFEST, json.dumps(manifest, indent=1).encode())
+        write_atomically(directory / MANIFEST, json.dumps(manifest, indent=1).encode())
     ops.barrier()  # every rank returns once the checkpoint is complete
     return directory
 
@@ -326,7 +336,8 @@ def load_sharded(directory, model: nn.Module, optimizer=None, mesh=None) -> None
         for bucket, shard, master in zip(state.buckets, payload["shards"], payload["masters"],
                                          strict=True):
             bucket.shard.copy_(shard)
-            bucket.master.copy_(master)
+            if master is not None:  # else the master is the shard itself, just loaded
+                bucket.master.copy_(master)
         for name, value in state.module.named_buffers():
             value.copy_(payload["buffers"][name])
     state.inner.load_state_dict(payload["optimizer"])
@@ -340,6 +351,77 @@ def consolidate(directory, tp: int | None = None, pp: int | None = None
     """A plain ``state_dict`` (parameters and buffers, on the CPU) of one model part: the
     part at tensor-parallel index ``tp`` and pipeline stage ``pp`` (both may be left out
     when the model is whole). Offline: no process group, any number of ranks saved it."""
+    part = _read_part(directory, tp, pp)
+    state = part.unflatten([payload["shards"] for payload in part.payloads])
+    state.update(part.payloads[0]["buffers"])
+    return state
+
+
+class DenseOptimizerState(NamedTuple):
+    """An optimizer's state with the shards joined, per parameter name: ``elementwise`` holds
+    the tensors shaped like their parameter (AdamW's ``exp_avg``, ``exp_avg_sq``),
+    ``per_bucket`` the values each flat bucket had one of (AdamW's ``step``), repeated for
+    every parameter of the bucket."""
+
+    elementwise: dict[str, dict[str, torch.Tensor]]
+    per_bucket: dict[str, dict[str, torch.Tensor]]
+
+
+def consolidate_optimizer(directory, tp: int | None = None, pp: int | None = None
+                          ) -> DenseOptimizerState:
+    """The inner optimizer's state of one model part, joined over dp like
+    :func:`consolidate`'s parameters: an elementwise state tensor lies in its bucket exactly
+    as the parameters do (the inner optimizer runs on the flat shards), so the same offsets
+    cut it back into one tensor per parameter."""
+    part = _read_part(directory, tp, pp)
+    states = [payload["optimizer"]["state"] for payload in part.payloads]
+    elementwise: dict[str, list] = {}
+    per_bucket: dict[str, dict[str, torch.Tensor]] = {}
+    for i, bucket in enumerate(part.buckets):
+        for key, value in states[0].get(i, {}).items():
+            if torch.is_tensor(value) and value.numel() == part.shard_numel(i):
+                elementwise.setdefault(key, [[] for _ in part.payloads])
+                continue
+            for param in bucket["params"]:
+                for name in param["names"]:
+                    per_bucket.setdefault(key, {})[name] = torch.as_tensor(value).clone()
+    joined = {key: part.unflatten([[state[i][key] for i in range(len(part.buckets))]
+                                   for state in states])
+              for key in elementwise}
+    return DenseOptimizerState(joined, per_bucket)
+
+
+@dataclass
+class _Part:
+    """One model part's shard files, read and checked, with the manifest's layout."""
+
+    directory: Path
+    key: str
+    buckets: list[dict]
+    payloads: list[dict]
+
+    def shard_numel(self, i: int) -> int:
+        return self.buckets[i]["padded"] // len(self.payloads)
+
+    def unflatten(self, shards_per_rank: list[list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """``{name: tensor}`` from each rank's list of per-bucket shards, joined and cut at
+        the manifest's offsets (a tied parameter under each of its names)."""
+        state: dict[str, torch.Tensor] = {}
+        for i, bucket in enumerate(self.buckets):
+            flat = torch.cat([shards[i] for shards in shards_per_rank])
+            if flat.numel() != bucket["padded"]:
+                raise CheckpointError(f"bucket {i} of part {self.key} has {flat.numel()} "
+                                      f"elements in the shards and {bucket['padded']} in the "
+                                      "manifest")
+            for param in bucket["params"]:
+                numel = torch.Size(param["shape"]).numel()
+                value = flat[param["offset"]:param["offset"] + numel].view(param["shape"])
+                for name in param["names"]:
+                    state[name] = value.clone()
+        return state
+
+
+def _read_part(directory, tp: int | None, pp: int | None) -> _Part:
     directory = Path(directory)
     manifest = _manifest(directory)
     shape = MeshShape(**manifest["mesh"])
@@ -353,17 +435,68 @@ def consolidate(directory, tp: int | None = None, pp: int | None = None
     ranks = range(shape.dp) if manifest["sharded"] else [0]  # unsharded: every rank has all
     payloads = [_read(directory, manifest, file_name(shape, Place(tp, pp, d)), "cpu")
                 for d in ranks]
-    state: dict[str, torch.Tensor] = {}
-    for i, bucket in enumerate(_saved_part(directory, manifest, part_key(tp, pp))["buckets"]):
-        flat = torch.cat([payload["shards"][i] for payload in payloads])
-        if flat.numel() != bucket["padded"]:
-            raise CheckpointError(f"bucket {i} of part {part_key(tp, pp)} has {flat.numel()} "
-                                  f"elements in the shards and {bucket['padded']} in the "
-                                  "manifest")
-        for param in bucket["params"]:
-            numel = torch.Size(param["shape"]).numel()
-            value = flat[param["offset"]:param["offset"] + numel].view(param["shape"]).clone()
-            for name in param["names"]:
-                state[name] = value
-    state.update(payloads[0]["buffers"])
-    return state
+    key = part_key(tp, pp)
+    return _Part(directory, key, _saved_part(directory, manifest, key)["buckets"], payloads)
+
+
+# -- re-cutting: a whole state into any layout ------------------------------------------------
+
+
+def load_dense(model: nn.Module, optimizer, params: dict[str, torch.Tensor],
+               optimizer_state: DenseOptimizerState | None = None) -> None:
+    """Load a whole state (``params``: name -> tensor, buffers included; ``optimizer_state``
+    as :func:`consolidate_optimizer` returns it) into this rank's shards, whatever layout
+    the state came from: each bucket is packed from the named tensors and this rank keeps
+    its slice. Every rank reads the same whole state, so nothing is sent. With fp16/bf16
+    parameters the fp32 masters are rebuilt from ``params``. Call on every rank."""
+    state = _sharded(model, optimizer)
+    names = {p: found[0] for p, found in _param_names(state.module).items()}
+
+    def packed(b: ShardedBucket, values: dict[str, torch.Tensor], what: str) -> torch.Tensor:
+        for p in b.params:
+            value = values.get(names[p])
+            if value is None:
+                raise CheckpointError(f"the whole state has no {what} {names[p]!r}")
+            if tuple(value.shape) != tuple(b.shapes[p]):
+                raise CheckpointError(f"{what} {names[p]!r} is {tuple(value.shape)} in the "
+                                      f"whole state and {tuple(b.shapes[p])} here")
+        return b.flatten(lambda p: values[names[p]])
+
+    with torch.no_grad():
+        for b in state.buckets:
+            full = packed(b, params, "parameter")
+            if hasattr(b, "flat"):  # ZeRO-0/1/2 keep every parameter whole
+                b.flat.copy_(full)
+            else:  # ZeRO-3 keeps its slice
+                b.shard.copy_(b.shard_of(full))
+            if not _same_storage(b.master, b.shard):
+                b.master.copy_(b.shard_of(full))
+        for name, value in state.module.named_buffers():
+            if name not in params or params[name].shape != value.shape:
+                raise CheckpointError(f"buffer {name!r} {tuple(value.shape)} is not in the "
+                                      "whole state with that shape")
+            value.copy_(params[name])
+    if optimizer_state is None:
+        return
+    loaded = {}
+    for i, b in enumerate(state.buckets):
+        loaded[i] = {key: b.shard_of(packed(b, values, f"optimizer state {key!r}")).float()
+                     for key, values in optimizer_state.elementwise.items()}
+        for key, values in optimizer_state.per_bucket.items():
+            found = {float(values[names[p]]) for p in b.params if names[p] in values}
+            if len(found) != 1:
+                raise CheckpointError(f"optimizer state {key!r}: the parameters of one bucket "
+                                      f"here ({', '.join(names[p] for p in b.params)}) have "
+                                      f"{sorted(found) or 'no'} values in the whole state; "
+                                      "expected one")
+            loaded[i][key] = values[names[b.params[0]]].clone()
+    state.inner.load_state_dict({"state": {i: s for i, s in loaded.items() if s},
+                                 "param_groups": state.inner.state_dict()["param_groups"]})
+
+
+def _param_names(module: nn.Module) -> dict[nn.Parameter, list[str]]:
+    """Every parameter's names, in order (a tied parameter has two)."""
+    names: dict[nn.Parameter, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(p, []).append(name)
+    return names
