@@ -104,7 +104,7 @@ def hybrid_strategy(gpt: TinyGPT, mesh: Mesh, optimizer_cls, zero: int = 1,
     step = pipeline_step(autocast(stage, precision), optimizer, mesh, plan,
                          before_step=stage.sync_tied_embedding)
     return Strategy(f"3D, ZeRO-{zero}", stage, optimizer, step, parameter_count(stage), mesh,
-                    device)
+                    device, part_of=lambda dense: GPTStage(dense, mesh))
 
 
 def train_3d(rank: int, world_size: int, dp: int, tp: int, pp: int, cfg, steps: int = 3,

@@ -73,6 +73,10 @@ class Strategy:
     device: torch.device
     engine: bool = True  # False: PyTorch's own wrappers, whose buckets live in C++
     groups: dict[str, Any] = field(default_factory=dict)  # more groups whose bytes to report
+    # this rank's part of a dense TinyGPT, named as a checkpoint of ``model`` names it: the
+    # code that cut the model, so a checkpoint of any layout can be re-cut with it
+    # (engine.reshard); None where checkpoints are not supported
+    part_of: Callable[[nn.Module], nn.Module] | None = None
 
     def state_bytes(self) -> StateBytes | None:
         """What this rank holds (:func:`engine.memory.model_state_bytes`); None for
@@ -160,15 +164,15 @@ def accumulate_step(model: nn.Module, optimizer, mesh: Mesh):
 def build(cfg, model: GPTConfig, impl: str, mesh: Mesh, device: torch.device,
           precision: str) -> Strategy:
     """The strategy ``cfg`` (a :class:`engine.train.TrainConfig`) names for a ``model``-sized
-    GPT, for ``impl`` "engine" or "torch", on ``mesh``. The model is built on the CPU; the
-    3D strategy moves only this rank's stage to ``device``."""
+    GPT initialised from ``cfg.seed``, for ``impl`` "engine" or "torch", on ``mesh``. The
+    model is built on the CPU; the 3D strategy moves only this rank's stage to ``device``."""
     from engine.moe.gpt import MOE_MODELS
 
     if cfg.model in MOE_MODELS:
         from engine.moe.strategy import moe_strategy
 
         return moe_strategy(cfg, model, mesh, device, precision)
-    gpt = TinyGPT(model, seed=0)
+    gpt = TinyGPT(model, seed=cfg.seed)
     if impl == "torch":
         return torch_strategy(gpt, cfg, mesh, device, precision)
     if cfg.compress is not None:
@@ -190,7 +194,8 @@ def zero3_strategy(gpt, cfg, mesh, device, precision) -> Strategy:
     model = ZeroDataParallel(autocast(gpt.to(device), precision), torch.optim.AdamW,
                              group=mesh.dp_group, lr=cfg.lr)
     step = pipeline_step(model, model.optimizer, mesh, one_f_one_b(1, cfg.microbatches))
-    return Strategy("ZeRO-3", model, model.optimizer, step, psi, mesh, device)
+    return Strategy("ZeRO-3", model, model.optimizer, step, psi, mesh, device,
+                    part_of=lambda dense: autocast(dense, precision))
 
 
 def compressed_strategy(gpt, cfg, mesh, device, precision) -> Strategy:

@@ -17,6 +17,7 @@ every rank, the engine's strategies and PyTorch's alike, and measures what a lab
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -47,8 +48,17 @@ class StepsRun:
 
 
 def run_steps(strategy, inputs: list[torch.Tensor], labels: list[torch.Tensor], steps: int,
-              warmup: int = 1) -> StepsRun:
-    """``warmup`` untimed steps (the first counts the bytes), then ``steps`` timed ones."""
+              warmup: int = 1, first_step: int = 0,
+              after_step: Callable[[int, PipelineRun], None] | None = None) -> StepsRun:
+    """``warmup`` untimed steps (the first counts the bytes), then ``steps`` timed ones.
+
+    ``first_step``: the run's index of this launch's first step, past 0 when the run resumed
+    from a checkpoint. Only a run's step 0 counts its bytes on the wire: the counted
+    collectives add in another order than the built-in ones (the last bit of an all-reduce
+    differs at 4 ranks), and a resumed run must compute exactly what the uninterrupted one
+    did, so a resumed launch's first step runs the built-ins under ``count="model"``.
+    ``after_step(step, run)`` is called after each step with its index in the run, outside
+    the timed span: progress, checkpoints."""
     device = strategy.device
     cuda = device.type == "cuda"
     allocated = torch.cuda.memory_allocated(device) if cuda else None
@@ -61,7 +71,7 @@ def run_steps(strategy, inputs: list[torch.Tensor], labels: list[torch.Tensor], 
         line_up(device)
         start = clock.mark()
         if i == 0:
-            with CommMeter(count="wire") as meter:
+            with CommMeter(count="wire" if first_step == 0 else "model") as meter:
                 run = strategy.step(inputs, labels)
             traffic = traffic_by_group(meter.events, strategy.mesh, strategy.groups)
             counted = all(e.measured for e in meter.events)
@@ -69,6 +79,8 @@ def run_steps(strategy, inputs: list[torch.Tensor], labels: list[torch.Tensor], 
             run = strategy.step(inputs, labels)
         end = clock.mark()
         losses.append(run.loss)
+        if after_step is not None:
+            after_step(first_step + i, run)
         if i >= warmup:
             marks.append((start, end))
             computes.append(sum(e.seconds for e in run.events))

@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from engine.models import GPTConfig
-from engine.validation import one_of, positive_int, positive_number
+from engine.validation import non_negative_int, one_of, positive_int, positive_number
+from engine.zero.checkpoint import CheckpointError
 
 MODELS = {
     "tiny": GPTConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32),
@@ -62,6 +63,15 @@ class TrainConfig:
     compress: str | None = None
     trace: str | None = None
     peak_tflops: float | None = None
+    seed: int = 0
+    save: str | None = None
+    save_every: int | None = None
+    keep: int = 2
+    resume: bool = False
+    reshard: bool = False
+    timeout: float = 300.0
+    kill_at_step: int | None = None
+    kill_rank: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -94,6 +104,7 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
                          "--pp 1): DDP, ZeroRedundancyOptimizer or FSDP by --zero")
     if cfg.compress is not None:
         _check_compress(cfg)
+    _check_checkpointing(cfg)
     from engine.tp.blocks import check_tp_degree
 
     model = MODELS[cfg.model]
@@ -134,19 +145,41 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
 
 
-def train_on_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
-    """Build each implementation's strategy, run the steps, return what the report needs."""
+def train_on_rank(rank: int, world_size: int, cfg: TrainConfig, resume_from=None,
+                  progress_fd: int | None = None) -> dict:
+    """Build each implementation's strategy, run the steps, return what the report needs.
+    ``resume_from``: the :class:`engine.train_run.ResumePoint` to start the engine's run
+    from; ``progress_fd``: where global rank 0 prints its progress (default: stdout). Under
+    torchrun, a collective that fails because peers are gone names them
+    (:class:`engine.elastic.PeerLostError`)."""
+    from engine.launch import _under_torchrun
+
+    if not _under_torchrun():
+        return _train_on_rank(cfg, resume_from, progress_fd)
+    from engine.elastic import Peers
+
+    peers = Peers()
+    try:
+        return _train_on_rank(cfg, resume_from, progress_fd)
+    except Exception as e:
+        lost = peers.lost(e)
+        if lost is None:
+            raise
+        raise lost from e
+
+
+def _train_on_rank(cfg: TrainConfig, resume_from, progress_fd) -> dict:
     from engine.device import rank_device
     from engine.strategy import build, global_batch
-    from engine.timed_steps import run_steps
     from engine.topology import Mesh
     from engine.train_report import memory_formula, traffic_formulas
+    from engine.train_run import train
 
     device = rank_device()
     precision = resolve_precision(cfg.precision, device)
     mesh = Mesh(dp=cfg.dp * cfg.ep, tp=cfg.tp, pp=cfg.pp)  # every ep rank reads its own data
     inputs, labels = global_batch(MODELS[cfg.model], mesh, cfg.microbatches, cfg.micro_batch,
-                                  device)
+                                  device, seed=cfg.seed + 1)
     out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
            "precision": precision}
     for impl in IMPLS[cfg.impl]:
@@ -157,8 +190,9 @@ def train_on_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             from engine.moe.strategy import moe_traffic_formulas
 
             formulas = moe_traffic_formulas(strategy, cfg)
-        run = run_steps(strategy, inputs, labels, cfg.steps)
-        out[impl] = {
+        run, first_step, losses = train(strategy, cfg, inputs, labels,
+                                        resume_from if impl == "engine" else None, progress_fd)
+        out[impl] = {"first_step": first_step, "run_losses": losses,
             "name": strategy.name, "coords": mesh.coords, "device_type": device.type,
             "step_s": run.step_s, "compute_s": run.compute_s, "losses": run.losses,
             "traffic": run.traffic, "counted": run.counted, "formulas": formulas,
@@ -171,6 +205,30 @@ def train_on_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
 
 
 # -- the command ----------------------------------------------------------------------------------
+
+
+def _check_checkpointing(cfg: TrainConfig) -> None:
+    """--seed, --timeout, --save/--save-every/--keep/--resume/--reshard and the lab's kill."""
+    non_negative_int("--seed", cfg.seed)
+    positive_number("--timeout", cfg.timeout)
+    positive_int("--keep", cfg.keep)
+    if cfg.save_every is not None:
+        positive_int("--save-every (steps between checkpoints)", cfg.save_every)
+    for flag, value in (("--save-every", cfg.save_every), ("--resume", cfg.resume),
+                        ("--reshard", cfg.reshard)):
+        if value not in (None, False) and cfg.save is None:
+            raise ValueError(f"{flag} needs --save DIR, the directory of the run's checkpoints")
+    if cfg.reshard and not cfg.resume:
+        raise ValueError("--reshard re-cuts the checkpoint --resume loads: pass --resume too")
+    if cfg.save is not None and (cfg.impl != "engine" or cfg.compress is not None):
+        raise ValueError("--save writes the engine's sharded checkpoints (DDP as --zero 0, "
+                         "ZeRO-1/2/3, TP, PP, 3D): use --impl engine without --compress")
+    if cfg.kill_at_step is not None:
+        positive_int("--kill-at-step", cfg.kill_at_step)
+    if cfg.kill_rank is not None and not 0 <= non_negative_int("--kill-rank", cfg.kill_rank) \
+            < cfg.world_size:
+        raise ValueError(f"--kill-rank {cfg.kill_rank} is not a rank of this run (0 to "
+                         f"{cfg.world_size - 1})")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -226,6 +284,35 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
                    help="auto: NCCL when this machine has a GPU for each of its ranks, else "
                         "Gloo on the CPU (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="seed of the model's initial weights; the data's is seed + 1 "
+                        "(default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=d.timeout, metavar="SECONDS",
+                   help="process-group timeout: a collective waiting longer for a lost peer "
+                        "fails, naming it (default: %(default)s)")
+    checkpointing = p.add_argument_group("checkpoints (engine.checkpoints)")
+    checkpointing.add_argument("--save", default=d.save, metavar="DIR",
+                               help="write sharded checkpoints under DIR/step-NNNNNNNN, each "
+                                    "atomically, one after the last step (default: none)")
+    checkpointing.add_argument("--save-every", type=int, default=d.save_every, metavar="K",
+                               help="also write one every K steps (default: only after the "
+                                    "last)")
+    checkpointing.add_argument("--keep", type=int, default=d.keep, metavar="N",
+                               help="keep the newest N checkpoints (default: %(default)s)")
+    checkpointing.add_argument("--resume", action="store_true",
+                               help="continue from the newest complete checkpoint in --save "
+                                    "(none yet: start at step 0, so a torchrun restart can "
+                                    "use the same command) (default: %(default)s)")
+    checkpointing.add_argument("--reshard", action="store_true",
+                               help="with --resume: re-cut a checkpoint saved at another dp / "
+                                    "tp / pp / ZeRO layout for this one (engine.reshard) "
+                                    "(default: %(default)s)")
+    lab = p.add_argument_group("failure injection, for labs and tests only (engine.elastic)")
+    lab.add_argument("--kill-at-step", type=int, default=d.kill_at_step, metavar="K",
+                     help="SIGKILL --kill-rank right after step K, on torchrun's first attempt "
+                          "only, so that --max-restarts brings the run back (default: never)")
+    lab.add_argument("--kill-rank", type=int, default=d.kill_rank, metavar="R",
+                     help="the global rank --kill-at-step kills (default: the last)")
     return p
 
 
@@ -263,8 +350,10 @@ def resolved(cfg: TrainConfig, args: argparse.Namespace, given: set[str], world:
               **{f.name: getattr(cfg, f.name) for f in fields(TrainConfig)}}
     shown = {}
     for name, value in values.items():
-        if (name == "schedule" and cfg.pp == 1) or (value is None and name not in given) or \
-                (name == "ep" and cfg.ep == 1 and name not in given):
+        if (name == "schedule" and cfg.pp == 1) or (value in (None, False) and name not in
+                                                     given) or \
+                (name == "ep" and cfg.ep == 1 and name not in given) or \
+                (name == "keep" and cfg.save is None):
             continue
         text = f"auto -> {decided[name]}" if value == "auto" and name in decided else str(value)
         shown[name.replace("_", "-")] = text + ("" if name in given else " (default)")
@@ -280,18 +369,48 @@ def main(argv=None) -> int:
             (args.world_size or cfg.world_size)
         check_config(cfg, world)
         backend = resolve_backend(args.backend, world)
-    except ValueError as e:
+        if _under_torchrun():
+            from engine.elastic import die_with_agent
+
+            die_with_agent()  # an agent that dies takes its workers along: no orphans
+        from engine.train_run import resume_point, total_steps
+
+        point = resume_point(cfg)
+    except (ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if point is not None and point.step == total_steps(cfg):
+        if is_global_rank_zero():
+            print(f"{point.path} holds all {point.step} steps of this run: nothing to do")
+        return 0
     if is_global_rank_zero():
         print(f"training on {world} rank(s), {backend}...", flush=True)
-    results = launch(train_on_rank, world, cfg, backend=backend)
+    progress_fd = _progress_fd(backend)
+    try:
+        results = launch(train_on_rank, world, cfg, point, progress_fd, backend=backend,
+                         timeout=cfg.timeout)
+    finally:
+        if progress_fd is not None:
+            os.close(progress_fd)
     if is_global_rank_zero():
         from engine.train_report import report
 
         decided = {"backend": backend, "precision": results[0]["precision"]}
         report(cfg, results, resolved(cfg, args, given, world, decided))
     return 0
+
+
+def _progress_fd(backend: str) -> int | None:
+    """The terminal this command runs in, for forked ranks (their own output is captured and
+    printed after the run): a live progress bar. None elsewhere (torchrun's workers print to
+    it directly; a notebook or a pipe gets one line per step, after the run)."""
+    from engine.launch import _under_torchrun
+
+    try:
+        live = backend == "gloo" and not _under_torchrun() and sys.stdout.isatty()
+        return os.dup(sys.stdout.fileno()) if live else None
+    except (AttributeError, OSError, ValueError):  # a notebook's stdout has no descriptor
+        return None
 
 
 def run_on_gpus(args: list[str], gpus_needed: int) -> int | None:

@@ -228,10 +228,12 @@ def _implementation(impl, cfg, model_cfg, results, tokens, sequences) -> dict:
         h, extra = model_cfg.hidden, MOE_MODELS[cfg.model]["top_k"] - 1
         flops += 12 * extra * h * 4 * h * sequences * model_cfg.seq_len * model_cfg.layers
     mfu = flops / (median * len(results) * peak) if peak else None
-    losses = _losses(runs, cfg)
+    first = runs[0].get("first_step", 0)  # > 0: resumed; the steps before, from the checkpoint
+    losses = runs[0].get("run_losses", [])[:first] + _losses(runs, cfg)
     print(f"\n[{impl}] {runs[0]['name']}")
     print("  loss per step (mean over the global batch): " + ", ".join(
-        f"{loss:.4f}" + (" (warm-up)" if i == 0 else "") for i, loss in enumerate(losses)))
+        f"{loss:.4f}" + (_first_label(first, len(losses) - first > len(step_s))
+                         if i == first else "") for i, loss in enumerate(losses)))
     print(f"  step time: median {median * 1e3:.1f} ms, min {min(step_s) * 1e3:.1f} ms, max "
           f"{max(step_s) * 1e3:.1f} ms over {len(step_s)} timed step(s) (each the slowest "
           "rank's)")
@@ -253,6 +255,12 @@ def _implementation(impl, cfg, model_cfg, results, tokens, sequences) -> dict:
             _pipeline_line(runs, cfg)
         _compute_share_note(runs)
     return {"step_s": median, "tokens_per_s": tokens / median, "mfu": mfu, "losses": losses}
+
+
+def _first_label(first: int, warm_up: bool) -> str:
+    """The mark on this launch's first step: the warm-up, and where a resumed run began."""
+    marks = (["resumed here"] if first else []) + (["warm-up"] if warm_up else [])
+    return f" ({', '.join(marks)})" if marks else ""
 
 
 def _losses(runs, cfg) -> list[float]:

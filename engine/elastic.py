@@ -1,0 +1,123 @@
+"""Surviving failures under torchrun: workers that die with their agent, a lost peer named,
+and a deliberate kill for labs and tests.
+
+torchrun (torchelastic) runs one *agent* per node; the agent starts the node's workers and,
+with ``--max-restarts N``, restarts all of them (on every node, after a new rendezvous) when
+one fails. A restarted ``engine train --resume`` continues from the newest complete checkpoint
+(:mod:`engine.checkpoints`). Three pieces make that hold up:
+
+* :func:`die_with_agent`: a worker asks Linux to kill it when its agent dies
+  (``PR_SET_PDEATHSIG``). torchrun's workers do not otherwise notice: an agent killed with
+  SIGKILL (or a node's agent lost any other way) would leave them running, holding their
+  GPU and their peers' connections.
+* :class:`Peers`: where every rank runs (host, pid), gathered once at the start. When a
+  collective fails because a peer vanished, Gloo says only "Connection closed by peer
+  [address]:port"; :meth:`Peers.lost` names the ranks whose processes are gone (those on this
+  host, checked by pid) or else the hosts the error points at.
+* :func:`kill_point`: **for labs and tests only**, ``engine train --kill-at-step K
+  --kill-rank R`` sends SIGKILL to global rank R right after its K-th step, on torchrun's
+  first attempt only (``TORCHELASTIC_RESTART_COUNT`` is 0), so the restarted workers run
+  through. It is how the elastic test, and a lab, make a rank die at a chosen moment.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from engine.launch import _die_with_parent
+
+# What Gloo and the store say when the process at the other end of a connection is gone, or
+# never answered within the process group's timeout.
+_PEER_LOSS = ("connection closed by peer", "connection reset by peer", "broken pipe",
+              "timed out", "timeout")
+
+
+class PeerLostError(RuntimeError):
+    """A collective failed because other ranks are gone; ``ranks`` names them (empty when no
+    process could be checked)."""
+
+    def __init__(self, message: str, ranks: list[int]):
+        super().__init__(message)
+        self.ranks = ranks
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this worker group (0 outside torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def die_with_agent() -> None:
+    """Be killed (SIGKILL) when the process that started this one dies: the torchrun agent."""
+    parent = os.getppid()
+    _die_with_parent()
+    if os.getppid() != parent:  # the agent died before we asked
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class Peer:
+    host: str
+    pid: int
+
+
+class Peers:
+    """Every rank's host and pid, gathered over the default process group."""
+
+    def __init__(self):
+        here = Peer(socket.gethostname(), os.getpid())
+        everyone: list[Peer | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, here)
+        self.here, self.everyone = here, everyone
+
+    def gone(self) -> list[int]:
+        """Ranks on this host whose process no longer runs."""
+        return [rank for rank, peer in enumerate(self.everyone)
+                if peer.host == self.here.host and not _running(peer.pid)]
+
+    def lost(self, error: BaseException) -> PeerLostError | None:
+        """A :class:`PeerLostError` naming the lost ranks, if ``error`` is a collective that
+        failed for want of a peer; None for any other error."""
+        text = str(error)
+        if not any(m in text.lower() for m in _PEER_LOSS):
+            return None
+        gone = self.gone()
+        if gone:
+            who = ", ".join(f"rank {r} (pid {self.everyone[r].pid} on {self.everyone[r].host})"
+                            for r in gone)
+            return PeerLostError(f"lost peer{'s' if len(gone) > 1 else ''}: {who} "
+                                 f"{'are' if len(gone) > 1 else 'is'} gone. {_first_line(text)}",
+                                 gone)
+        elsewhere = sorted({p.host for p in self.everyone if p.host != self.here.host})
+        ranks = [r for r, p in enumerate(self.everyone) if p.host in elsewhere]
+        where = (f"ranks {', '.join(map(str, ranks))} on {', '.join(elsewhere)}"
+                 if elsewhere else "no rank on this host is gone")
+        return PeerLostError(f"lost a peer ({where}; every rank here is alive). "
+                             f"{_first_line(text)}", [])
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _first_line(text: str) -> str:
+    return "The collective said: " + text.strip().splitlines()[0] if text.strip() else ""
+
+
+def kill_point(steps_done: int, kill_at_step: int | None, kill_rank: int) -> None:
+    """For labs and tests: SIGKILL this process if it is global rank ``kill_rank`` and has
+    just done step ``kill_at_step``, on torchrun's first attempt (or outside torchrun)."""
+    if kill_at_step is None or steps_done != kill_at_step or restart_count() != 0:
+        return
+    if dist.get_rank() == kill_rank:
+        print(f"rank {kill_rank}: killed by --kill-at-step {kill_at_step} (a lab/test "
+              "option)", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,213 @@
+"""One ``engine train`` run on one rank: from step 0 or from a checkpoint, through the timed
+steps (:func:`engine.timed_steps.run_steps`), with what a real run does after each step:
+
+* the loss of the step, averaged over the global batch (one all-reduce of two numbers), and a
+  progress bar printed by global rank 0;
+* a checkpoint every ``--save-every`` steps and after the last (:mod:`engine.checkpoints`);
+* for labs and tests only, the kill of one rank at a chosen step (:func:`engine.elastic.
+  kill_point`).
+
+A run has ``--steps + 1`` optimizer steps: one untimed warm-up, then the timed ones. A run
+resumed after ``k`` steps runs the other ``steps + 1 - k`` (the first of them untimed), on the
+same fixed global batch, so it computes exactly what the uninterrupted run computes from step
+``k`` on: the loss curve and the final parameters are bit-identical on the CPU.
+
+Which checkpoint to resume from, and whether it fits this run, is decided before any rank
+starts (:func:`resume_point`); a checkpoint of another layout loads only with ``--reshard``,
+which re-cuts it through the whole model (:mod:`engine.reshard`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from engine import checkpoints
+from engine.comm import ops
+from engine.elastic import kill_point
+from engine.timed_steps import StepsRun, run_steps
+
+# what a checkpoint must agree with the run on: always, and (without --reshard) the layout
+SAME_TRAINING = ("model", "seed", "lr", "precision")
+SAME_LAYOUT = ("dp", "ep", "tp", "pp", "zero", "schedule", "microbatches", "micro_batch")
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """A checkpoint to start from: its directory, the steps it holds, the loss of each, and
+    whether it must be re-cut for this layout."""
+
+    path: str
+    step: int
+    losses: list[float]
+    reshard: bool = False
+
+
+def total_steps(cfg) -> int:
+    return cfg.steps + 1  # the warm-up step trains too
+
+
+def resume_point(cfg) -> ResumePoint | None:
+    """The checkpoint this run starts from (None: step 0), or a ValueError saying why the
+    newest one in ``--save`` does not fit. Reads files only: call before any rank starts."""
+    if cfg.save is None:
+        return None
+    path = checkpoints.latest(cfg.save)
+    if not cfg.resume:
+        if path is not None:
+            raise ValueError(f"--save {cfg.save} already holds checkpoints (the newest: "
+                             f"{path.name}); pass --resume to continue that run, or --save "
+                             "an empty directory")
+        return None
+    if path is None:
+        return None  # nothing saved yet: --resume on a first start (torchrun restarts alike)
+    saved = checkpoints.read_trainer(path)
+    config = saved["config"]
+    for name in SAME_TRAINING:
+        if config.get(name) != getattr(cfg, name):
+            raise ValueError(f"--resume: {path} was saved by a run with --{_flag(name)} "
+                             f"{config.get(name)}, this run has --{_flag(name)} "
+                             f"{getattr(cfg, name)}; a resumed run keeps --model, --seed, "
+                             "--lr and --precision (or --save a new directory)")
+    if saved["step"] > total_steps(cfg):
+        raise ValueError(f"--resume: {path} holds {saved['step']} steps, more than this run's "
+                         f"{total_steps(cfg)} (--steps {cfg.steps} + 1 warm-up)")
+    changed = [name for name in SAME_LAYOUT if config.get(name) != getattr(cfg, name, None)]
+    if changed and not cfg.reshard:
+        raise ValueError(f"--resume: {path} was saved at {_layout(config)}, this run asks for "
+                         f"{_layout(vars(cfg))}; a sharded checkpoint fits only its own "
+                         "layout: pass --reshard to re-cut it for this one (through the "
+                         "whole model), or run with the saved layout")
+    if changed and _global_batch(config) != _global_batch(vars(cfg)):
+        raise ValueError(f"--resume --reshard: {path} trained on global batches of "
+                         f"{_global_batch(config)} sequences (dp x microbatches x micro-batch),"
+                         f" this run's are {_global_batch(vars(cfg))}; keep the global batch "
+                         "(e.g. double --microbatches when you halve --dp)")
+    if changed and (config.get("ep", 1) > 1 or cfg.ep > 1):
+        raise ValueError("--reshard re-cuts the dense GPT's checkpoints; not an MoE run's")
+    return ResumePoint(str(path), saved["step"], saved["losses"], reshard=bool(changed))
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _layout(config: dict) -> str:
+    return (f"dp {config['dp']} x tp {config['tp']} x pp {config['pp']}"
+            + (f" x ep {config['ep']}" if config.get("ep", 1) > 1 else "")
+            + f", ZeRO-{config['zero']}, {config['microbatches']} micro-batches of "
+            f"{config['micro_batch']}" + (f", {config['schedule']}" if config["pp"] > 1 else ""))
+
+
+def _global_batch(config: dict) -> int:
+    return config["dp"] * config["microbatches"] * config["micro_batch"]
+
+
+# -- on every rank ------------------------------------------------------------------------------
+
+
+def start(strategy, cfg, point: ResumePoint | None) -> tuple[int, list[float]]:
+    """Load ``point`` into ``strategy`` (re-cut if it must be); the steps done and their
+    losses. Every rank checks it got the same point as the others."""
+    chosen = [None] * dist.get_world_size()
+    dist.all_gather_object(chosen, None if point is None else (point.path, point.step))
+    if len(set(chosen)) > 1:
+        raise RuntimeError(f"the ranks found different checkpoints to resume from: {chosen} "
+                           "(a save still in progress when they started?)")
+    if point is None:
+        return 0, []
+    if point.reshard:
+        from engine.reshard import dense_gpt, load_resharded
+        from engine.train import MODELS
+
+        load_resharded(dense_gpt(point.path, MODELS[cfg.model]), strategy)
+    else:
+        checkpoints.load(point.path, strategy)
+    return point.step, list(point.losses)
+
+
+def train(strategy, cfg, inputs, labels, point: ResumePoint | None = None,
+          progress_fd: int | None = None) -> tuple[StepsRun, int, list[float]]:
+    """Run ``strategy`` to the last step; return the timed run, the step it started from and
+    the loss of every step of the run (those before it from the checkpoint)."""
+    if cfg.save is not None and strategy.part_of is None:
+        raise ValueError(f"--save: {strategy.name} has no sharded checkpoint here")
+    first, losses = start(strategy, cfg, point)
+    total = total_steps(cfg)
+    bar = Progress(total, progress_fd) if dist.get_rank() == 0 else None
+    if bar and first:
+        bar.note(f"resumed from {point.path} after step {first}"
+                 + (" (re-cut for this layout)" if point.reshard else ""))
+
+    def after_step(step: int, run) -> None:
+        done = step + 1
+        losses.append(global_loss(run.loss, strategy.mesh, strategy.device))
+        save = cfg.save is not None and (done == total or (cfg.save_every is not None and
+                                                           done % cfg.save_every == 0))
+        if save:
+            checkpoints.save(cfg.save, done, strategy, trainer_record(cfg, losses), cfg.keep)
+        if bar:
+            bar.update(done, losses[-1], saved=save)
+        kill_point(done, cfg.kill_at_step, dist.get_world_size() - 1 if cfg.kill_rank is None
+                   else cfg.kill_rank)
+
+    remaining = total - first
+    warmup = 1 if remaining > 1 else 0
+    run = run_steps(strategy, inputs, labels, remaining - warmup, warmup, first_step=first,
+                    after_step=after_step)
+    if bar:
+        bar.close()
+    return run, first, losses
+
+
+def global_loss(loss: float | None, mesh, device: torch.device) -> float:
+    """The step's loss over the global batch: the mean over the last pipeline stage's dp
+    ranks (a tp group's ranks hold the same loss: its first counts), by one all-reduce of two
+    numbers on every rank."""
+    mine = loss is not None and mesh.is_last_stage and mesh.coords.tp == 0
+    both = torch.tensor([loss if mine else 0.0, float(mine)], dtype=torch.float64,
+                        device=device)
+    ops.all_reduce(both)
+    return (both[0] / both[1]).item()
+
+
+def trainer_record(cfg, losses: list[float]) -> dict:
+    """What ``trainer.json`` keeps besides the step: the configuration that shapes the
+    training and the loss of every step so far."""
+    return {"config": {name: getattr(cfg, name, None) for name in SAME_TRAINING + SAME_LAYOUT},
+            "losses": list(losses)}
+
+
+class Progress:
+    """One line per step (``step 3/6 [#####-----] loss 4.0122  45 ms``), rewritten in place on
+    a terminal. ``fd``: where to write (a forked rank's stdout is captured; the launching
+    terminal's is passed down), else this process's stdout."""
+
+    WIDTH = 20
+
+    def __init__(self, total: int, fd: int | None):
+        self.total, self.last = total, time.perf_counter()
+        self.out = os.fdopen(fd, "w", closefd=False) if fd is not None else sys.stdout
+        self.tty = self.out.isatty()
+
+    def note(self, text: str) -> None:
+        print(text, file=self.out, flush=True)
+
+    def update(self, done: int, loss: float, saved: bool) -> None:
+        now = time.perf_counter()
+        filled = round(self.WIDTH * done / self.total)
+        line = (f"step {done}/{self.total} [{'#' * filled}{'-' * (self.WIDTH - filled)}] "
+                f"loss {loss:.4f}  {(now - self.last) * 1e3:.0f} ms"
+                + ("  (checkpoint saved)" if saved else ""))
+        self.last = now
+        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n",
+              file=self.out, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            print(file=self.out, flush=True)

@@ -1,0 +1,175 @@
+"""engine train --save/--resume: a run killed mid-training and resumed from its last checkpoint
+ends bit-identical to the uninterrupted run (loss curve, parameters, optimizer state) for
+every strategy; checkpoints are atomic, pruned, and bad input is refused clearly."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from engine import LaunchError
+from engine.__main__ import main as engine_main
+from engine.checkpoints import complete, step_dir
+from engine.zero.checkpoint import MANIFEST, consolidate, consolidate_optimizer
+from tests.helpers import descendants
+
+LAYOUTS = {
+    "DDP": ["--dp", "2", "--zero", "0"],
+    "ZeRO-1": ["--dp", "2", "--zero", "1"],
+    "ZeRO-2": ["--dp", "2", "--zero", "2"],
+    "ZeRO-3": ["--dp", "3", "--zero", "3"],  # three ranks: every unit padded
+    "TP": ["--tp", "2"],
+    "PP": ["--pp", "2"],
+    "3D": ["--dp", "2", "--tp", "2", "--pp", "2"],
+}
+STEPS = ["--steps", "4"]  # a warm-up step and 4 timed ones: 5 optimizer steps
+
+
+def train(*args: str) -> int:
+    return engine_main(["train", *STEPS, *args])
+
+
+def parts(directory) -> list[tuple[int, int]]:
+    mesh = json.loads((directory / MANIFEST).read_text())["mesh"]
+    return [(t, p) for t in range(mesh["tp"]) for p in range(mesh["pp"])]
+
+
+def assert_same_checkpoint(a, b) -> None:
+    """Every part's parameters and optimizer state, and the loss curve: bit for bit."""
+    assert json.loads((a / "trainer.json").read_text()) == \
+        json.loads((b / "trainer.json").read_text())
+    assert parts(a) == parts(b)
+    for t, p in parts(a):
+        for x, y in ((consolidate(a, tp=t, pp=p), consolidate(b, tp=t, pp=p)),
+                     *zip(consolidate_optimizer(a, tp=t, pp=p).elementwise.values(),
+                          consolidate_optimizer(b, tp=t, pp=p).elementwise.values())):
+            assert x.keys() == y.keys()
+            for name in x:
+                assert torch.equal(x[name], y[name]), (t, p, name)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_killed_and_resumed_equals_uninterrupted(layout, tmp_path, capsys):
+    args = LAYOUTS[layout]
+    assert train(*args, "--save", str(tmp_path / "whole")) == 0
+    capsys.readouterr()
+    killed = tmp_path / "killed"
+    with pytest.raises(LaunchError, match=r"rank \d was killed by signal SIGKILL"):
+        train(*args, "--save", str(killed), "--save-every", "2", "--kill-at-step", "3")
+    assert [p.name for p in complete(killed)] == ["step-00000002"]  # step 3 was never saved
+    capsys.readouterr()
+    assert train(*args, "--save", str(killed), "--save-every", "2", "--resume") == 0
+    out = capsys.readouterr().out
+    assert f"resumed from {step_dir(killed, 2)} after step 2" in out
+    losses = re.search(r"loss per step[^:]*: (.*)", out).group(1)
+    assert len(re.findall(r"\d\.\d{4}", losses)) == 5  # the whole curve, steps 1-2 saved
+    assert re.search(r"^(\d\.\d{4}, ){2}\d\.\d{4} \(resumed here, warm-up\), ", losses)
+    assert_same_checkpoint(tmp_path / "whole" / "step-00000005", killed / "step-00000005")
+    assert descendants() == []
+
+
+def test_a_resumed_launch_meters_without_changing_a_bit(tmp_path, capsys):
+    """Only a run's step 0 counts bytes on the wire (the counted all-reduce rounds otherwise
+    than Gloo's at 4 ranks); a resumed launch runs the built-ins, its bytes modeled."""
+    assert train("--dp", "4", "--zero", "2", "--save", str(tmp_path / "whole")) == 0
+    assert "counted on the wire" in capsys.readouterr().out
+    assert train("--dp", "4", "--zero", "2", "--save", str(tmp_path / "part"),
+                 "--steps", "1") == 0
+    capsys.readouterr()
+    assert train("--dp", "4", "--zero", "2", "--save", str(tmp_path / "part"), "--resume") == 0
+    assert "built-in collectives modeled" in capsys.readouterr().out
+    assert_same_checkpoint(tmp_path / "whole" / "step-00000005",
+                           tmp_path / "part" / "step-00000005")
+
+
+def test_keeps_the_newest_checkpoints_and_ignores_a_half_written_one(tmp_path, capsys):
+    half = tmp_path / ".step-00000009.tmp"  # what a save that died midway leaves
+    half.mkdir(parents=True)
+    (half / "rank0-of2.pt").write_bytes(b"partial")
+    assert train("--dp", "2", "--save", str(tmp_path), "--save-every", "1", "--keep",
+                 "3") == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step-00000003", "step-00000004", "step-00000005"]  # the leftover removed too
+    for checkpoint in complete(tmp_path):
+        assert sorted(p.name for p in checkpoint.iterdir()) == [
+            "manifest.json", "rank0-of2.pt", "rank1-of2.pt", "trainer.json"]
+
+
+def test_the_same_command_starts_a_run_and_resumes_it(tmp_path, capsys):
+    """--resume with nothing saved yet starts at step 0, as torchrun's first attempt does;
+    once the run is complete it has nothing left to do."""
+    assert train("--save", str(tmp_path), "--resume") == 0
+    assert "resumed" not in capsys.readouterr().out
+    assert train("--save", str(tmp_path), "--resume") == 0
+    assert "holds all 5 steps of this run: nothing to do" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--save-every", "0", "--save", "D"],
+     "--save-every (steps between checkpoints) must be a positive int, got 0"),
+    (["--save-every", "2"], "--save-every needs --save DIR"),
+    (["--resume"], "--resume needs --save DIR"),
+    (["--save", "D", "--reshard"], "--reshard re-cuts the checkpoint --resume loads"),
+    (["--save", "D", "--keep", "0"], "--keep must be a positive int, got 0"),
+    (["--save", "D", "--impl", "torch", "--dp", "1"], "--save writes the engine's sharded"),
+    (["--save", "D", "--dp", "2", "--zero", "0", "--compress", "fp16"],
+     "use --impl engine without --compress"),
+    (["--kill-rank", "5", "--dp", "2"], "--kill-rank 5 is not a rank of this run (0 to 1)"),
+    (["--seed", "-1"], "--seed must be an int >= 0, got -1"),
+    (["--timeout", "0"], "--timeout must be a positive number, got 0.0"),
+])
+def test_bad_checkpoint_options_are_refused_before_any_rank_starts(args, message, capsys,
+                                                                  tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert train(*args) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "D").exists()
+
+
+def test_resuming_another_run_is_refused_before_any_rank_starts(tmp_path, capsys):
+    directory = str(tmp_path)
+    assert train("--dp", "2", "--save", directory, "--steps", "1") == 0
+    capsys.readouterr()
+    refusals = [
+        ([], "already holds checkpoints (the newest: step-00000002); pass --resume"),
+        (["--resume", "--model", "small"], "was saved by a run with --model tiny, this run "
+                                           "has --model small"),
+        (["--resume", "--seed", "3"], "--seed 0, this run has --seed 3"),
+        (["--resume", "--lr", "0.02"], "--lr 0.01, this run has --lr 0.02"),
+        (["--resume", "--tp", "2", "--dp", "1"],
+         "saved at dp 2 x tp 1 x pp 1, ZeRO-1, 2 micro-batches of 4, this run asks for dp 1 "
+         "x tp 2 x pp 1, ZeRO-1, 2 micro-batches of 4; a sharded checkpoint fits only its own "
+         "layout: pass --reshard"),
+        (["--resume", "--reshard", "--tp", "2", "--dp", "1"],
+         "trained on global batches of 16 sequences (dp x microbatches x micro-batch), this "
+         "run's are 8"),
+        (["--resume", "--steps", "0"], "--steps must be a positive int"),
+    ]
+    for args, message in refusals:
+        assert engine_main(["train", "--dp", "2", "--save", directory, "--steps", "4",
+                            *args]) == 2, args
+        assert message in capsys.readouterr().err, args
+
+
+def _corrupt(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_missing_or_corrupted_shard_is_named(tmp_path, capsys):
+    directory = str(tmp_path)
+    assert train("--dp", "2", "--save", directory, "--steps", "1") == 0
+    shard = step_dir(tmp_path, 2) / "rank1-of2.pt"
+    _corrupt(shard)
+    with pytest.raises(LaunchError, match=r"rank \d raised CheckpointError: .*rank1-of2.pt is "
+                                          "corrupted: its SHA-256 does not match the manifest"):
+        train("--dp", "2", "--save", directory, "--resume")
+    shard.unlink()
+    with pytest.raises(LaunchError, match=r"rank1-of2.pt is missing: the manifest lists 2 "
+                                          r"shard files"):
+        train("--dp", "2", "--save", directory, "--resume")
+    assert descendants() == []
