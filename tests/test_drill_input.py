@@ -281,3 +281,20 @@ def test_units_with_two_common_forms_say_how_the_other_reads(name):
     reads, converted."""
     other = {"MB": "MiB", "GB": "GiB", "TB": "TiB", "%": "82%", "fraction": "25%"}[name]
     assert other in UNITS[name].note
+
+
+def test_the_notebook_widget_asks_again_for_what_it_cannot_read(tmp_path):
+    pytest.importorskip("ipywidgets")
+    from engine.viz.drill import drill_widget
+
+    path = tmp_path / "drill.json"
+    seed, q = _first("numeric")
+    body, answer, buttons, result = drill_widget(count=1, seed=seed, scores_path=path).children
+    check, _ = buttons.children
+    answer.value = "about two hundred"
+    check.click()
+    assert "could not read" in result.value and not path.exists()  # not graded, not saved
+    answer.value = f"{q.answer:.6g} {q.unit}"
+    check.click()
+    assert "right" in result.value and show(q.answer, q.unit) in result.value
+    assert json.loads(path.read_text())[q.topic] == {"right": 1, "total": 1}

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import html
+
+from engine.drill.answers import Unreadable, show as show_value
 from engine.drill.bank import Scores, draw
 
 
@@ -37,11 +40,16 @@ def drill_widget(count: int = 10, topic: str | None = None, seed: int | None = N
 
     def on_check(_):
         q = questions[state["i"]]
-        correct = q.grade(answer.value)
+        try:
+            correct = q.grade(q.read(answer.value))
+        except Unreadable as e:  # asked again, never graded
+            result.value = html.escape(f"could not read {answer.value!r}: {q.how_to_answer()} "
+                                       f"({e}).")
+            return
         state["right"] += correct
         scores.record(q, correct)
         scores.save()
-        shown = q.answer if q.kind == "numeric" else (
+        shown = show_value(q.answer, q.unit) if q.kind == "numeric" else (
             chr(ord("a") + q.answer) if q.kind == "choice" else "")
         evidence = f"<br>evidence: {q.evidence[0]}, “{q.evidence[1]}”" if q.evidence else ""
         result.value = (f"<b style='color:{'green' if correct else 'crimson'}'>"
