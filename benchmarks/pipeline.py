@@ -48,7 +48,7 @@ def zero_bubble_table(p, rows, width, m, repeats):
     lines = []
     for kind in ("1f1b", "zb_h1", "zb_v"):
         schedule, placement, v = schedule_by_name(kind, p, m)
-        measured, simulated, formula = [], [], []
+        measured, simulated, formula, costs = [], [], [], []
         for _ in range(repeats):
             runs = launch(pipeline_step, p, kind, m, uniform_boundaries(8, p * v),
                           [width] * 8, rows)
@@ -58,14 +58,17 @@ def zero_bubble_table(p, rows, width, m, repeats):
             sim = simulate(schedule, t_f=times["F"], t_b=times["B"], t_w=w,
                            placement=placement)
             measured.append(list(measured_idle(events).values()))
+            costs.append([times[k][s] if k in times else 0.0 for s in range(p) for k in "FBW"])
             simulated.append([idle / sim.total for idle in sim.idle().values()])
             if kind == "zb_h1":
                 t_f, t_b, t_w = (statistics.mean(times[k]) for k in "FBW")
                 formula.append(theory.zb_h1_bubble_fraction(p, m, t_f, t_b, t_w)
-                               if t_w <= min(t_f, t_b) else float("nan"))
+                               if t_w <= min(t_f, t_b) else None)
+        known = [f for f in formula if f is not None]
         lines.append((kind, [statistics.median(x) for x in zip(*measured)],
                       [statistics.median(x) for x in zip(*simulated)],
-                      statistics.median(formula) if formula else None, runs))
+                      (statistics.median(known) if known else "W > F or B") if formula
+                      else None, [statistics.median(x) for x in zip(*costs)], runs))
     return lines
 
 
@@ -88,9 +91,19 @@ def main(argv=None):
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--m", type=int, default=8, help="micro-batches, zero-bubble table")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--zero-bubble-only", action="store_true",
+                        help="only the zero-bubble table")
     args = parser.parse_args(argv)
     print(f"p = {args.p} Gloo ranks, 8 blocks of width {args.width}, {args.rows} rows per "
           "micro-batch")
+    if not args.zero_bubble_only:
+        print_bubble_table(args)
+    print_zero_bubble_table(args)
+    if not args.zero_bubble_only:
+        print_imbalance(args)
+
+
+def print_bubble_table(args):
     print(f"{'schedule':<8}{'m':>3}{'measured':>10}{'simulated*':>11}{'formula':>9}"
           f"{'peak activation KB per stage':>31}")
     for kind, m, measured, simulated, formula, peaks in bubble_table(args.p, args.rows,
@@ -98,21 +111,29 @@ def main(argv=None):
         print(f"{kind:<8}{m:>3}{measured:>10.3f}{simulated:>11.3f}{formula:>9.3f}   "
               + ", ".join(f"{b // 1024}" for b in peaks))
     print("* the simulator fed with each stage's measured forward and backward times")
+
+
+def print_zero_bubble_table(args):
     print(f"\nzero-bubble schedules, p = {args.p}, m = {args.m}, median of {args.repeats} "
           "launches: idle share of the run per stage")
     print(f"{'schedule':<8}{'measured':>16}{'simulated*':>18}{'ZB-H1 formula':>15}   "
-          "per stage: peak held MB (of it output gradients for W); one micro-batch's "
-          "activations / W-stash MB")
-    for kind, measured, simulated, formula, runs in zero_bubble_table(
+          "per stage: F/B/W ms; peak held MB (of it output gradients for W); one "
+          "micro-batch's activations / W-stash MB")
+    for kind, measured, simulated, formula, costs, runs in zero_bubble_table(
             args.p, args.rows, args.width, args.m, args.repeats):
-        memory = "; ".join(
-            f"{r.peak_activation_bytes / MB:.0f} ({r.peak_grad_stash_bytes / MB:.0f}); "
+        per_stage = " | ".join(
+            "/".join(f"{t * 1e3:.0f}" for t in costs[3 * s:3 * s + 3])
+            + f"; {r.peak_activation_bytes / MB:.0f} ({r.peak_grad_stash_bytes / MB:.0f}); "
             f"{sum(r.activation_bytes.values()) / MB:.0f} / "
-            f"{sum(r.weight_stash_bytes.values()) / MB:.0f}" for r in runs)
+            f"{sum(r.weight_stash_bytes.values()) / MB:.0f}" for s, r in enumerate(runs))
+        shown = "" if formula is None else formula if isinstance(formula, str) else \
+            f"{formula:.3f}"
         print(f"{kind:<8}{', '.join(f'{x:.3f}' for x in measured):>16}"
-              f"{', '.join(f'{x:.3f}' for x in simulated):>18}"
-              f"{'' if formula is None else f'{formula:.3f}':>15}   {memory}")
+              f"{', '.join(f'{x:.3f}' for x in simulated):>18}{shown:>15}   {per_stage}")
     print("* with each stage's measured F, B and W times (a V schedule: per chunk x 2)")
+
+
+def print_imbalance(args):
     times, result = imbalance(args.rows, args.width)
     print("\nimbalanced model (blocks 0-1 are 4x wider), p = 2, 1F1B, m = 8")
     print("profiled fwd+bwd ms per block: " + ", ".join(f"{t * 1e3:.1f}" for t in times))

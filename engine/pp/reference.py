@@ -6,9 +6,10 @@ the stages' sizes alone. Stand-ins that carry only those sizes (``num_stages``,
 ``group_size``, ``group_rank``, ``submod``) are enough to build one, so no process group,
 model or step is needed. PyTorch names the actions by global stage index; here they become
 :class:`engine.pp.actions.Action` s on the rank's chunk (``F``; ``I``, its input gradient, as
-``B``; ``W``), a full backward ``B`` as ``B`` then ``W`` in a schedule that has W's, and an ``OVERLAP_F_B`` pair (DualPipe
-runs a forward and a backward together) as its two parts in order. Empty slots and
-bookkeeping actions (``REDUCE_GRAD``: where data parallelism would reduce) are dropped.
+``B``; ``W``), a full backward ``B`` as ``B`` then ``W`` in a schedule that has W's, and an
+``OVERLAP_F_B`` pair (DualPipe runs a forward and a backward together) as its two parts in
+order. Empty slots and bookkeeping actions (``REDUCE_GRAD``: where data parallelism would
+reduce) are dropped.
 """
 
 from __future__ import annotations

@@ -157,7 +157,7 @@ def run_pipeline(chunks: list[nn.Module], schedule, inputs: list[torch.Tensor],
     clock = Clock(first_param.device)  # CUDA events on a GPU: execution, not launch, times
     params = [q for c in chunks for q in c.parameters()]
     stored, waiting, marks = {}, {}, []
-    held = peak = in_flight = peak_flight = grads_held = peak_grads = 0
+    held = peak = in_flight = peak_flight = grads_held = peak_grads = pending = peak_pending = 0
     per_chunk: dict[int, int] = {}
     stash_per_chunk: dict[int, int] = {}
     total_loss = 0.0
@@ -180,7 +180,7 @@ def run_pipeline(chunks: list[nn.Module], schedule, inputs: list[torch.Tensor],
             stored[mb, c] = (x, out, acts.bytes, stash)
             per_chunk.setdefault(c, acts.bytes)
             held += acts.bytes
-            in_flight += 1
+            in_flight, pending = in_flight + 1, pending + 1
             if vs == last:
                 total_loss += out.item()
             else:
@@ -193,9 +193,9 @@ def run_pipeline(chunks: list[nn.Module], schedule, inputs: list[torch.Tensor],
             out.backward(grad)
             end = clock.mark()
             held -= nbytes
-            in_flight -= 1
+            in_flight, pending = in_flight - 1, pending - (0 if split else 1)
             if split:  # what W needs stays: each linear layer's input and output gradient
-                kept = unique_storage_bytes([t for x_, dy, *_ in stash for t in (x_, dy)])
+                kept = unique_storage_bytes([t for inp, dy, *_ in stash for t in (inp, dy)])
                 grads = unique_storage_bytes([dy for _, dy, *_ in stash])
                 waiting[mb, c] = (stash, kept, grads)
                 stash_per_chunk.setdefault(c, kept)
@@ -207,9 +207,9 @@ def run_pipeline(chunks: list[nn.Module], schedule, inputs: list[torch.Tensor],
             start = clock.mark()
             apply_weight_grads(stash)
             end = clock.mark()
-            held, grads_held = held - kept, grads_held - grads
+            held, grads_held, pending = held - kept, grads_held - grads, pending - 1
         peak, peak_flight = max(peak, held), max(peak_flight, in_flight)
-        peak_grads = max(peak_grads, grads_held)
+        peak_grads, peak_pending = max(peak_grads, grads_held), max(peak_pending, pending)
         marks.append((kind, mb, c, start, end))
     link.finish()
     events = [TraceEvent(f"{kind}{mb}", stage, clock.seconds(start), clock.seconds(end),
@@ -217,16 +217,7 @@ def run_pipeline(chunks: list[nn.Module], schedule, inputs: list[torch.Tensor],
               for kind, mb, c, start, end in marks]
     holds_last = rank_of(last, p, placement) == stage
     return PipelineRun(total_loss if holds_last else None, events, peak, per_chunk, peak_flight,
-                       stash_per_chunk, peak_grads, _peak_held(schedule[stage], split))
-
-
-def _peak_held(actions, split: bool) -> int:
-    """The most micro-batch chunks between their F and their last backward action."""
-    held = peak = 0
-    for a in actions:
-        held += {"F": 1, "B": 0 if split else -1, "W": -1}[a.kind]
-        peak = max(peak, held)
-    return peak
+                       stash_per_chunk, peak_grads, peak_pending)
 
 
 def measured_idle(events: list[TraceEvent]) -> dict[int, float]:

@@ -29,6 +29,19 @@ from torch.overrides import TorchFunctionMode
 Stashed = tuple  # (X, dY, weight, bias or None)
 
 
+def linear_input_grad(grad_out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """B of ``Y = X Wᵀ + b``: ``dX = dY W`` (any leading dimensions)."""
+    return grad_out @ weight
+
+
+def linear_weight_grad(x: torch.Tensor, grad_out: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """W of ``Y = X Wᵀ + b``: ``(dW, db) = (dYᵀ X, Σ dY)``, summed over every leading
+    dimension (every row of the micro-batch)."""
+    dy = grad_out.reshape(-1, grad_out.shape[-1])
+    return dy.t() @ x.reshape(-1, x.shape[-1]), dy.sum(0)
+
+
 class _LinearInputGradOnly(torch.autograd.Function):
     """``F.linear`` whose backward gives ``dX = dY W`` and stashes ``X, dY`` for W."""
 
@@ -42,7 +55,7 @@ class _LinearInputGradOnly(torch.autograd.Function):
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
         ctx.stash.append((x, grad_out, ctx.weight, ctx.bias))
-        grad_x = grad_out @ ctx.weight if ctx.needs_input_grad[0] else None
+        grad_x = linear_input_grad(grad_out, ctx.weight) if ctx.needs_input_grad[0] else None
         return grad_x, None, None, None
 
 
@@ -78,10 +91,10 @@ def apply_weight_grads(stash: list[Stashed]) -> None:
     """W: add each stashed layer's ``dW = dYᵀ X`` (and ``db = Σ dY``) to ``.grad``, then drop
     the stash."""
     for x, grad_out, weight, bias in stash:
-        dy = grad_out.reshape(-1, grad_out.shape[-1])
-        _accumulate(weight, dy.t() @ x.reshape(-1, x.shape[-1]))
+        grad_weight, grad_bias = linear_weight_grad(x, grad_out)
+        _accumulate(weight, grad_weight)
         if bias is not None:
-            _accumulate(bias, dy.sum(0))
+            _accumulate(bias, grad_bias)
     stash.clear()
 
 
