@@ -10,7 +10,8 @@ from torch import nn
 from engine import theory
 from engine.pp import (Action, balanced_boundaries, gpipe, interleaved_1f1b, measured_bubble,
                        one_f_one_b, run_pipeline, simulate, split_model, uniform_boundaries,
-                       validate)
+                       validate, virtual_stages)
+from engine.pp.experiments import schedule_by_name
 from engine.pp.reference import torch_order
 from tests.helpers import BEYOND_CPU, DEVICE_WORLD_SIZES, rank_device, run_ranks
 
@@ -157,34 +158,33 @@ def _data(m, rows=4):
     return list(x.chunk(m)), list(y.chunk(m))
 
 
-def _schedule(kind, p, m, v):
-    return {"gpipe": lambda: gpipe(p, m), "1f1b": lambda: one_f_one_b(p, m),
-            "interleaved": lambda: interleaved_1f1b(p, m, v)}[kind]()
-
-
 def _train(rank, p, kind, m, v, steps, device="cpu"):
+    """``steps`` training steps of schedule ``kind`` (``schedule_by_name``: ``v`` counts for
+    the interleaved one) against one process; (first gradients' and last parameters' largest
+    difference, the last run)."""
+    schedule, placement, v = schedule_by_name(kind, p, m, v)
     on = rank_device(device)
     xs, ys = ([t.to(on) for t in ts] for ts in _data(m))
     ref = _model().to(on)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     pieces = split_model(_model().to(on), uniform_boundaries(16, p * v))
     ref_pieces = split_model(ref, uniform_boundaries(16, p * v))
-    mine = [pieces[c * p + rank] for c in range(v)]
+    held = virtual_stages(rank, p, v, placement)
+    mine, theirs = [pieces[i] for i in held], [ref_pieces[i] for i in held]
     opt = torch.optim.SGD([q for c in mine for q in c.parameters()], lr=0.1)
     grad_diff, runs = None, []
     for _ in range(steps):
         ref_opt.zero_grad()
         (sum(nn.functional.mse_loss(ref(a), b) for a, b in zip(xs, ys)) / m).backward()
         opt.zero_grad()
-        runs.append(run_pipeline(mine, _schedule(kind, p, m, v), xs, ys, stage=rank))
+        runs.append(run_pipeline(mine, schedule, xs, ys, stage=rank, placement=placement))
         if grad_diff is None:
             grad_diff = max((a.grad - b.grad).abs().max().item() for c in range(v)
-                            for a, b in zip(mine[c].parameters(),
-                                            ref_pieces[c * p + rank].parameters()))
+                            for a, b in zip(mine[c].parameters(), theirs[c].parameters()))
         ref_opt.step()
         opt.step()
     param_diff = max((a - b).abs().max().item() for c in range(v)
-                     for a, b in zip(mine[c].parameters(), ref_pieces[c * p + rank].parameters()))
+                     for a, b in zip(mine[c].parameters(), theirs[c].parameters()))
     return grad_diff, param_diff, runs[-1]
 
 

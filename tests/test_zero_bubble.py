@@ -9,15 +9,14 @@ import itertools
 from collections import Counter
 
 import pytest
-import torch
-from torch import nn
 
 from engine import theory
-from engine.pp import (Action, one_f_one_b, rank_of, run_pipeline, simulate, split_model,
-                       uniform_boundaries, validate, virtual_stage, virtual_stages)
+from engine.pp import (Action, one_f_one_b, rank_of, simulate, validate, virtual_stage,
+                       virtual_stages)
 from engine.pp.reference import torch_order
 from engine.pp.zero_bubble import dualpipe_v, zb_h1, zb_v
 from tests.helpers import run_ranks
+from tests.test_pp import _train  # the runtime against one process, any schedule
 
 SCHEDULES = {"zb_h1": (zb_h1, "interleaved"), "zb_v": (zb_v, "v"),
              "dualpipe_v": (dualpipe_v, "v")}
@@ -166,57 +165,16 @@ def test_zb_h1_order_equals_pytorchs_zero_bubble_schedule_with_one_stage_per_ran
 
 # -- the runtime ------------------------------------------------------------------------------
 
-def _model(layers=8, width=16):
-    torch.manual_seed(0)
-    modules = []
-    for _ in range(layers):
-        modules += [nn.Linear(width, width), nn.Tanh()]
-    return nn.Sequential(*modules)
-
-
-def _data(m, rows=4):
-    x = torch.randn(rows * m, 16, generator=torch.Generator().manual_seed(1))
-    y = torch.randn(rows * m, 16, generator=torch.Generator().manual_seed(2))
-    return list(x.chunk(m)), list(y.chunk(m))
-
-
-def _train(rank, p, name, m, steps):
-    make, placement = SCHEDULES.get(name, (one_f_one_b, "interleaved"))
-    v = 2 if placement == "v" else 1
-    xs, ys = _data(m)
-    ref = _model()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    cuts = uniform_boundaries(16, p * v)
-    pieces, ref_pieces = split_model(_model(), cuts), split_model(ref, cuts)
-    held = virtual_stages(rank, p, v, placement)
-    mine, theirs = [pieces[i] for i in held], [ref_pieces[i] for i in held]
-    opt = torch.optim.SGD([q for c in mine for q in c.parameters()], lr=0.1)
-    grad_diff, runs = None, []
-    for _ in range(steps):
-        ref_opt.zero_grad()
-        (sum(nn.functional.mse_loss(ref(a), b) for a, b in zip(xs, ys)) / m).backward()
-        opt.zero_grad()
-        runs.append(run_pipeline(mine, make(p, m), xs, ys, stage=rank, placement=placement))
-        if grad_diff is None:
-            grad_diff = max((a.grad - b.grad).abs().max().item() for c in range(v)
-                            for a, b in zip(mine[c].parameters(), theirs[c].parameters()))
-        ref_opt.step()
-        opt.step()
-    param_diff = max((a - b).abs().max().item() for c in range(v)
-                     for a, b in zip(mine[c].parameters(), theirs[c].parameters()))
-    return grad_diff, param_diff, runs[-1]
-
-
 @pytest.mark.parametrize("name, p, m", [("zb_h1", 2, 4), ("zb_h1", 4, 8), ("zb_h1", 4, 3),
                                         ("zb_v", 2, 4), ("zb_v", 4, 8), ("zb_v", 4, 5),
                                         ("dualpipe_v", 2, 4), ("dualpipe_v", 4, 8)])
 def test_split_backward_gradients_and_training_equal_one_process(name, p, m):
-    for grad_diff, param_diff, run in run_ranks(_train, p, name, m, 3):
+    for grad_diff, param_diff, run in run_ranks(_train, p, name, m, 2, 3):
         assert grad_diff <= 1e-6 and param_diff <= 1e-6
 
 
 def test_w_runs_after_its_b_and_the_last_rank_of_the_v_is_rank_0():
-    runs = [run for _, _, run in run_ranks(_train, 2, "zb_v", 4, 1)]
+    runs = [run for _, _, run in run_ranks(_train, 2, "zb_v", 4, 2, 1)]
     assert runs[0].loss is not None and runs[1].loss is None  # stage 2p-1 lives on rank 0
     for stage, run in enumerate(runs):
         assert [(e.args["kind"], e.args["mb"], e.args["chunk"]) for e in run.events] == \
@@ -237,7 +195,7 @@ def test_memory_held_per_stage_is_the_orders_count_times_the_measured_sizes(name
     p, m = 2, 4
     make, placement = SCHEDULES.get(name, (one_f_one_b, "interleaved"))
     v = 2 if placement == "v" else 1
-    runs = [run for _, _, run in run_ranks(_train, p, name, m, 1)]
+    runs = [run for _, _, run in run_ranks(_train, p, name, m, 2, 1)]
     for stage, run in enumerate(runs):
         order = make(p, m)[stage]
         split = name != "1f1b"
