@@ -1,0 +1,53 @@
+"""engine.validation: one message shape for every bad argument, bool refused as a number."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine.validation import (divides, fraction, non_negative_int, one_of, positive_int,
+                               positive_number)
+
+
+@pytest.mark.parametrize("check, value, message", [
+    (positive_int, 0, "x must be a positive int, got 0"),
+    (positive_int, True, "x must be a positive int, got True"),
+    (positive_int, 2.0, "x must be a positive int, got 2.0"),
+    (non_negative_int, -1, "x must be an int >= 0, got -1"),
+    (non_negative_int, False, "x must be an int >= 0, got False"),
+    (positive_number, 0, "x must be a positive number, got 0"),
+    (positive_number, True, "x must be a positive number, got True"),
+    (positive_number, math.inf, "x must be a positive number, got inf"),
+    (positive_number, "1", "x must be a positive number, got '1'"),
+    (fraction, 1.5, "x must be a number in \\(0, 1\\], got 1.5"),
+    (fraction, 0, "x must be a number in \\(0, 1\\], got 0"),
+])
+def test_each_check_names_the_argument_and_the_value(check, value, message):
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        check("x", value)
+
+
+def test_good_values_come_back_unchanged():
+    assert positive_int("x", 3) == 3
+    assert non_negative_int("x", 0) == 0
+    assert positive_number("x", 0.5) == 0.5
+    assert fraction("x", 1) == 1 and fraction("x", 0, open_low=False) == 0
+    assert one_of("x", "b", ("a", "b")) == "b"
+    divides("t", 4, "heads", 8)
+
+
+def test_one_of_and_divides_say_what_was_expected():
+    with pytest.raises(ValueError, match="x must be one of 'a', 'b'; got 'c'"):
+        one_of("x", "c", ("a", "b"))
+    with pytest.raises(ValueError, match="x must be one of 0, 1; got True"):
+        one_of("x", True, (0, 1))
+    with pytest.raises(ValueError, match=r"t = 3 must divide heads = 8 \(8 % 3 = 2\)"):
+        divides("t", 3, "heads", 8)
+
+
+def test_the_trainer_refuses_a_bool_degree_before_any_rank_starts():
+    from engine.train import TrainConfig, check_config
+
+    with pytest.raises(ValueError, match="--dp must be a positive int, got True"):
+        check_config(TrainConfig(dp=True))
