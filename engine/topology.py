@@ -33,6 +33,17 @@ class Coordinates:
     pp: int
 
 
+def new_groups(groups: list[list[int]], rank: int):
+    """Create every group of ``groups`` (every rank must call this, with the same lists in the
+    same order, as ``dist.new_group`` requires); return the one holding ``rank``."""
+    mine = None
+    for ranks in groups:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
 class Mesh:
     """The (dp, tp, pp) layout of the world, with ``.dp_group``, ``.tp_group``, ``.pp_group``
     and ``.embedding_group`` for this rank."""
@@ -76,13 +87,7 @@ class Mesh:
                 for d in range(self.dp) for t in range(self.tp)]
 
     def _build(self, groups):
-        """Create every group (all ranks, same order); return the one holding this rank."""
-        mine = None
-        for ranks in groups:
-            group = dist.new_group(ranks)
-            if self.rank in ranks:
-                mine = group
-        return mine
+        return new_groups(groups, self.rank)
 
     # -- neighbours ------------------------------------------------------------------------------
 

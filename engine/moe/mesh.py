@@ -28,6 +28,7 @@ from torch import nn
 
 from engine.comm import ops
 from engine.moe.gpt import expert_parameters
+from engine.topology import new_groups
 from engine.validation import positive_int
 
 
@@ -53,18 +54,11 @@ class ExpertMesh:
         self.ep, self.dp = ep, dp
         self.rank = dist.get_rank()
         self.dp_index, self.ep_index = divmod(self.rank, ep)
-        self.ep_group = self._build([[d * ep + e for e in range(ep)] for d in range(dp)])
-        self.expert_dp_group = self._build([[d * ep + e for d in range(dp)] for e in range(ep)])
+        self.ep_group = new_groups([[d * ep + e for e in range(ep)] for d in range(dp)],
+                                   self.rank)
+        self.expert_dp_group = new_groups([[d * ep + e for d in range(dp)] for e in range(ep)],
+                                          self.rank)
         self.dense_group = None  # the default group: every rank
-
-    def _build(self, groups):
-        """Create every group (all ranks, same order); return the one holding this rank."""
-        mine = None
-        for ranks in groups:
-            group = dist.new_group(ranks)
-            if self.rank in ranks:
-                mine = group
-        return mine
 
     def __repr__(self) -> str:
         return f"ExpertMesh(ep={self.ep}, dp={self.dp})"
