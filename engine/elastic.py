@@ -51,6 +51,23 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+def check_restartable() -> None:
+    """Refuse, on the first attempt, a torchrun that could not restart its workers.
+
+    By default torchrun's workers share the rendezvous's TCP store, and each restart's
+    workers find the previous attempt's keys in it: a restarted Gloo group reads the dead
+    workers' addresses and fails ("Gloo connectFullMesh failed ... Connection refused";
+    measured with torch 2.13; pytorch/pytorch#135712 describes the same for NCCL).
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives every attempt a fresh store."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise ValueError(
+            f"torchrun --max-restarts {restarts} with the rendezvous store shared with the "
+            "workers: a restarted worker would read the previous attempt's addresses from it "
+            "and fail to connect. Start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in "
+            "its environment (each attempt then gets a fresh store)")
+
+
 def die_with_agent() -> None:
     """Be killed (SIGKILL) when the process that started this one dies: the torchrun agent."""
     parent = os.getppid()

@@ -370,9 +370,10 @@ def main(argv=None) -> int:
         check_config(cfg, world)
         backend = resolve_backend(args.backend, world)
         if _under_torchrun():
-            from engine.elastic import die_with_agent
+            from engine.elastic import check_restartable, die_with_agent
 
             die_with_agent()  # an agent that dies takes its workers along: no orphans
+            check_restartable()
         from engine.train_run import resume_point, total_steps
 
         point = resume_point(cfg)
@@ -385,10 +386,14 @@ def main(argv=None) -> int:
         return 0
     if is_global_rank_zero():
         print(f"training on {world} rank(s), {backend}...", flush=True)
-    progress_fd = _progress_fd(backend)
+    progress_fd, run = _progress_fd(backend), launch
+    if _under_torchrun():  # torchrun's summary then shows the worker's error, not a link
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        run = record(launch)
     try:
-        results = launch(train_on_rank, world, cfg, point, progress_fd, backend=backend,
-                         timeout=cfg.timeout)
+        results = run(train_on_rank, world, cfg, point, progress_fd, backend=backend,
+                      timeout=cfg.timeout)
     finally:
         if progress_fd is not None:
             os.close(progress_fd)
