@@ -40,14 +40,41 @@ class CheckFailed(AssertionError):
         self.inputs = inputs
 
 
+HINT_LEVELS = ("the idea", "the API to use", "the shape of the code")
+
+
 @dataclass(frozen=True)
 class Exercise:
+    """One exercise: where the learner's code lives, the checks that grade it, three hints and
+    the engine's own answers that are switched off while it is graded.
+
+    ``hints`` are revealed one level per failed attempt (see :data:`HINT_LEVELS`): 1 the idea,
+    2 the API to use, 3 the shape of the code. ``blocks`` are dotted paths of the engine's own
+    implementations of what the exercise asks (``"engine.comm.ring.ring_all_reduce"``): while
+    the exercise is graded each raises an error saying so, wherever it was imported from.
+    """
+
     name: str  # "ch00.p2p_broadcast": chapter prefix, then the exercise
     module: str  # the module in exercises/ and solutions/, e.g. "ch00_p2p_broadcast"
     attr: str  # the function the learner writes, e.g. "p2p_broadcast"; "" grades the module
     checks: tuple[Callable[[Callable], None], ...]
-    hint: str
+    hints: tuple[str, str, str] = ()  # type: ignore[assignment]
+    blocks: tuple[str, ...] = ()
     title: str = ""
+    hint: str = ""  # deprecated, one hint for every level: give hints= instead
+
+    def __post_init__(self):
+        if self.hint and not self.hints:
+            object.__setattr__(self, "hints", (self.hint,) * len(HINT_LEVELS))
+        if (not isinstance(self.hints, tuple) or len(self.hints) != len(HINT_LEVELS)
+                or not all(isinstance(h, str) and h.strip() for h in self.hints)):
+            raise ValueError(f"{self.name}: hints must be {len(HINT_LEVELS)} non-empty strings "
+                             f"({', '.join(HINT_LEVELS)}), got {self.hints!r}")
+        if not isinstance(self.blocks, tuple) or not all(
+                isinstance(b, str) and b.startswith("engine.") and b.count(".") >= 2
+                for b in self.blocks):
+            raise ValueError(f"{self.name}: blocks must be a tuple of dotted paths inside the "
+                             f"engine (\"engine.comm.ring.ring_all_reduce\"), got {self.blocks!r}")
 
     @property
     def chapter(self) -> str:

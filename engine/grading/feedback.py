@@ -112,7 +112,7 @@ def format_report(report: Report, color: bool = True) -> str:
             lines.append(f"      {d}the ranks printed (last lines):{x}")
             lines += [f"      {d}| {line}{x}" for line in output.splitlines()]
     if show_hint(report):
-        lines.append(f"  {d}hint: {report.exercise.hint}{x}")
+        lines.append(f"  {d}hint: {report.exercise.hints[0]}{x}")
     return "\n".join(lines)
 
 
