@@ -7,7 +7,7 @@ the same job with point-to-point messages, so every byte is counted:
 =================  ================================  ===================================
 collective         algorithm                         bytes sent per rank (S = full size)
 =================  ================================  ===================================
-all_reduce         ring (:mod:`engine.comm.ring`)    2(N-1)/N·S
+all_reduce         ring (see below)                  2(N-1)/N·S
 reduce_scatter     ring reduce-scatter               (N-1)/N·S
 all_gather         ring all-gather                   (N-1)/N·S
 broadcast          chain from the root               S, except the chain's last rank
@@ -16,7 +16,15 @@ all_to_all         pairwise exchange                 S less the piece a rank kee
 =================  ================================  ===================================
 
 The same ops as the built-ins (sum, avg, max, min) and the same results: integer-valued inputs
-give the same bits (tests/test_counted.py checks every strategy both ways).
+give the same bits (tests/test_counted.py and tests/test_counted_strategies.py check every
+strategy both ways).
+
+Which ring: a sum or average on Gloo runs the tuned ring
+(:func:`engine.comm.ring_all_reduce_pipelined`): the same algorithm and the same messages as
+the readable one, counted the same way, in about half the time of a training run (a dense
+300-step run on 4 ranks: 4.7-6.4 s against 9.7-11.8 s). On NCCL, and for max and min, the
+readable ring (:mod:`engine.comm.ring`) runs: the tuned one posts receives ahead of their sends,
+which can block NCCL.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import torch.distributed as dist
 from engine.comm import ops
 from engine.comm.all_to_all import pairwise_all_to_all
 from engine.comm.ring import COMBINE, all_gather_steps, reduce_scatter_steps
+from engine.comm.ring_pipelined import ring_all_reduce_pipelined
 
 
 def op_name(op) -> str:
@@ -44,6 +53,9 @@ def _me_and_n(group) -> tuple[int, int]:
 
 def all_reduce(tensor: torch.Tensor, op, group) -> None:
     name = op_name(op)
+    if name in ("sum", "avg") and dist.get_backend(group) != "nccl":
+        ring_all_reduce_pipelined(tensor.view(-1), group, name, check=False)
+        return
     me, n = _me_and_n(group)
     chunks = list(tensor.view(-1).tensor_split(n))
     reduce_scatter_steps(chunks, group, COMBINE[name])
