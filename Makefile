@@ -1,6 +1,7 @@
 # The course's two commands (see README.md):
 #   make course   set up .venv and open JupyterLab on the course
 #   make test     set up .venv and run every test: engine tests, notebooks (nbval), grader checks
+#   make book     run every chapter and write the course as a static site to build/book/
 # Variables: PYTHON (the interpreter to build the venv from), TORCH_SPEC (the torch to install
 # when PYTHON has no torch >= 2.4 of its own), PYTEST_ARGS, JUPYTER_ARGS (e.g. --no-browser).
 
@@ -12,7 +13,7 @@ STAMP       := $(VENV)/.installed
 ROOT_FLAG   := $(if $(filter 0,$(shell id -u)),--allow-root)  # Jupyter refuses root without it
 HAS_TORCH   := import sys, torch; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(v < (2, 4))
 
-.PHONY: course test grade bench setup clean
+.PHONY: course test grade book bench setup clean
 
 setup: $(STAMP)
 
@@ -43,6 +44,9 @@ test: setup
 
 grade: setup
 	$(BIN)/python -m engine.grading --junit grade-report.xml
+
+book: setup
+	$(BIN)/python scripts/build_book.py
 
 bench: setup
 	$(BIN)/python benchmarks/launch.py
