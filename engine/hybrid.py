@@ -66,10 +66,24 @@ class GPTStage(nn.Module):
             x = F.linear(copy_to_tp(self.ln_f(x), self.mesh.tp_group), self.tok.weight)
         return x
 
-    def sync_tied_embedding(self) -> None:
-        """Sum the embedding's gradient over the first and the last stage."""
-        if self.mesh.embedding_group is not None and (self.first or self.last):
-            ops.all_reduce(self.tok.weight.grad, group=self.mesh.embedding_group)
+    def sync_tied_embedding(self, optimizer: ZeroOptimizer) -> None:
+        """Sum the embedding's gradient over the first and the last stage. At ZeRO-0/1 each
+        stage holds it whole; at ZeRO-2 its bucket already reduce-scattered it over dp in
+        backward, and the two stages' buckets cut it at different places: the bucket's
+        averaged gradient is gathered over dp, the embedding's summed over the two stages,
+        and each rank keeps its shard again."""
+        group = self.mesh.embedding_group
+        if group is None or not (self.first or self.last):
+            return
+        weight = self.tok.weight
+        if weight.grad is not None:
+            ops.all_reduce(weight.grad, group=group)
+            return
+        bucket = optimizer.launcher.bucket_of[weight]
+        full = bucket.new_flat()
+        ops.all_gather_into_tensor(full, bucket.shard_grad, group=self.mesh.dp_group)
+        ops.all_reduce(bucket.view_of(weight, full), group=group)
+        bucket.shard_grad.copy_(bucket.shard_of(full))
 
     def dense_state(self) -> dict[str, torch.Tensor]:
         """This stage's parameters, gathered over tp, named like the dense TinyGPT's."""
@@ -102,7 +116,7 @@ def hybrid_strategy(gpt: TinyGPT, mesh: Mesh, optimizer_cls, zero: int = 1,
                               group=mesh.dp_group, **optimizer_kwargs)
     plan = SCHEDULES[schedule](mesh.pp, micro_batches)
     step = pipeline_step(autocast(stage, precision), optimizer, mesh, plan,
-                         before_step=stage.sync_tied_embedding)
+                         before_step=lambda: stage.sync_tied_embedding(optimizer))
     return Strategy(f"3D, ZeRO-{zero}", stage, optimizer, step, parameter_count(stage), mesh,
                     device, part_of=lambda dense: GPTStage(dense, mesh))
 

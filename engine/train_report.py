@@ -103,14 +103,27 @@ def _dp_formula(strategy, cfg) -> Formula:
             f"the root unit's Ψ_root = {kept:,} parameters (the tied embedding), gathered once "
             f"and kept through backward; N = {n}, m = {m}")
     if cfg.zero == 2:
+        tied = _tied_bucket(strategy)
         return Formula(m * theory.ring_reduce_scatter_bytes(psi * 4, n) +
-                       theory.ring_all_gather_bytes(psi * 4, n),
+                       theory.ring_all_gather_bytes((psi + tied) * 4, n),
                        f"ZeRO-2: (m+1)(N-1)/N x Ψ x 4 B: a reduce-scatter in each of the m = "
                        f"{m} backwards (no whole gradient is kept to accumulate into), one "
-                       f"all-gather after the step; N = {n}")
+                       f"all-gather after the step; N = {n}" + (
+                           f"; + (N-1)/N x {tied:,} x 4 B on the first and last stage: the "
+                           "tied embedding's bucket, its gradient gathered to be summed over "
+                           "the two stages" if tied else ""))
     return Formula(theory.zero_comm_elements(psi, n, cfg.zero) * 4,
                    f"ZeRO-{cfg.zero}: 2(N-1)/N x Ψ x 4 B (theory.zero_comm_elements), once per "
                    f"step (gradients accumulate over the m micro-batches); N = {n}")
+
+
+def _tied_bucket(strategy) -> int:
+    """Elements of the ZeRO-2 bucket holding the tied embedding, on a first or last pipeline
+    stage (:meth:`engine.hybrid.GPTStage.sync_tied_embedding` gathers it); else 0."""
+    mesh, weight = strategy.mesh, getattr(strategy.model, "tok", None)
+    if mesh.pp == 1 or weight is None or not (mesh.is_first_stage or mesh.is_last_stage):
+        return 0
+    return strategy.optimizer.launcher.bucket_of[weight.weight].padded
 
 
 def _tp_formula(mesh, cfg, model_cfg) -> Formula:

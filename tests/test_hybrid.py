@@ -84,3 +84,18 @@ def test_traffic_goes_only_through_the_groups_that_exist(dp, tp, pp):
         assert (traffic["pp"] > 0) == (pp > 1)
         assert (traffic["embedding"] > 0) == (pp > 1)
         assert traffic.get("other", 0) == 0
+
+
+def test_zero2_in_a_pipeline_sums_the_tied_embedding_over_its_two_stages():
+    """At ZeRO-2 the embedding's gradient is reduce-scattered inside backward, cut at other
+    places on the first and on the last stage; it used to crash (no .grad to sum). Now the
+    run equals ZeRO-1's, and the extra bytes are the formula's."""
+    from engine.launch import launch
+    from engine.train import TrainConfig, train_on_rank
+
+    runs = {zero: launch(train_on_rank, 4, TrainConfig(dp=2, pp=2, zero=zero, steps=2),
+                         backend="gloo", timeout=60, quiet=True) for zero in (1, 2)}
+    for one, two in zip(runs[1], runs[2], strict=True):
+        assert two["engine"]["run_losses"] == pytest.approx(one["engine"]["run_losses"],
+                                                            rel=1e-6)
+        assert two["engine"]["traffic"]["dp"] == two["engine"]["formulas"]["dp"].bytes
