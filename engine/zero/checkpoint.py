@@ -201,6 +201,12 @@ def _onto(device: torch.device):
     return restore
 
 
+def read_manifest(directory) -> dict:
+    """The manifest of the checkpoint in ``directory``, checked: a :class:`CheckpointError`
+    if there is none (a save that did not finish) or it is unreadable."""
+    return _manifest(Path(directory))
+
+
 def _manifest(directory: Path) -> dict:
     path = directory / MANIFEST
     if not path.exists():
