@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import time
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -103,6 +104,11 @@ class Peers:
         if not any(m in text.lower() for m in _PEER_LOSS):
             return None
         gone = self.gone()
+        for _ in range(20):  # a killed peer's sockets close a moment before its process ends
+            if gone:
+                break
+            time.sleep(0.1)
+            gone = self.gone()
         if gone:
             who = ", ".join(f"rank {r} (pid {self.everyone[r].pid} on {self.everyone[r].host})"
                             for r in gone)

@@ -146,15 +146,14 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 
 
 def train_on_rank(rank: int, world_size: int, cfg: TrainConfig, resume_from=None,
-                  progress_fd: int | None = None) -> dict:
+                  progress_fd: int | None = None, name_lost_peers: bool = False) -> dict:
     """Build each implementation's strategy, run the steps, return what the report needs.
     ``resume_from``: the :class:`engine.train_run.ResumePoint` to start the engine's run
-    from; ``progress_fd``: where global rank 0 prints its progress (default: stdout). Under
-    torchrun, a collective that fails because peers are gone names them
+    from; ``progress_fd``: where global rank 0 prints its progress (default: stdout).
+    ``name_lost_peers`` (under torchrun, where no parent watches the ranks as
+    :func:`engine.launch` does): a collective that fails because peers are gone names them
     (:class:`engine.elastic.PeerLostError`)."""
-    from engine.launch import _under_torchrun
-
-    if not _under_torchrun():
+    if not name_lost_peers:
         return _train_on_rank(cfg, resume_from, progress_fd)
     from engine.elastic import Peers
 
@@ -392,8 +391,8 @@ def main(argv=None) -> int:
 
         run = record(launch)
     try:
-        results = run(train_on_rank, world, cfg, point, progress_fd, backend=backend,
-                      timeout=cfg.timeout)
+        results = run(train_on_rank, world, cfg, point, progress_fd, _under_torchrun(),
+                      backend=backend, timeout=cfg.timeout)
     finally:
         if progress_fd is not None:
             os.close(progress_fd)
