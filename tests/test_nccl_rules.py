@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import RankError
-from engine.comm import ops
+from engine.comm import CommMeter, ops
 from engine.comm.nccl_rules import nccl_rules
 from tests.helpers import run_ranks
 
@@ -82,3 +82,36 @@ def test_torch_distributed_is_restored_when_the_rules_close():
         return inside is not before and dist.all_reduce is before
 
     assert run_ranks(fn, 2) == [True, True]
+
+
+def _p2p_calls(rank, world_size, numel):
+    """How the readable ring and the counted collectives post their messages."""
+    from engine.comm import ops as o
+    from engine.comm import ring_all_reduce
+
+    calls = {"batched": 0, "unbatched": 0}
+    batch, isend, irecv = o.batch_isend_irecv, o.isend, o.irecv
+
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    o.batch_isend_irecv = counting("batched", batch)
+    o.isend, o.irecv = counting("unbatched", isend), counting("unbatched", irecv)
+    ring_all_reduce(torch.ones(numel))
+    ring_calls = dict(calls)
+    with CommMeter():
+        out = torch.empty(numel * world_size)
+        ops.all_to_all_single(out, torch.ones(numel * world_size))
+    return ring_calls, dict(calls)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ring_steps_post_send_and_receive_together_as_nccl_needs(world_size):
+    """A lone receive posted before its send blocks NCCL's stream: a two-rank ring hangs.
+    Every step of the readable ring (and of the all-to-all) is one batch_isend_irecv."""
+    for ring_calls, after_all_to_all in run_ranks(_p2p_calls, world_size, 10):
+        assert ring_calls == {"batched": 2 * (world_size - 1), "unbatched": 0}
+        assert after_all_to_all == {"batched": 3 * (world_size - 1), "unbatched": 0}
