@@ -140,9 +140,25 @@ EXERCISES = [
         module="ch01_ring_all_reduce",
         attr="ring_all_reduce",
         checks=(check_sums_exactly, check_sends_2_n_minus_1_over_n),
-        hint="rank r sends chunk (r-s-1)%N right and adds chunk (r-s-2)%N from the left in "
-             "reduce-scatter step s; in all-gather step s it sends (r-s)%N and receives "
-             "(r-s-1)%N in place. With N = 1 there is nothing to do.",
+        hints=(
+            "Cut the tensor into N chunks. Reduce-scatter: in N-1 steps every rank passes one "
+            "chunk to its right-hand neighbour and adds in the chunk arriving from its left, "
+            "until each rank owns one fully summed chunk. All-gather: N-1 more steps pass the "
+            "summed chunks around the ring.",
+            "chunk_sizes(t.numel(), N) and t.view(-1).split(sizes) give views into t; "
+            "exchange(send, right, recv, left, group) sends and receives at once; "
+            "dist.get_rank(group), dist.get_world_size(group) and "
+            "dist.get_process_group_ranks(group) give the neighbours' global ranks.",
+            "reduce-scatter step s: send chunk (r-s-1)%N, receive chunk (r-s-2)%N into a "
+            "scratch buffer and add it into that chunk. all-gather step s: send chunk (r-s)%N, "
+            "receive chunk (r-s-1)%N straight into place. With N = 1 nothing moves.",
+        ),
+        blocks=("engine.comm.ring.ring_all_reduce", "engine.comm.ring.ring_reduce_scatter",
+                "engine.comm.ring.ring_all_gather", "engine.comm.ring.reduce_scatter_steps",
+                "engine.comm.ring.all_gather_steps",
+                "engine.comm.ring_pipelined.ring_all_reduce_pipelined",
+                "engine.comm.ps.ps_all_reduce", "engine.comm.tree.tree_all_reduce",
+                "engine.comm.counted.all_reduce"),
     ),
     Exercise(
         name="ch01.volume_formulas",
@@ -150,21 +166,21 @@ EXERCISES = [
         module="ch01_volume_formulas",
         attr="",
         checks=(check_ring_bytes_per_rank, check_ps_worker_bytes, check_ps_server_bytes),
-        hint="ring: N-1 chunks of S/N out in each of two phases. PS: a worker sends S once; "
-             "the server sends the sum to the N-1 others. With N = 1 nothing moves.",
+        hints=(
+            "Count what leaves one rank. A ring moves the tensor in N pieces, twice around the "
+            "ring; in a parameter server each worker sends its whole tensor to the server, "
+            "which sends the sum back to every worker.",
+            "Only arithmetic on size_bytes (S) and n (N), no library call. With N = 1 nobody "
+            "sends anything.",
+            "ring: 2 (N-1)/N * S. parameter-server worker: S (0 when N = 1). server: (N-1) * S.",
+        ),
+        blocks=("engine.theory.ring_all_reduce_bytes", "engine.theory.ps_all_reduce_bytes"),
     ),
 ]
 
-DRILLS = [
-    Drill("ch01.ps_server_link",
-          "A parameter server (one of 8 ranks) all-reduces 100 MB: how many MB leave the "
-          "server?", 700.0, "It sends the sum to each of the 7 workers: 7 × 100 MB. Each "
-          "worker sends only 100 MB: the server's link is the bottleneck."),
-    Drill("ch01.ring_latency_steps",
-          "How many sequential send steps does a ring all-reduce take on 16 ranks?", 30.0,
-          "2(N-1) = 30: N-1 for reduce-scatter and N-1 for all-gather. The bytes per rank "
-          "barely grow with N, but this latency term does."),
-    Drill("ch01.busbw",
-          "An all-reduce of 1 GB on 4 ranks takes 1 s. What is its bus bandwidth in GB/s?",
-          1.5, "busbw = S/t · 2(N-1)/N = 1 GB/s × 1.5: the rate each link actually works at."),
+DRILLS = [  # questions from engine.drill's bank: the answers are computed, not typed
+    Drill("ch01.ps_server_link", "ps-server-bytes"),
+    Drill("ch01.ring_latency_steps", "ring-rounds"),
+    Drill("ch01.busbw", "bus-bandwidth"),
+    Drill("ch01.ps_against_ring", "ps-vs-ring-total"),
 ]

@@ -118,8 +118,17 @@ EXERCISES = [
         module="ch02_accumulate",
         attr="accumulation_step",
         checks=(check_equals_one_big_batch, check_one_all_reduce_per_step),
-        hint="optimizer.zero_grad(); for each micro-batch: loss = loss_fn(...) / k; backward "
-             "inside `with model.no_sync():` except the last one; then optimizer.step().",
+        hints=(
+            "One optimizer step for k micro-batches: the gradient must be the mean over all of "
+            "them, and the ranks need to talk only once, after the last backward.",
+            "`with model.no_sync():` keeps a backward's gradients local; dividing each loss by "
+            "k turns the accumulated sum into the mean; optimizer.zero_grad() and "
+            "optimizer.step() run once each.",
+            "zero_grad(); for i, (x, y): loss = loss_fn(model(x), y) / k; backward inside `with "
+            "model.no_sync():` unless i is the last; add up loss.item(); step(); return the "
+            "sum.",
+        ),
+        blocks=("engine.strategy.accumulate_step",),
     ),
     Exercise(
         name="ch02.average_gradients",
@@ -127,20 +136,23 @@ EXERCISES = [
         module="ch02_average_gradients",
         attr="average_gradients",
         checks=(check_matches_full_batch_training, check_adam_moments_equal_on_every_rank),
-        hint="for each parameter with a grad: ops.all_reduce(p.grad, group=group), then "
-             "p.grad.div_(dist.get_world_size(group)).",
+        hints=(
+            "Every rank must take the step one process would take on the whole batch: its "
+            "gradient is the mean of the ranks' gradients. Averaging parameters after local "
+            "steps is not the same for Adam.",
+            "ops.all_reduce(p.grad, group=group) sums a gradient over the ranks where the meter "
+            "sees it; dist.get_world_size(group) is N.",
+            "for p in model.parameters(): if p.grad is not None: ops.all_reduce(p.grad, "
+            "group=group); p.grad.div_(N).",
+        ),
+        blocks=("engine.dp.data_parallel.NaiveDataParallel._all_reduce_gradients",),
     ),
 ]
 
-DRILLS = [
-    Drill("ch02.ring_bytes_flat",
-          "Per GPU, how many times the gradient size does a ring all-reduce send as N grows "
-          "large?", 2.0, "2(N-1)/N tends to 2: per GPU, data-parallel traffic is about "
-          "constant in N, not linear in it."),
-    Drill("ch02.accumulation_all_reduces",
-          "8 micro-batches with no_sync on all but the last, and 3 buckets: how many "
-          "all-reduces per optimizer step?", 3.0, "One per bucket, once: the first 7 "
-          "backward passes only accumulate into param.grad."),
+DRILLS = [  # questions from engine.drill's bank: the answers are computed, not typed
+    Drill("ch02.ring_bytes_flat", "dp-comm-linear"),
+    Drill("ch02.accumulation_all_reduces", "accumulation-all-reduces"),
+    Drill("ch02.effective_batch", "effective-batch"),
 ]
 
 
@@ -232,7 +244,21 @@ EXERCISES.append(Exercise(
     attr="BucketedDataParallel",
     checks=(check_matches_full_batch_training_bucketed, check_one_all_reduce_per_bucket,
             check_first_bucket_overlaps_backward),
-    hint="_on_grad_ready: queue_finish(); views[p].copy_(p.grad); ready[i].add(p); while the "
-         "bucket at next_bucket is complete, launch its async all-reduce and move on. _finish: "
-         "for each bucket wait, divide by the world size, copy the views into p.grad, reset.",
+    hints=(
+        "Gradients arrive last layer first. Copy each into its bucket; the moment a bucket is "
+        "complete, start its all-reduce while backward goes on; when backward ends, wait for "
+        "every bucket and write the averages back into the gradients.",
+        "self.views[p].copy_(p.grad); self.ready[i].add(p); ops.all_reduce(self.buffers[i], "
+        "group=self.group, async_op=True) returns a work to .wait() on; self.next_bucket keeps "
+        "the launches in order so every rank pairs the same all-reduces; self.queue_finish() "
+        "makes autograd call _finish.",
+        "_on_grad_ready: queue_finish(); copy; mark ready; while the bucket at next_bucket is "
+        "complete: works[j] = async all-reduce; next_bucket += 1. _finish: for each bucket: "
+        "wait, divide by N, copy each view into p.grad, clear ready, works[i] = None; "
+        "next_bucket = 0.",
+    ),
+    blocks=("engine.dp.data_parallel.DataParallel.__init__",
+            "engine.dp.data_parallel.DataParallel._on_grad_ready",
+            "engine.dp.data_parallel.DataParallel._launch",
+            "engine.dp.data_parallel.DataParallel._average_into_grads"),
 ))

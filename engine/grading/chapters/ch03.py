@@ -98,28 +98,25 @@ EXERCISES = [
         attr="TopKWithErrorFeedback",
         checks=(check_error_feedback_invariant, check_sends_k_values_and_k_indices,
                 check_trains_close_to_dense),
-        hint="corrected = gradient (+ residual); k = max(1, ceil(ratio * numel)); indices = "
-             "corrected.abs().topk(k).indices; values = corrected[indices]; new_residual = "
-             "corrected.clone() with new_residual[indices] = 0.",
+        hints=(
+            "Send only the k largest coordinates, but forget nothing: what was not sent this "
+            "step is added to the next step's gradient, so every coordinate is sent eventually.",
+            "k = max(1, math.ceil(ratio * numel)); tensor.abs().topk(k).indices picks the "
+            "coordinates; indexing with them gives the values; clone before zeroing so "
+            "`gradient` stays untouched.",
+            "corrected = gradient (+ residual if there is one); indices = "
+            "corrected.abs().topk(k).indices; values = corrected[indices]; new_residual = "
+            "corrected.clone(); new_residual[indices] = 0; return values, indices, "
+            "new_residual.",
+        ),
+        blocks=("engine.compress.topk.TopK.__init__", "engine.compress.topk.TopK.select",
+                "engine.compress.topk.TopK.__call__"),
     ),
 ]
 
-DRILLS = [
-    Drill("ch03.topk_breakeven_ratio",
-          "8 ranks, fp32 values and int32 indices gathered with a ring all-gather: above "
-          "which ratio does Top-K send more bytes per rank than a dense ring all-reduce?",
-          0.125, "Top-K sends (N-1)·k·8 bytes, dense 2(N-1)/N·4·numel: equal at "
-          "k/numel = 1/N = 0.125. The sparse all-gather grows with N; the ring does not."),
-    Drill("ch03.topk_one_percent_bytes",
-          "Top-K at 1% with fp32 values and int32 indices: what percent of the dense fp32 "
-          "gradient's bytes does one rank contribute?", 2.0,
-          "1% values + 1% indices, 4 bytes each: 2%, not 1%. With int32 indices the indices "
-          "cost as much as the values; torch.topk's int64 indices cost twice as much, and a "
-          "compact encoding (sorted gaps as varints) far less."),
-    Drill("ch03.pick_a_ratio",
-          "In the convergence experiment (4 ranks, 300 steps), which is the smallest Top-K "
-          "ratio, with error feedback, whose accuracy stays within 4 points of dense's?", 0.01,
-          "Read the experiment's summary lines: the points below dense of Top-K with error "
-          "feedback at 0.1, 0.01 and 0.001. In the seeded run 0.01 is the smallest within 4 "
-          "points, at N x ratio = 4% of dense's bytes on 4 ranks."),
+DRILLS = [  # questions from engine.drill's bank: the answers are computed, not typed
+    Drill("ch03.topk_breakeven_ratio", "topk-breakeven"),
+    Drill("ch03.topk_one_percent_bytes", "topk-1-percent"),
+    Drill("ch03.without_error_feedback", "ef-optional"),
+    Drill("ch03.powersgd_elements", "powersgd-elements"),
 ]

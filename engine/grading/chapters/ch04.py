@@ -105,9 +105,21 @@ EXERCISES = [
         attr="Zero1",
         checks=(check_equals_data_parallel_adam, check_optimizer_state_is_one_nth,
                 check_sends_what_one_all_reduce_sends),
-        hint="full = bucket.flatten_grads(); mine = empty_like(bucket.shard); "
-             "ops.reduce_scatter_tensor(mine, full); master.grad = mine / N; inner.step(); "
-             "ops.all_gather_into_tensor(bucket.flat, bucket.shard.clone()).",
+        hints=(
+            "Each rank updates only the 1/N of the parameters it owns. It needs the average "
+            "gradient of that slice alone, and afterwards every rank needs every rank's updated "
+            "slice.",
+            "self.bucket.flatten_grads() packs the gradients like the flat buffer; "
+            "ops.reduce_scatter_tensor(out, full, group=...) leaves this rank the sum of its "
+            "slice; ops.all_gather_into_tensor(self.bucket.flat, shard_copy, group=...) brings "
+            "every slice back; self.inner steps self.master.",
+            "full = self.bucket.flatten_grads(); mine = torch.empty_like(self.bucket.shard); "
+            "reduce-scatter full into mine; self.master.grad = mine / N; self.inner.step(); "
+            "all-gather self.bucket.shard.clone() into self.bucket.flat.",
+        ),
+        blocks=("engine.zero.optimizer.ZeroOptimizer.__init__",
+                "engine.zero.optimizer.ZeroOptimizer.step",
+                "engine.zero.optimizer.ZeroOptimizer._average_gradients"),
     ),
     Exercise(
         name="ch04.memory_formula",
@@ -115,21 +127,21 @@ EXERCISES = [
         module="ch04_memory_formula",
         attr="",
         checks=(check_per_gpu_bytes,),
-        hint="(2 + 2 + 12) bytes per parameter in mixed precision, (4 + 4 + 8) in fp32; stage 1 "
-             "divides the 12 (or 8) by N, stage 2 the gradient bytes too, stage 3 everything.",
+        hints=(
+            "Count bytes per parameter in three parts: parameters, gradients, optimizer state. "
+            "Each ZeRO stage shards one more part over the N GPUs: stage 1 the optimizer state, "
+            "stage 2 the gradients too, stage 3 the parameters too.",
+            "Mixed precision: 2 + 2 + 12 bytes per parameter (fp16 parameter and gradient; fp32 "
+            "master, momentum and variance); fp32: 4 + 4 + 8. Only arithmetic.",
+            "psi * (params / (N if stage >= 3 else 1) + grads / (N if stage >= 2 else 1) + "
+            "optimizer / (N if stage >= 1 else 1)).",
+        ),
+        blocks=("engine.theory.zero_model_state_bytes",),
     ),
 ]
 
-DRILLS = [
-    Drill("ch04.zero3_vs_zero2_traffic",
-          "With one micro-batch per step, how many times the per-step communication of "
-          "ZeRO-2 does ZeRO-3 send?", 1.5,
-          "ZeRO-2: reduce-scatter gradients + all-gather parameters = 2 psi. ZeRO-3 gathers "
-          "the parameters twice (forward and backward) = 3 psi: 1.5x, not 2x. With k "
-          "micro-batches it is 3k against k+1: ZeRO-3 gathers again for each one."),
-    Drill("ch04.zero1_saving_at_4",
-          "Mixed-precision Adam over 4 GPUs: by what factor does ZeRO-1 cut model-state memory "
-          "per GPU (16 psi to ...)?", 16 / 7,
-          "2 + 2 + 12/4 = 7 bytes per parameter: 16/7 = 2.29x, not 4x. 4x is the limit as the "
-          "number of GPUs grows."),
+DRILLS = [  # questions from engine.drill's bank: the answers are computed, not typed
+    Drill("ch04.zero3_vs_zero2_traffic", "zero3-doubles"),
+    Drill("ch04.zero_saving", "zero-saving"),
+    Drill("ch04.zero_bytes", "zero-bytes"),
 ]

@@ -70,20 +70,29 @@ EXERCISES = [
         module="ch05_parallel_linear",
         attr="",
         checks=(check_matches_the_dense_mlp, check_one_all_reduce_each_way),
-        hint="f: forward returns x, backward all-reduces grad. g: the reverse. Column: "
-             "weight.chunk(t, 0)[rank], bias.chunk(t, 0)[rank], forward linear(f(x)). Row: "
-             "weight.chunk(t, 1)[rank], whole bias, forward g(linear(x, W)) + bias.",
+        hints=(
+            "Split the first layer by output rows and the second by input columns: the "
+            "activation between them stays split, so only the end needs a sum. f and g mirror "
+            "each other: what one does forward, the other does backward.",
+            "A torch.autograd.Function has static forward(ctx, x, group) and backward(ctx, "
+            "grad), which returns one gradient per forward input: (grad, None). "
+            "ops.all_reduce(t, group=group) sums in place; dense.weight.chunk(t, dim)[rank] is "
+            "this rank's block; F.linear(x, weight, bias).",
+            "_F.forward: ctx.group = group; return x.view_as(x). _F.backward: all-reduce a "
+            "clone of grad; return it, None. _G: the reverse. ColumnParallel: weight and bias "
+            "chunks on dim 0; forward F.linear(f(x), W, b). RowParallel: weight chunk on dim 1, "
+            "whole bias; forward g(F.linear(x, W)) + bias.",
+        ),
+        blocks=("engine.tp.mappings.copy_to_tp", "engine.tp.mappings.reduce_from_tp",
+                "engine.tp.mappings._CopyToTP.forward", "engine.tp.mappings._CopyToTP.backward",
+                "engine.tp.mappings._ReduceFromTP.forward",
+                "engine.tp.layers.ColumnParallelLinear.__init__",
+                "engine.tp.layers.RowParallelLinear.__init__"),
     ),
 ]
 
-DRILLS = [
-    Drill("ch05.all_reduces_per_layer",
-          "Megatron tensor parallelism: how many all-reduces does one transformer layer need "
-          "for one forward and one backward pass?", 4,
-          "Two forward (g after attention, g after the MLP) and two backward (f before each): "
-          "4, not 1."),
-    Drill("ch05.gpt3_params_per_layer",
-          "GPT-3 175B has hidden size 12288. About how many billion parameters are in one "
-          "transformer layer (12 h^2)?", 1.81,
-          "12 x 12288^2 = 1.81 billion parameters: 3.6 GB in fp16, not '1.8 GB per layer'."),
+DRILLS = [  # questions from engine.drill's bank: the answers are computed, not typed
+    Drill("ch05.all_reduces_per_layer", "tp-all-reduces"),
+    Drill("ch05.params_per_layer", "layer-params"),
+    Drill("ch05.one_all_reduce_claim", "tp-one-allreduce"),
 ]

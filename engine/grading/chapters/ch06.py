@@ -64,20 +64,23 @@ EXERCISES = [
         attr="one_f_one_b",
         checks=(check_valid_and_deadlock_free, check_bubble_is_the_formula,
                 check_in_flight_at_most_p_minus_s),
-        hint="warmup = min(p - s - 1, m) forwards; then while forwards remain: F(next), "
-             "B(oldest); then the remaining backwards.",
+        hints=(
+            "A stage can run a micro-batch's backward only after the last stage has run its "
+            "forward. So stage s runs a few forwards first (the warm-up), then alternates one "
+            "forward and one backward, then finishes the backwards it still owes.",
+            'Return {stage: [("F", i) or ("B", i), ...]}; stage s warms up with min(p - s - 1, '
+            "m) forwards; engine.pp.validate(schedule) and engine.pp.simulate(schedule) "
+            "(.bubble, .peak_in_flight) try it out.",
+            "for s in range(p): warmup = min(p - s - 1, m); actions = F 0 .. warmup-1; f, b = "
+            "warmup, 0; while f < m: append F f and B b; f += 1; b += 1; then append B b .. "
+            "m-1.",
+        ),
+        blocks=("engine.pp.schedules.one_f_one_b", "engine.pp.schedules.interleaved_1f1b"),
     ),
 ]
 
-DRILLS = [
-    Drill("ch06.choose_m",
-          "8 pipeline stages: the smallest number of micro-batches m that keeps the bubble "
-          "under 10% of the ideal compute time?", 71,
-          "(p-1)/m < 0.1 needs m > 10(p-1) = 70, so 71. 'm >= 10p' (80) is more than needed, "
-          "and the same target relative to total time, (p-1)/(m+p-1) < 0.1, needs m > 63."),
-    Drill("ch06.bubble_total",
-          "GPipe or 1F1B with 4 stages and 12 micro-batches: what fraction of the total time "
-          "is bubble?", 0.2,
-          "(p-1)/(m+p-1) = 3/15 = 0.2. 1F1B has the same bubble as GPipe; it only caps the "
-          "activations in flight at p."),
+DRILLS = [  # questions from engine.drill's bank: the answers are computed, not typed
+    Drill("ch06.choose_m", "choose-m"),
+    Drill("ch06.bubble_total", "bubble-total"),
+    Drill("ch06.what_1f1b_improves", "1f1b-less-bubble"),
 ]

@@ -169,8 +169,17 @@ EXERCISES = [
         attr="merge",
         checks=(check_two_blocks_give_full_attention, check_starts_from_no_keys,
                 check_large_scores_stay_finite),
-        hint="lse = torch.logaddexp(lse_1, lse_2); out = out_1 * exp(lse_1 - lse)[..., None] "
-             "+ out_2 * exp(lse_2 - lse)[..., None].",
+        hints=(
+            "Each block's output is normalised over its own keys only. To join two, weight each "
+            "by its share of the total softmax mass, exp(lse_j) / (exp(lse_1) + exp(lse_2)), "
+            "computed without ever forming exp(lse).",
+            "torch.logaddexp(a, b) is log(exp(a) + exp(b)) without overflow, and handles -inf; "
+            "exp(lse_j - lse) is block j's weight; [..., None] broadcasts a per-query weight "
+            "over head_dim.",
+            "lse = torch.logaddexp(lse_1, lse_2); out = out_1 * exp(lse_1 - lse)[..., None] + "
+            "out_2 * exp(lse_2 - lse)[..., None]; return out, lse.",
+        ),
+        blocks=("engine.cp.blocks.merge",),
     ),
     Exercise(
         name="ch09.ring_forward",
@@ -178,9 +187,21 @@ EXERCISES = [
         module="ch09_ring_forward",
         attr="ring_attention_forward",
         checks=(check_equals_dense_attention, check_n_minus_1_kv_exchanges),
-        hint="kv = torch.stack([k, v]); for step in range(n): merge block_forward(q, kv[0], "
-             "kv[1], scale) into (out, lse); if step < n - 1: exchange(kv, right, incoming, "
-             "left, group) and keep incoming.",
+        hints=(
+            "Keep your queries and let the keys and values travel: in N steps each rank attends "
+            "to the K/V block it holds, merges the result into its running output, and passes "
+            "the block to its right-hand neighbour.",
+            "ring_position(group) gives (me, n, right, left); block_forward(q, k, v, scale) "
+            "returns (out, lse) for one block; merge(out, lse, block_out, block_lse) joins two; "
+            "exchange(send, right, recv, left, group) passes a block on; torch.stack([k, v]) "
+            "carries both in one exchange.",
+            "out = zeros_like(q); lse = full(q.shape[:-1], -inf); kv = stack([k, v]); for step "
+            "in range(n): out, lse = merge(out, lse, *block_forward(q, kv[0], kv[1], scale)); "
+            "if step < n - 1: incoming = empty_like(kv); exchange(kv, right, incoming, left, "
+            "group); kv = incoming. Return out.",
+        ),
+        blocks=("engine.cp.ring.ring_attention", "engine.cp.ring._RingAttention.forward",
+                "engine.cp.ulysses.ulysses_attention"),
     ),
     Exercise(
         name="ch09.zigzag_indices",
@@ -189,25 +210,21 @@ EXERCISES = [
         attr="zigzag_indices",
         checks=(check_matches_the_layout, check_every_position_once_and_work_balanced,
                 check_bad_length_raises),
-        hint="c = seq_len // (2n); positions r*c .. (r+1)*c - 1, then (2n-1-r)*c .. "
-             "(2n-r)*c - 1; raise ValueError if seq_len % (2n).",
+        hints=(
+            "Under a causal mask late tokens cost more than early ones. Cut the sequence into "
+            "2n chunks and give each rank one early and one late chunk, so every rank does the "
+            "same work.",
+            "range(start, stop) builds a chunk's positions; a chunk holds seq_len // (2 * n) "
+            'tokens; raise ValueError(f"... {seq_len} ...") when seq_len % (2 * n) != 0.',
+            "c = seq_len // (2 n); return [*range(rank c, (rank + 1) c), *range((2n - 1 - rank) "
+            "c, (2n - rank) c)].",
+        ),
+        blocks=("engine.cp.layout.shard_indices", "engine.cp.layout.rank_chunks"),
     ),
 ]
 
-DRILLS = [
-    Drill("ch09.ring_forward_gb",
-          "Ring attention over 8 ranks, 131,072 tokens, 8 KV heads of 128 dims (kv_hidden = "
-          "1024), bf16: how many GB does each rank send in one layer's forward?",
-          theory.ring_attention_bytes(131072, 1024, 8, 2)["forward"] / 1e9,
-          "2 (N-1) (S/N) kv_hidden x 2 bytes = 0.47 GB: close to 2 S kv_hidden whatever N."),
-    Drill("ch09.contiguous_imbalance",
-          "Causal ring attention, contiguous layout, 4 ranks, diagonal blocks computed whole: "
-          "the busiest rank's attention work over the average rank's?",
-          theory.ring_attention_flops(4096, 4, 3, "contiguous")
-          / (sum(theory.ring_attention_flops(4096, 4, r, "contiguous") for r in range(4)) / 4),
-          "Rank r computes r + 1 blocks: 4 / 2.5 = 1.6, i.e. 2N/(N+1); zig-zag makes it 1."),
-    Drill("ch09.ulysses_max_degree",
-          "Ulysses on a model with 32 query heads and 8 KV heads: the largest degree that "
-          "gives every rank whole heads?", 8,
-          "N must divide both 32 and 8: at most 8 (ring attention has no such limit)."),
+DRILLS = [  # questions from engine.drill's bank: the answers are computed, not typed
+    Drill("ch09.ring_forward_gb", "ring-attention-bytes"),
+    Drill("ch09.contiguous_imbalance", "causal-imbalance"),
+    Drill("ch09.ulysses_degree", "ulysses-any-degree"),
 ]

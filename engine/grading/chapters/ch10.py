@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from engine import theory
 from engine.comm import CommMeter
 from engine.grading.core import CheckFailed, Exercise, run_ranks
 from engine.grading.drill import Drill
@@ -220,9 +219,19 @@ EXERCISES = [
         module="ch10_router",
         attr="top_k_route",
         checks=(check_top_k_and_gates, check_capacity_and_drop_mask),
-        hint="probs = logits.softmax(-1); top, expert = probs.topk(k); gate = top / top.sum(-1, "
-             "keepdim=True) when k > 1. Then for j in range(k): for t in range(T): keep[t, j] "
-             "if the expert's count < capacity (and count it).",
+        hints=(
+            "Each token picks its top_k experts by probability; each expert has room for "
+            "capacity = ceil(T k cf / E) assignments, handed out in priority order: every first "
+            "choice in token order, then every second choice, and so on.",
+            "logits.softmax(-1).topk(top_k, dim=-1) gives (probabilities, experts); divide by "
+            "their sum when top_k > 1; math.ceil for the capacity; a per-expert counter "
+            "(torch.zeros(E, dtype=torch.long)) tracks the slots taken.",
+            "probs = logits.softmax(-1); top, expert = probs.topk(k); gate = top / top.sum(-1, "
+            "keepdim=True) if k > 1 else top; taken = zeros(E); keep = zeros(T, k, bool); for j "
+            "in range(k): for t in range(T): if taken[expert[t, j]] < capacity: keep[t, j] = "
+            "True; taken[expert[t, j]] += 1.",
+        ),
+        blocks=("engine.moe.router.route",),
     ),
     Exercise(
         name="ch10.dispatch",
@@ -231,11 +240,22 @@ EXERCISES = [
         attr="",
         checks=(check_experts_receive_their_rows, check_combine_returns_every_row_home,
                 check_one_all_to_all_each_way),
-        hint="order = argsort(expert, stable=True); counts = bincount; one all-to-all of the "
-             "counts gives incoming [n, E/n]; all_to_all(tokens[order], incoming.sum(1), "
-             "counts.view(n, -1).sum(1)); regroup by (local expert, source) with a stable "
-             "argsort of the block ids. combine: invert both permutations around the reverse "
-             "all-to-all.",
+        hints=(
+            "Sort your rows by expert, which groups them by destination rank; tell every rank "
+            "how many rows it will receive; send them in one all-to-all; regroup what arrives "
+            "by local expert. combine undoes each step in reverse order.",
+            "torch.argsort(expert, stable=True); torch.bincount(expert, minlength=E); "
+            "ops.all_to_all_single(out, counts, group=group) exchanges the counts; "
+            "all_to_all(rows, output_splits, input_splits, group) moves rows differentiably; "
+            "index_copy undoes a permutation.",
+            "order = argsort(expert, stable=True); counts = bincount; incoming = the exchanged "
+            "counts, viewed [n, E/n]; arrived = all_to_all(tokens[order], incoming.sum(1), "
+            "counts.view(n, -1).sum(1)); regroup = stable argsort of the block ids (local "
+            "expert * n + source) repeated by incoming; return arrived[regroup], "
+            "incoming.sum(0), state. combine: undo regroup, all_to_all with the splits swapped, "
+            "undo the sort.",
+        ),
+        blocks=("engine.moe.dispatch.dispatch", "engine.moe.dispatch.combine"),
     ),
     Exercise(
         name="ch10.balancing_loss",
@@ -243,27 +263,21 @@ EXERCISES = [
         module="ch10_balancing_loss",
         attr="load_balancing_loss",
         checks=(check_value, check_gradient_only_through_p),
-        hint="f = bincount(expert.flatten(), minlength=E) / expert.numel(); P = probs.mean(0); "
-             "return alpha * E * (f * P).sum().",
+        hints=(
+            "The loss is large when the experts that get many tokens are also those the router "
+            "gives much probability: the product of how often an expert is chosen (a count) and "
+            "its mean probability (differentiable), summed over experts.",
+            "torch.bincount(expert.flatten(), minlength=E) counts the assignments; "
+            "probs.mean(dim=0) is P; a count carries no gradient, so only P does.",
+            "f = bincount(expert.flatten(), minlength=E) / expert.numel(); P = probs.mean(0); "
+            "return alpha * E * (f * P).sum().",
+        ),
+        blocks=("engine.moe.router.load_balancing_loss",),
     ),
 ]
 
-DRILLS = [
-    Drill("ch10.capacity",
-          "4096 tokens per GPU, 64 experts, top-2 routing, capacity factor 1.25: how many "
-          "token slots does each expert get?", theory.expert_capacity(4096, 64, 2, 1.25),
-          "ceil(T k cf / E) = ceil(4096 x 2 x 1.25 / 64) = 160."),
-    Drill("ch10.dispatch_megabytes",
-          "8-way expert parallelism, 4096 tokens per GPU, hidden 4096, top-2, bf16: how many "
-          "MB (10^6 bytes) does each GPU send in one dispatch all-to-all?",
-          theory.moe_all_to_all_bytes(4096, 4096, 2, 8, 2)["dispatch"] / 1e6,
-          "(n-1)/n x T k h x 2 bytes = 7/8 x 4096 x 2 x 4096 x 2 = 58.7 MB; a layer does four "
-          "of them (dispatch and combine, forward and backward)."),
-    Drill("ch10.mixtral_active",
-          "Mixtral-8x7B (8 experts, top-2) has about 46.7 billion parameters. About how many "
-          "billion does one token use?",
-          round(theory.moe_params(32, 4096, 14336, 8, 2, 32000, kv_hidden=1024)["active"] / 1e9,
-                1),
-          "Attention, norms, routers and embeddings are shared; of each layer's 8 experts a "
-          "token uses 2: about 12.9 B, not 2 x 7 = 14 B or 46.7 B.", rel_tol=0.02),
+DRILLS = [  # questions from engine.drill's bank: the answers are computed, not typed
+    Drill("ch10.capacity", "moe-capacity"),
+    Drill("ch10.dispatch_megabytes", "moe-all-to-all-bytes"),
+    Drill("ch10.active_params", "moe-active-params"),
 ]
