@@ -1,24 +1,56 @@
-"""Reference for exercise ch05.parallel_linear. f and g are the engine's own
-(engine/tp/mappings.py, where they are written out as autograd Functions)."""
+"""Reference for exercise ch05.parallel_linear: Megatron's f and g as autograd Functions
+(Shoeybi et al., "Megatron-LM", 2019, section 3 and figure 3), and the column- and
+row-parallel linear layers built on them."""
 
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from engine.tp.mappings import copy_to_tp, reduce_from_tp
+from engine.comm import ops
+
+
+class _F(torch.autograd.Function):
+    """f: identity forward; all-reduce (sum) of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()  # autograd may hand the same gradient to others: sum a copy
+        ops.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _G(torch.autograd.Function):
+    """g: all-reduce (sum) forward; identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.clone()
+        ops.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 def f(x, group=None):
-    """Identity forward, all-reduce backward: engine/tp/mappings.py has it, with g."""
-    return copy_to_tp(x, group)
+    return _F.apply(x, group)
 
 
 def g(x, group=None):
-    """All-reduce forward, identity backward."""
-    return reduce_from_tp(x, group)
+    return _G.apply(x, group)
 
 
 class ColumnParallel(nn.Module):
+    """Keep this rank's block of *output* rows of ``dense`` (weight and bias). Forward: f on
+    the input, then the local linear; return this rank's slice of the outputs."""
+
     def __init__(self, dense: nn.Linear, group=None):
         super().__init__()
         rank, t = dist.get_rank(group), dist.get_world_size(group)
@@ -31,6 +63,10 @@ class ColumnParallel(nn.Module):
 
 
 class RowParallel(nn.Module):
+    """Keep this rank's block of *input* columns of ``dense``'s weight, and the whole bias.
+    Forward: take this rank's slice of the outputs of a ColumnParallel layer, multiply, g, and
+    add the bias once."""
+
     def __init__(self, dense: nn.Linear, group=None):
         super().__init__()
         rank, t = dist.get_rank(group), dist.get_world_size(group)

@@ -19,9 +19,16 @@ from engine.comm import ops
 from engine.grading import (CheckResult, Frame, Report, check, format_report, load_impl,
                             registry, run_checks)
 from engine.grading.__main__ import main as grade_main
+from engine.grading.progress import Attempts
 
 EXERCISES = sorted(registry())
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _learner_state_in_tmp(tmp_path, monkeypatch):
+    """check() and the grade command save attempts beside the drill's scores: not in ~."""
+    monkeypatch.setenv("DRILL_SCORES", str(tmp_path / "learner" / "drill.json"))
 
 
 def test_there_are_exercises():
@@ -100,7 +107,7 @@ def test_check_prints_pass_or_fail_with_a_hint_and_the_inputs(capsys):
 
     check("ch00.p2p_broadcast", impl=_always_from_rank_0)
     out = capsys.readouterr().out
-    assert "FAIL" in out and "1/3 checks passed" in out and "hint:" in out
+    assert "FAIL" in out and "1/3 checks passed" in out and "hint 1 (the idea):" in out
     assert "world_size = 3" in out and "src = 2" in out  # the failing inputs
 
 
@@ -127,20 +134,27 @@ def test_grade_command_prints_a_table_and_writes_junit(tmp_path, capsys):
 
 
 def test_drills_give_instant_feedback(capsys):
+    from engine import theory
     from engine.grading.drill import drill, drills, grade_drill
 
-    assert grade_drill("ch00.ring_bytes", 175) is True
-    assert grade_drill("ch00.ring_bytes", 200) is False  # 2·S: the N→∞ limit, not N = 8
+    question = drills()["ch00.ring_bytes"].question()  # the bank's ring item, drawn once
+    size, n = (int(w) for w in question.text.split() if w.isdigit())
+    assert question.answer == theory.ring_all_reduce_bytes(size, n)
+    assert grade_drill("ch00.ring_bytes", question.answer) is True
+    assert grade_drill("ch00.ring_bytes", 2 * size) is False  # 2·S: the N→∞ limit, not N
     assert grade_drill("ch00.ring_bytes", None) is None
-    drill("ch00.ring_bytes", 175)
+    drill("ch00.ring_bytes", question.answer)
     assert "✓" in capsys.readouterr().out
-    drill("ch00.flat_broadcast_root", 10)
+    root = drills()["ch00.flat_broadcast_root"].question()
+    drill("ch00.flat_broadcast_root", root.answer / 3)
     assert "✗" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="answer drill 'ch00.nccl_gpus' with a number"):
-        grade_drill("ch00.nccl_gpus", "four")
+    with pytest.raises(ValueError, match="answer drill 'ch00.flat_broadcast_root' with a "
+                                         "number"):
+        grade_drill("ch00.flat_broadcast_root", "four")
     with pytest.raises(ValueError, match="no drill named 'x'"):
         grade_drill("x", 1)
-    assert all(d.name.startswith("ch") and d.explanation for d in drills().values())
+    assert all(d.name.startswith("ch") and d.question().explanation
+               for d in drills().values())
 
 
 def _all_to_all(t, group=None):
@@ -490,7 +504,9 @@ def test_a_rank_error_shows_the_learners_line_and_what_the_ranks_printed(tmp_pat
     assert f"{path}, line 6, in p2p_broadcast" in text
     assert "chunk = tensor[dist.get_world_size() + 3]" in text
     assert "| [rank 0] debug: rank 0 got src=" in text
-    assert "hint:" in text  # the code runs: now a hint helps
+    level = Attempts(tmp_path / "attempts.json").record(report)
+    assert level == 1  # the code runs: now a hint helps
+    assert "hint 1 (the idea):" in format_report(report, color=False, hint_level=level)
 
 
 def test_the_same_error_on_different_ranks_is_printed_once_with_every_rank():
@@ -527,8 +543,9 @@ def test_no_hint_while_not_implemented_and_the_stub_line_is_shown(tmp_path):
     root = _course(tmp_path, {"ch06_one_f_one_b": stub})
     report = run_checks("ch06.one_f_one_b", root=root)
     assert all(r.not_implemented for r in report.results)
-    text = format_report(report, color=False)
-    assert "not implemented yet" in text and "hint:" not in text
+    level = Attempts(tmp_path / "attempts.json").record(report)
+    text = format_report(report, color=False, hint_level=level)
+    assert "not implemented yet" in text and level == 0 and "hint" not in text
     assert "line 2, in one_f_one_b" in text
 
 
@@ -545,9 +562,10 @@ def test_a_syntax_error_fails_only_its_own_exercise(tmp_path):
     assert failed == {"ch06.one_f_one_b"}
     report = run_checks("ch06.one_f_one_b", root=root)
     assert all(r.kind == "not loaded" for r in report.results)
-    text = format_report(report, color=False)
+    level = Attempts(tmp_path / "attempts.json").record(report)
+    text = format_report(report, color=False, hint_level=level)
     assert "exercises/ch06_one_f_one_b.py does not compile" in text
-    assert "line 2" in text and "hint:" not in text
+    assert "line 2" in text and level == 0 and "hint" not in text
 
 
 def test_an_import_error_shows_the_learners_import_line(tmp_path):

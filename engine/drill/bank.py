@@ -41,12 +41,18 @@ def _kind(item) -> str:
     return {"Numeric": "numeric", "Choice": "choice", "Outline": "outline"}[type(item).__name__]
 
 
+def scores_path(path: str | Path | None = None) -> Path:
+    """Where the learner's scores live: ``path``, else ``$DRILL_SCORES``, else
+    ``~/.cache/distributed-course/drill.json``. The grader keeps its attempts beside it."""
+    default = Path.home() / ".cache" / "distributed-course" / "drill.json"
+    return Path(path or os.environ.get("DRILL_SCORES") or default)
+
+
 class Scores:
     """Right and total per topic, saved as JSON."""
 
     def __init__(self, path: str | Path | None = None):
-        default = Path.home() / ".cache" / "distributed-course" / "drill.json"
-        self.path = Path(path or os.environ.get("DRILL_SCORES") or default)
+        self.path = scores_path(path)
         try:
             self.data = json.loads(self.path.read_text())
         except (FileNotFoundError, json.JSONDecodeError):

@@ -14,6 +14,14 @@ def _ring_bytes(rng):
             "send?", theory.ring_all_reduce_bytes(m, n), "2(N-1)/N x M, about 2M for large N.")
 
 
+def _flat_broadcast(rng):
+    n, m = rng.choice([4, 8, 16]), rng.choice([10, 100, 400])
+    sent, _ = theory.flat_broadcast_bytes(m, n, rank=0)
+    return (f"A flat broadcast of {m} MB from one rank to {n} ranks in all: how many MB does "
+            "the root send?", sent, "(N-1) x S, one copy for each other rank. A chain or a "
+            "tree spreads those copies over the ranks; the total stays N-1 copies.")
+
+
 def _ps_server(rng):
     n, m = rng.choice([4, 8, 16]), rng.choice([100, 200])
     return (f"Parameter server among {n} ranks, gradient {m} MB: how many MB does the server "
@@ -381,6 +389,7 @@ NUMERIC = [
     Numeric("ps-server-bytes", "collectives", _ps_server, unit="MB",
             zh="Ring AllReduce和参数服务器模式有什么区别？"),
     Numeric("ps-over-ring", "collectives", _ps_over_ring, unit="x"),
+    Numeric("flat-broadcast-root", "collectives", _flat_broadcast, unit="MB"),
     Numeric("ring-rounds", "collectives", _ring_rounds, unit="rounds"),
     Numeric("tree-rounds", "collectives", _tree_rounds, unit="rounds"),
     Numeric("alpha-beta-time", "collectives", _alpha_beta, unit="ms"),

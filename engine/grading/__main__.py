@@ -7,6 +7,9 @@
     python -m engine.grading --root PATH          # the course folder (default: found from here)
 
 An exercise whose file does not compile or import fails on its own; the others are graded.
+Grading exercises/ counts as an attempt, as check() does in a notebook: a failure of code that
+runs reveals the exercise's next hint. The end is a table per chapter: exercises passed, the
+drill's score on the chapter's topics, and what to do next.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import time
 import xml.etree.ElementTree as ET
 from collections import defaultdict
 
+from engine.drill.bank import Scores
 from engine.grading import SOURCES, Report, course_root, format_report, registry, run_checks
+from engine.grading.progress import Attempts, chapter_titles, progress_table, verdict
 
 
 def junit_xml(reports: list[Report], seconds: dict[str, float]) -> ET.ElementTree:
@@ -75,14 +80,23 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--only: {', '.join(unknown)} matches no exercise; known: {', '.join(known)}")
     names = [n for n in known if not wanted or n in wanted or n.split(".")[0] in wanted]
+    learner = args.source == "exercises"  # the reference solutions are nobody's attempts
+    attempts = Attempts()
     reports, seconds = [], {}
     for name in names:
         start = time.perf_counter()
         reports.append(run_checks(name, source=args.source, root=root))
         seconds[name] = time.perf_counter() - start
-        print(format_report(reports[-1], color=sys.stdout.isatty()))
+        level = attempts.record(reports[-1]) if learner else 0
+        print(format_report(reports[-1], color=sys.stdout.isatty(), hint_level=level))
+    if learner:
+        attempts.save()
     print()
     print(score_table(reports))
+    last = {name: attempts.entry(name)["last"] for name in known} if learner else {}
+    last.update({report.exercise.name: verdict(report) for report in reports})
+    print()
+    print(progress_table(known, last, attempts, Scores(), chapter_titles(root)))
     if args.junit:
         junit_xml(reports, seconds).write(args.junit, encoding="utf-8", xml_declaration=True)
         print(f"junit XML written to {args.junit}")

@@ -58,14 +58,11 @@ class Exercise:
     module: str  # the module in exercises/ and solutions/, e.g. "ch00_p2p_broadcast"
     attr: str  # the function the learner writes, e.g. "p2p_broadcast"; "" grades the module
     checks: tuple[Callable[[Callable], None], ...]
-    hints: tuple[str, str, str] = ()  # type: ignore[assignment]
+    hints: tuple[str, str, str]
     blocks: tuple[str, ...] = ()
     title: str = ""
-    hint: str = ""  # deprecated, one hint for every level: give hints= instead
 
     def __post_init__(self):
-        if self.hint and not self.hints:
-            object.__setattr__(self, "hints", (self.hint,) * len(HINT_LEVELS))
         if (not isinstance(self.hints, tuple) or len(self.hints) != len(HINT_LEVELS)
                 or not all(isinstance(h, str) and h.strip() for h in self.hints)):
             raise ValueError(f"{self.name}: hints must be {len(HINT_LEVELS)} non-empty strings "
@@ -91,8 +88,10 @@ class Frame(NamedTuple):
 
 
 # What went wrong, from the learner's point of view.
-PASSED, NOT_IMPLEMENTED, WRONG, ERROR, NOT_LOADED, STUCK = (
-    "passed", "not implemented", "wrong", "error", "not loaded", "stuck")
+PASSED, NOT_IMPLEMENTED, WRONG, ERROR, NOT_LOADED, STUCK, BLOCKED = (
+    "passed", "not implemented", "wrong", "error", "not loaded", "stuck",
+    "uses the engine's answer")
+NOT_STARTED = (NOT_IMPLEMENTED, NOT_LOADED)  # no hint for these: the code does not run yet
 
 
 @dataclass

@@ -5,19 +5,20 @@
   its site-packages (an ``exercises/`` file, a notebook cell, a script).
 * :func:`format_report` groups identical failures: one error seen by several checks, or on
   several ranks, is printed once with every check and rank it hit.
-* The hint is held back while the exercise still says "not implemented" or does not load: it
-  is for code that runs and gives a wrong answer.
+* Hints are shown up to the level asked for (:mod:`engine.grading.progress` decides: none
+  while the exercise says "not implemented", then one more level per failed attempt).
 """
 
 from __future__ import annotations
 
 import re
 import sysconfig
+import textwrap
 import traceback
 from pathlib import Path
 from types import TracebackType
 
-from engine.grading.core import NOT_IMPLEMENTED, NOT_LOADED, Frame, Report
+from engine.grading.core import HINT_LEVELS, Frame, Report
 
 _ENGINE = Path(__file__).resolve().parents[1]
 _LIBRARY = {Path(p).resolve() for key in ("stdlib", "platstdlib", "purelib", "platlib")
@@ -82,9 +83,10 @@ def _ranks(ranks: set[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}: "
 
 
-def format_report(report: Report, color: bool = True) -> str:
+def format_report(report: Report, color: bool = True, hint_level: int = 0) -> str:
     """PASS/FAIL and the score; each distinct failure once, with the checks and ranks it hit,
-    the learner's lines that led to it, the inputs, and the end of what the ranks printed."""
+    the learner's lines that led to it, the inputs, and the end of what the ranks printed;
+    then the exercise's hints from level 1 to ``hint_level``."""
     g, r, d, x = (_GREEN, _RED, _DIM, _RESET) if color else ("", "", "", "")
     got, total = report.score
     head = f"{report.exercise.name}: {got}/{total} checks passed"
@@ -111,13 +113,17 @@ def format_report(report: Report, color: bool = True) -> str:
         if output:
             lines.append(f"      {d}the ranks printed (last lines):{x}")
             lines += [f"      {d}| {line}{x}" for line in output.splitlines()]
-    if show_hint(report):
-        lines.append(f"  {d}hint: {report.exercise.hints[0]}{x}")
+    lines += hint_lines(report, hint_level)
     return "\n".join(lines)
 
 
-def show_hint(report: Report) -> bool:
-    """A hint only for code that runs: not while a check says "not implemented" or the file
-    does not load."""
-    return not report.passed and not any(
-        res.kind in (NOT_IMPLEMENTED, NOT_LOADED) for res in report.results)
+def hint_lines(report: Report, level: int) -> list[str]:
+    """Hints 1 to ``level``, each with what it gives, and how to ask for the next one."""
+    exercise, lines = report.exercise, []
+    for i, (what, text) in enumerate(zip(HINT_LEVELS, exercise.hints[:level]), 1):
+        lines += textwrap.wrap(text, 96, initial_indent=f"  hint {i} ({what}): ",
+                               subsequent_indent="      ")
+    if 0 < level < len(HINT_LEVELS) and not report.passed:
+        lines.append(f"  (next: check(\"{exercise.name}\", hint={level + 1}) for "
+                     f"{HINT_LEVELS[level]})")
+    return lines

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import pkgutil
+import types
 from pathlib import Path
 from typing import Callable
 
 from engine.grading import chapters
-from engine.grading.core import (ERROR, NOT_IMPLEMENTED, NOT_LOADED, STUCK, WRONG, CheckFailed,
-                                 CheckResult, Exercise, Report, keeping_rank_output)
+from engine.grading.blocking import EngineAnswerBlocked, blocking
+from engine.grading.core import (BLOCKED, ERROR, NOT_IMPLEMENTED, NOT_LOADED, STUCK, WRONG,
+                                 CheckFailed, CheckResult, Exercise, Frame, Report,
+                                 keeping_rank_output)
 from engine.grading.feedback import (format_report, frames_from_syntax_error, frames_from_text,
-                                     frames_from_traceback)
+                                     frames_from_traceback, is_learner_file)
 from engine.grading.learner import ExerciseLoadError, load_impl
+from engine.grading.progress import Attempts, check_hint_level
 from engine.launch import LaunchError, RankError, RankTimeoutError
 
 
@@ -37,18 +42,24 @@ def get_exercise(name: str) -> Exercise:
 def run_checks(name: str, impl: Callable | None = None, source: str = "exercises",
                root: str | Path | None = None) -> Report:
     """Run every check of exercise ``name`` against ``impl`` (default: the learner's file in
-    ``<root>/<source>/``, see :func:`engine.grading.learner.load_impl`)."""
+    ``<root>/<source>/``, see :func:`engine.grading.learner.load_impl`).
+
+    While the file loads and the checks run, the engine's own answer to the exercise
+    (``Exercise.blocks``) raises for the learner's code (:mod:`engine.grading.blocking`).
+    """
     exercise = get_exercise(name)
     if impl is not None and exercise.attr and not callable(impl):
         raise ValueError(f"impl must be a function, got {impl!r}")
     label = source if impl is None else "impl"
-    if impl is None:
-        try:
-            impl = load_impl(exercise, source, root)
-        except ExerciseLoadError as e:
-            return Report(exercise, source, [_not_loaded(check_fn, e)
-                                             for check_fn in exercise.checks])
-    return Report(exercise, label, [_run_one(check_fn, impl) for check_fn in exercise.checks])
+    with blocking(exercise):
+        if impl is None:
+            try:
+                impl = load_impl(exercise, source, root)
+            except ExerciseLoadError as e:
+                return Report(exercise, source, [_not_loaded(check_fn, e)
+                                                 for check_fn in exercise.checks])
+        return Report(exercise, label, [_run_one(check_fn, impl)
+                                        for check_fn in exercise.checks])
 
 
 def _name(check_fn: Callable) -> str:
@@ -68,6 +79,30 @@ def _first_line_after(text: str, prefix: str) -> str:
     return line.removeprefix(prefix)
 
 
+def _written_where(impl, message: str) -> tuple[Frame, ...]:
+    """For a wrong answer, where the learner wrote what gave it: the graded function or class
+    (for a module, those of its definitions the message names, else the file itself)."""
+    if isinstance(impl, types.ModuleType):
+        named = [obj for obj in vars(impl).values()
+                 if (inspect.isfunction(obj) or inspect.isclass(obj))
+                 and obj.__module__ == impl.__name__ and obj.__name__ in message]
+        if not named:
+            file = getattr(impl, "__file__", "") or ""
+            return (Frame(file, 1, "<module>", ""),) if file and is_learner_file(file) else ()
+    else:
+        named = [impl]
+    frames = []
+    for obj in named:
+        try:
+            lines, start = inspect.getsourcelines(obj)
+            file = inspect.getsourcefile(obj) or ""
+        except (OSError, TypeError):
+            continue
+        if file and is_learner_file(file):
+            frames.append(Frame(file, start, obj.__name__, lines[0].strip()))
+    return tuple(frames)
+
+
 def _run_one(check_fn: Callable, impl: Callable) -> CheckResult:
     name = _name(check_fn)
     with keeping_rank_output() as output:
@@ -75,15 +110,23 @@ def _run_one(check_fn: Callable, impl: Callable) -> CheckResult:
             note = check_fn(impl)  # a passing check may return passed(...)'s line
             return CheckResult(name, True, note=note if isinstance(note, str) else "")
         except CheckFailed as e:
-            result = CheckResult(name, False, e.message, e.inputs, kind=WRONG)
+            result = CheckResult(name, False, e.message, e.inputs, kind=WRONG,
+                                 frames=_written_where(impl, e.message))
         except NotImplementedError as e:  # the learner's function, called in this process
             result = CheckResult(name, False, "not implemented yet", kind=NOT_IMPLEMENTED,
+                                 frames=frames_from_traceback(e.__traceback__))
+        except EngineAnswerBlocked as e:
+            result = CheckResult(name, False, str(e), kind=BLOCKED,
                                  frames=frames_from_traceback(e.__traceback__))
         except RankError as e:
             frames = frames_from_text(e.traceback)
             if e.exc_type == "NotImplementedError":
                 result = CheckResult(name, False, "not implemented yet", kind=NOT_IMPLEMENTED,
                                      ranks=(e.rank,), frames=frames)
+            elif e.exc_type == EngineAnswerBlocked.__name__:
+                result = CheckResult(name, False, _first_line_after(
+                    str(e), f"rank {e.rank} raised {e.exc_type}: "), kind=BLOCKED,
+                    ranks=(e.rank,), frames=frames)
             else:
                 result = CheckResult(name, False, _first_line_after(str(e), f"rank {e.rank} "),
                                      kind=ERROR, ranks=(e.rank,), frames=frames)
@@ -101,10 +144,18 @@ def _run_one(check_fn: Callable, impl: Callable) -> CheckResult:
     return result
 
 
-def check(name: str, impl: Callable | None = None) -> None:
+def check(name: str, impl: Callable | None = None, hint: int | None = None) -> None:
     """Grade exercise ``name`` and print the result (use :func:`run_checks` for the data).
 
     Without ``impl`` the function in ``exercises/<module>.py`` is graded (read afresh, so save
     the file first); pass ``impl=my_function`` to grade one defined in the notebook instead.
+    Each failed attempt of code that runs reveals one more hint (the idea, the API to use, the
+    shape of the code); ``hint=2`` asks for the first two now. Attempts are saved beside the
+    drill's scores (:mod:`engine.grading.progress`).
     """
-    print(format_report(run_checks(name, impl=impl)))
+    asked = check_hint_level(hint)
+    report = run_checks(name, impl=impl)
+    attempts = Attempts()
+    level = attempts.record(report, asked)
+    attempts.save()
+    print(format_report(report, hint_level=level))
