@@ -417,3 +417,30 @@ def _resume_with_masters(rank, world_size, stage, dtype, offload, directory):
     (1, torch.float32, True), (2, torch.float32, True)])
 def test_resuming_restores_the_fp32_masters(stage, dtype, offload, tmp_path):
     assert all(run_ranks(_resume_with_masters, 2, stage, dtype, offload, tmp_path))
+
+
+# -- what a rank writes: its shard, 12 bytes per parameter with fp32 AdamW ---------------------
+
+
+def _trained_checkpoint(rank, world_size, stage, directory):
+    x, y = regression_data(8 * world_size, 16, 8, seed=1)
+    model, opt, zero_opt = _build(stage)
+    _train(model, opt, shard(x, rank, world_size), shard(y, rank, world_size), 1)
+    save_sharded(directory, model, zero_opt)
+    buckets = model.all_units if stage == 3 else zero_opt.buckets
+    return [b.padded for b in buckets]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_each_rank_writes_12_bytes_per_parameter_of_its_shard(stage, tmp_path):
+    """fp32 parameters are their own masters (ZeroOptimizer and ZeroDataParallel update the
+    shard in place), so a file holds the shard once, and AdamW's two moments: (4 + 8) Ψ / N,
+    padding included, plus AdamW's 4-byte step count per bucket. (Writing the masters as well
+    used to make it 16.)"""
+    n = 3
+    padded = run_ranks(_trained_checkpoint, n, stage, tmp_path)[0]
+    for rank in range(n):
+        payload = torch.load(tmp_path / f"rank{rank}-of{n}.pt", weights_only=True)
+        tensors = [*payload["shards"], *(m for m in payload["masters"] if m is not None),
+                   *(v for s in payload["optimizer"]["state"].values() for v in s.values())]
+        assert sum(t.nbytes for t in tensors) == sum(12 * p // n + 4 for p in padded)
