@@ -4,7 +4,7 @@ and a deliberate kill for labs and tests.
 torchrun (torchelastic) runs one *agent* per node; the agent starts the node's workers and,
 with ``--max-restarts N``, restarts all of them (on every node, after a new rendezvous) when
 one fails. A restarted ``engine train --resume`` continues from the newest complete checkpoint
-(:mod:`engine.checkpoints`). Three pieces make that hold up:
+(:mod:`engine.checkpoints`). These pieces make that hold up:
 
 * :func:`die_with_agent`: a worker asks Linux to kill it when its agent dies
   (``PR_SET_PDEATHSIG``). torchrun's workers do not otherwise notice: an agent killed with
@@ -14,6 +14,8 @@ one fails. A restarted ``engine train --resume`` continues from the newest compl
   collective fails because a peer vanished, Gloo says only "Connection closed by peer
   [address]:port"; :meth:`Peers.lost` names the ranks whose processes are gone (those on this
   host, checked by pid) or else the hosts the error points at.
+* :func:`check_restartable`: a torchrun whose restarted workers could not connect (they
+  would share the previous attempt's rendezvous store) is refused on its first attempt.
 * :func:`kill_point`: **for labs and tests only**, ``engine train --kill-at-step K
   --kill-rank R`` sends SIGKILL to global rank R right after its K-th step, on torchrun's
   first attempt only (``TORCHELASTIC_RESTART_COUNT`` is 0), so the restarted workers run
