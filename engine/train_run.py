@@ -137,12 +137,15 @@ def train(strategy, cfg, inputs, labels, point: ResumePoint | None = None,
     the loss of every step of the run (those before it from the checkpoint)."""
     if cfg.save is not None and strategy.part_of is None:
         raise ValueError(f"--save: {strategy.name} has no sharded checkpoint here")
+    loading = time.perf_counter()
     first, losses = start(strategy, cfg, point)
+    loaded_s = time.perf_counter() - loading
     total = total_steps(cfg)
     bar = Progress(total, progress_fd) if dist.get_rank() == 0 else None
     if bar and first:
         bar.note(f"resumed from {point.path} after step {first}"
-                 + (" (re-cut for this layout)" if point.reshard else ""))
+                 + (" (re-cut for this layout)" if point.reshard else "")
+                 + f", loaded in {loaded_s:.2f} s")
 
     def after_step(step: int, run) -> None:
         done = step + 1
