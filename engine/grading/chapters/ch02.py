@@ -10,8 +10,8 @@ from torch import nn
 from engine.comm import CommMeter
 from engine.dp import DataParallel
 from engine.dp.buckets import assign_buckets
-from engine.models import MLP, regression_data, shard
-from engine.grading.core import CheckFailed, Exercise, run_ranks
+from engine.models import MLP, regression_data, seeded, shard
+from engine.grading.core import CheckFailed, Exercise, passed, run_ranks
 from engine.grading.drill import Drill
 
 SIZES = (16, 32, 8)
@@ -261,4 +261,132 @@ EXERCISES.append(Exercise(
             "engine.dp.data_parallel.DataParallel._on_grad_ready",
             "engine.dp.data_parallel.DataParallel._launch",
             "engine.dp.data_parallel.DataParallel._average_into_grads"),
+))
+
+
+# -- ch02.overlap_hook ------------------------------------------------------------------------
+
+class _Detour(nn.Module):
+    """Declares layers a, b, c but runs a, c, b: in backward b's gradients arrive first, though
+    its bucket is not the first, so a hook that launches buckets as they complete launches
+    them out of order."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        with seeded(seed):
+            self.a, self.b, self.c = nn.Linear(16, 24), nn.Linear(20, 8), nn.Linear(24, 20)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.c(torch.tanh(self.a(x)))))
+
+
+# (model, bucket cap in MiB): one parameter per bucket (10 bytes), or one layer per bucket
+OVERLAP_CASES = [("mlp", 10 / 2**20), ("detour", 10 / 2**20), ("detour", 100 / 2**20)]
+
+
+def _overlap_model(name: str, seed: int) -> nn.Module:
+    return MLP(DDP_SIZES, seed=seed) if name == "mlp" else _Detour(seed)
+
+
+class _HookedDataParallel(DataParallel):
+    """The engine's DataParallel with the learner's hook in place of its own."""
+
+    def __init__(self, module, hook, **kwargs):
+        super().__init__(module, **kwargs)
+        self.hook = hook
+
+    def _on_grad_ready(self, p):
+        if self._sync:
+            self.launcher.end.queue()  # the end of backward waits and averages
+            self.hook(p, self.buckets, self.launcher.bucket_of, self._launch)
+
+
+def _overlap_on_rank(rank, world_size, hook, model_name, cap_mb):
+    x, y = regression_data(4 * world_size, 16, 8, seed=7)
+    xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
+    reference = DataParallel(_overlap_model(model_name, 3), bucket_cap_mb=cap_mb)
+    ours = _HookedDataParallel(_overlap_model(model_name, 3), hook, bucket_cap_mb=cap_mb)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+                  for m in (reference, ours)]
+    names = [name for name, _ in ours.module.named_parameters()]
+    expected = [("all_reduce", b.buffer.numel() * b.buffer.element_size())
+                for b in ours.buckets]
+    steps = []
+    for _ in range(3):
+        events = None
+        for model, opt in zip((reference, ours), optimizers, strict=True):
+            opt.zero_grad()
+            with CommMeter() as meter:
+                nn.functional.mse_loss(model(xs), ys).backward()
+            events = meter.events
+        differ = [name for name, a, b in zip(names, reference.parameters(), ours.parameters(),
+                                             strict=True) if not torch.equal(a.grad, b.grad)]
+        steps.append(dict(differ=differ, backward_end=ours.backward_done_at,
+                          events=[(e.op, e.payload_bytes, e.start) for e in events]))
+        for opt in optimizers:
+            opt.step()
+    return dict(steps=steps, expected=expected)
+
+
+def _run_overlap(hook, world_size, model_name, cap_mb):
+    return run_ranks(_overlap_on_rank, world_size, hook, model_name, cap_mb, timeout=20)
+
+
+def check_equals_engine_data_parallel(hook):
+    for world_size in (2, 3):
+        for model_name, cap_mb in OVERLAP_CASES:
+            for rank, res in enumerate(_run_overlap(hook, world_size, model_name, cap_mb)):
+                for step, seen in enumerate(res["steps"]):
+                    if seen["differ"]:
+                        raise CheckFailed(
+                            f"rank {rank}, step {step}: the gradients of {seen['differ']} "
+                            "differ from the engine's DataParallel. Is each p.grad copied into "
+                            "its place in the bucket's buffer before the bucket is launched?",
+                            world_size=world_size, model=model_name,
+                            buckets=len(res["expected"]))
+
+
+def check_launched_in_order_during_backward(hook):
+    counts = []
+    for model_name, cap_mb in OVERLAP_CASES:
+        for rank, res in enumerate(_run_overlap(hook, 2, model_name, cap_mb)):
+            expected = res["expected"]
+            for step, seen in enumerate(res["steps"]):
+                launched = [(op, size) for op, size, _ in seen["events"]]
+                if launched != expected:
+                    raise CheckFailed(
+                        f"rank {rank}, step {step}: the meter saw {launched}; expected one "
+                        f"all-reduce per bucket in bucket order: {expected}. A bucket that "
+                        "completes early waits for the ones before it", world_size=2,
+                        model=model_name)
+                late = [i for i, (_, _, start) in enumerate(seen["events"])
+                        if not start < seen["backward_end"]]
+                if late:
+                    raise CheckFailed(
+                        f"rank {rank}, step {step}: the all-reduce of bucket(s) {late} started "
+                        "after backward ended. Launch each bucket from the hook, as soon as it "
+                        "and every bucket before it are complete", world_size=2,
+                        model=model_name)
+        counts.append(str(len(expected)))
+    return passed(f"{' + '.join(counts)} all-reduces, each launched before backward ended",
+                  "one per bucket, in bucket order", buckets=", ".join(counts))
+
+
+EXERCISES.append(Exercise(
+    name="ch02.overlap_hook",
+    title="DDP's overlap hook: launch each bucket's all-reduce, in order",
+    module="ch02_overlap_hook",
+    attr="on_grad_ready",
+    checks=(check_equals_engine_data_parallel, check_launched_in_order_during_backward),
+    hints=(
+        "A bucket can go on the wire as soon as all its gradients are in, while backward goes "
+        "on computing earlier layers. But every rank must issue its all-reduces in the same "
+        "order, so a bucket waits until every bucket before it has been launched.",
+        "bucket = bucket_of[p]; bucket.view_of(p, bucket.buffer) is p's place in the flat "
+        "buffer; bucket.ready is a set; bucket.complete says all its parameters are ready; "
+        "bucket.work is None until launched; launch(bucket) returns the work.",
+        "copy p.grad into bucket.view_of(p, bucket.buffer); bucket.ready.add(p); then "
+        "for b in buckets: if not b.complete: break; if b.work is None: b.work = launch(b)",
+    ),
+    blocks=("engine.grad_buckets.BucketLauncher.grad_ready",),
 ))

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from engine import theory
 from engine.comm import CommMeter
 from engine.compress.experiment import train_compressed
-from engine.grading.core import CheckFailed, Exercise, run_ranks
+from engine.compress.powersgd import PowerSGD, orthogonalize
+from engine.grad_buckets import GradBucket
+from engine.grading.core import CheckFailed, Exercise, passed, run_ranks
 from engine.grading.drill import Drill
 
 RATIO = 0.001
@@ -120,3 +124,108 @@ DRILLS = [  # questions from engine.drill's bank: the answers are computed, not 
     Drill("ch03.without_error_feedback", "ef-optional"),
     Drill("ch03.powersgd_elements", "powersgd-elements"),
 ]
+
+
+# -- ch03.powersgd_step -----------------------------------------------------------------------
+
+# (n, m, r): Gram-Schmidt for r <= 2, QR above; every one compressible ((n + m) r 2 < n m)
+POWERSGD_SHAPES = [(12, 10, 1), (16, 24, 2), (40, 9, 3)]
+POWERSGD_STEPS = 3
+POWERSGD_SEED = 5
+
+
+def _first_q(m: int, r: int) -> torch.Tensor:
+    """The engine's first Q for a bucket of one m-column matrix (PowerSGD's warm start
+    begins from it): a seeded Gaussian, orthogonalized."""
+    rng = np.random.RandomState(POWERSGD_SEED)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(rng.randint(1_000_000_000))
+        q = torch.randn(m, r)
+    orthogonalize(q)
+    return q
+
+
+def _powersgd_on_rank(rank, world_size, impl, n, m, r):
+    engine_psgd = PowerSGD(rank=r, start_iter=0, seed=POWERSGD_SEED)
+    bucket = GradBucket([nn.Parameter(torch.zeros(n, m))], index=0, is_last=True)
+    q, error = _first_q(m, r), torch.zeros(n, m)
+    steps = []
+    for step in range(POWERSGD_STEPS):
+        grad = torch.randn(n, m, generator=torch.Generator().manual_seed(100 * rank + step))
+        bucket.buffer = grad.reshape(-1).clone()
+        engine_psgd(bucket, None).wait()
+        if step:
+            orthogonalize(q)  # the warm start, as the engine does before each later step
+        given = grad.clone()
+        with CommMeter() as meter:
+            approx = impl(given, q, error)
+        expected = dict(approximation=bucket.buffer.view(n, m),
+                        q=engine_psgd.q_memory[0].view(m, r),
+                        error=engine_psgd.errors[0].view(n, m))
+        got = dict(approximation=approx, q=q, error=error)
+        wrong = [name for name in expected if not (
+            isinstance(got[name], torch.Tensor) and got[name].shape == expected[name].shape
+            and torch.allclose(got[name], expected[name], rtol=1e-5, atol=1e-6))]
+        steps.append(dict(wrong=wrong, grad_kept=torch.equal(given, grad),
+                          events=[(e.op, e.payload_bytes) for e in meter.events]))
+    return steps
+
+
+def _run_powersgd(impl, world_size):
+    for n, m, r in POWERSGD_SHAPES:
+        yield n, m, r, run_ranks(_powersgd_on_rank, world_size, impl, n, m, r, timeout=20)
+
+
+def check_equals_engine_powersgd(impl):
+    for world_size in (2, 3):
+        for n, m, r, results in _run_powersgd(impl, world_size):
+            for rank, steps in enumerate(results):
+                for step, seen in enumerate(steps):
+                    if seen["wrong"]:
+                        raise CheckFailed(
+                            f"rank {rank}, step {step}: {', '.join(seen['wrong'])} differ from "
+                            "the engine's PowerSGD. M = grad + error; P = M Q summed over ranks "
+                            "and orthogonalized; Q = Mᵀ P averaged; approximation P Qᵀ; error "
+                            "M - P Qᵀ", world_size=world_size, n=n, m=m, r=r)
+                    if not seen["grad_kept"]:
+                        raise CheckFailed("the gradient passed in was changed: work on a new "
+                                          "tensor M = grad + error", n=n, m=m, r=r)
+
+
+def check_sends_n_plus_m_times_r(impl):
+    for n, m, r, results in _run_powersgd(impl, 2):
+        expected = 4 * (n + m) * r  # fp32 values of P (n x r) and Q (m x r)
+        for rank, steps in enumerate(results):
+            for step, seen in enumerate(steps):
+                ops_seen = sorted({op for op, _ in seen["events"]})
+                payload = sum(size for _, size in seen["events"])
+                if ops_seen != ["all_reduce"] or payload != expected:
+                    raise CheckFailed(
+                        f"rank {rank}, step {step}: the meter saw {seen['events']}, "
+                        f"{payload} bytes all-reduced; one step all-reduces P (n x r) and Q "
+                        f"(m x r): (n + m) r x 4 = {expected} bytes, never the n x m "
+                        f"matrix ({4 * n * m} bytes), through engine.comm.ops", n=n, m=m, r=r)
+    return passed(f"all-reduced {(n + m) * r} values instead of {n * m}", "(n + m) r",
+                  n=n, m=m, r=r)
+
+
+EXERCISES.append(Exercise(
+    name="ch03.powersgd_step",
+    title="PowerSGD's step with error feedback",
+    module="ch03_powersgd_step",
+    attr="powersgd_step",
+    checks=(check_equals_engine_powersgd, check_sends_n_plus_m_times_r),
+    hints=(
+        "One step of power iteration finds the best rank-r direction of M: P = M Q, then "
+        "Q = Mᵀ P. Both are linear in M, so summing P (and averaging Q) over ranks gives the "
+        "approximation of the average gradient. Whatever the approximation misses is added "
+        "to the next step's gradient.",
+        "ops.all_reduce(t, group=group) sums in place; orthogonalize(p) makes p's columns "
+        "orthonormal in place; dist.get_world_size(group) is N; q.copy_(...) and "
+        "error.copy_(...) overwrite the caller's tensors.",
+        "matrix = grad + error; p = matrix @ q; all_reduce(p); orthogonalize(p); "
+        "q.copy_(matrix.t() @ p); all_reduce(q); q /= N; approx = p @ q.t(); "
+        "error.copy_(matrix - approx); return approx",
+    ),
+    blocks=("engine.compress.powersgd.PowerSGD.__call__",),
+))

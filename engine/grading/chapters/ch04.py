@@ -12,7 +12,8 @@ from engine.comm import CommMeter
 from engine.dp import DataParallel
 from engine.memory import optimizer_tensors, unique_storage_bytes
 from engine.models import MLP, regression_data, shard
-from engine.grading.core import CheckFailed, Exercise, run_ranks
+from engine.zero import ZeroDataParallel
+from engine.grading.core import CheckFailed, Exercise, passed, run_ranks
 from engine.grading.drill import Drill
 
 SIZES = (16, 33, 31, 8)  # 1871 parameters: padding needed at 2 and 3 ranks
@@ -145,3 +146,121 @@ DRILLS = [  # questions from engine.drill's bank: the answers are computed, not 
     Drill("ch04.zero_saving", "zero-saving"),
     Drill("ch04.zero_bytes", "zero-bytes"),
 ]
+
+
+# -- ch04.zero3_hooks -------------------------------------------------------------------------
+
+def _units_gathered(model) -> int:
+    return sum(u.full is not None for u in model.all_units)
+
+
+def _zero3_on_rank(rank, world_size, impl):
+    x, y = regression_data(8 * world_size, 16, 8, seed=1)
+    xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
+    reference = ZeroDataParallel(MLP(SIZES, seed=2 + rank), torch.optim.AdamW, lr=1e-2)
+    ours = impl(MLP(SIZES, seed=2 + rank), torch.optim.AdamW, lr=1e-2)
+    most = [0]  # the most units gathered at once, seen from hooks that run after the learner's
+
+    def look(*_):
+        most[0] = max(most[0], _units_gathered(ours))
+
+    for layer in ours.module.modules():
+        if isinstance(layer, nn.Linear):
+            layer.register_forward_pre_hook(look)
+            layer.register_forward_hook(look)
+    for p in ours.module.parameters():
+        p.register_post_accumulate_grad_hook(look)
+    steps = []
+    for _ in range(3):
+        for model in (reference, ours):
+            model.optimizer.zero_grad()
+            with CommMeter() as meter:
+                nn.functional.mse_loss(model(xs), ys).backward()
+                model.optimizer.step()
+        steps.append(dict(
+            same=all(torch.equal(a.shard, b.shard)
+                     for a, b in zip(reference.all_units, ours.all_units, strict=True)),
+            gathered=[u.name for u in ours.all_units if u.full is not None],
+            whole=[name for name, p in ours.module.named_parameters() if p.numel()],
+            events=[(e.op, e.bytes_sent) for e in meter.events]))
+    padded = [u.padded for u in ours.all_units]
+    return dict(steps=steps, most=most[0], padded=padded)
+
+
+def _run_zero3(impl, world_size):
+    return run_ranks(_zero3_on_rank, world_size, impl, timeout=20)
+
+
+def check_equals_zero_data_parallel(impl):
+    for world_size in (2, 3):
+        for rank, res in enumerate(_run_zero3(impl, world_size)):
+            for step, seen in enumerate(res["steps"]):
+                if not seen["same"]:
+                    raise CheckFailed(
+                        f"after step {step + 1} rank {rank}'s parameter shards differ from the "
+                        "engine's ZeroDataParallel: is every unit gathered before its forward "
+                        "and again before its backward?", world_size=world_size)
+
+
+def check_holds_only_shards(impl):
+    for world_size in (2, 3):
+        for rank, res in enumerate(_run_zero3(impl, world_size)):
+            for step, seen in enumerate(res["steps"]):
+                if seen["gathered"] or seen["whole"]:
+                    raise CheckFailed(
+                        f"after step {step + 1} rank {rank} still holds whole parameters "
+                        f"(units gathered: {seen['gathered']}; parameters not empty: "
+                        f"{seen['whole']}); between steps a rank holds only its shards: free "
+                        "each unit once its reduce-scatter is launched", world_size=world_size)
+            if res["most"] > 1:
+                raise CheckFailed(
+                    f"rank {rank} held {res['most']} units gathered at once; without prefetch "
+                    "it is one: free each unit right after its forward (and its backward)",
+                    world_size=world_size)
+
+
+def check_sends_3_n_minus_1_over_n_psi(impl):
+    for world_size in (2, 3):
+        for rank, res in enumerate(_run_zero3(impl, world_size)):
+            size = 4 * sum(res["padded"])  # fp32, each unit padded to a multiple of N
+            expected = (2 * theory.ring_all_gather_bytes(size, world_size)
+                        + theory.ring_reduce_scatter_bytes(size, world_size))
+            for step, seen in enumerate(res["steps"]):
+                ops_seen = sorted({op for op, _ in seen["events"]})
+                sent = sum(b for _, b in seen["events"])
+                if ops_seen != ["all_gather", "reduce_scatter"] or sent != expected:
+                    raise CheckFailed(
+                        f"rank {rank}, step {step + 1}: sent {sent} bytes by {ops_seen}; ZeRO-3 "
+                        "gathers every unit twice (forward, backward) and reduce-scatters its "
+                        f"gradients once: 3(N-1)/N x {size} = {expected:.0f} bytes",
+                        world_size=world_size)
+    return passed(f"sent {sent / size:.2f} x the padded parameter bytes", "3(N-1)/N",
+                  N=world_size)
+
+
+EXERCISES.append(Exercise(
+    name="ch04.zero3_hooks",
+    title="ZeRO-3: gather and free around each unit's forward and backward",
+    module="ch04_zero3_hooks",
+    attr="Zero3",
+    checks=(check_equals_zero_data_parallel, check_holds_only_shards,
+            check_sends_3_n_minus_1_over_n_psi),
+    hints=(
+        "A unit's parameters exist in full only while the unit computes: gathered just before "
+        "its forward and freed just after; gathered again just before its backward (a hook "
+        "on its output's gradient fires then) and freed once its gradients have been handed "
+        "to the reduce-scatter. Two gathers and one reduce-scatter per unit per step.",
+        "self._gather(unit, event) and self._free(unit, event); output.register_hook(fn) with "
+        "fn(grad) returning grad; self.launcher.end.queue(); self.launcher.bucket_of[p]; "
+        "unit.accumulate_grad(p); self.launcher.grad_ready(p); unit.work.",
+        "_before_forward: gather. _after_forward: free; t.register_hook(lambda g: "
+        "self._before_backward(unit) or g) on the first output that requires grad. "
+        "_before_backward: launcher.end.queue(); gather. _on_grad_ready: unit = "
+        "bucket_of[p]; unit.accumulate_grad(p); launcher.grad_ready(p); if unit.work is not "
+        "None: free.",
+    ),
+    blocks=("engine.zero.stage3.ZeroDataParallel._before_forward",
+            "engine.zero.stage3.ZeroDataParallel._after_forward",
+            "engine.zero.stage3.ZeroDataParallel._before_backward",
+            "engine.zero.stage3.ZeroDataParallel._on_grad_ready"),
+))

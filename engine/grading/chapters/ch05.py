@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.comm import CommMeter
-from engine.grading.core import CheckFailed, Exercise, run_ranks
+from engine.grading.core import CheckFailed, Exercise, passed, run_ranks
 from engine.grading.drill import Drill
 
 
@@ -96,3 +96,96 @@ DRILLS = [  # questions from engine.drill's bank: the answers are computed, not 
     Drill("ch05.params_per_layer", "layer-params"),
     Drill("ch05.one_all_reduce_claim", "tp-one-allreduce"),
 ]
+
+
+# -- ch05.vocab_parallel_ce -------------------------------------------------------------------
+
+VOCAB, TOKENS_SHAPE = 96, (3, 5)
+LARGE = 90.0  # exp(90) overflows fp32 (largest ~3.4e38): the max must be subtracted first
+
+
+def _vocab_ce_on_rank(rank, world_size, module):
+    gen = torch.Generator().manual_seed(7)
+    dense = torch.randn(*TOKENS_SHAPE, VOCAB, generator=gen) * 3
+    dense[0] += LARGE  # one row of tokens with huge logits
+    targets = torch.randint(0, VOCAB, TOKENS_SHAPE, generator=gen)
+    weights = torch.rand(*TOKENS_SHAPE, generator=gen)  # a different gradient per token
+    reference = dense.clone().requires_grad_()
+    expected = F.cross_entropy(reference.view(-1, VOCAB), targets.view(-1),
+                               reduction="none").view(TOKENS_SHAPE)
+    (expected * weights).sum().backward()
+    logits = dense.chunk(world_size, dim=-1)[rank].clone().requires_grad_()
+    with CommMeter() as meter:
+        loss = module.vocab_parallel_cross_entropy(logits, targets)
+        (loss * weights).sum().backward()
+    wrong = []
+    if not (isinstance(loss, torch.Tensor) and loss.shape == expected.shape
+            and torch.allclose(loss, expected, rtol=1e-5, atol=1e-5)):
+        wrong.append("the loss")
+    expected_grad = reference.grad.chunk(world_size, dim=-1)[rank]
+    if logits.grad is None or not torch.allclose(logits.grad, expected_grad, atol=1e-6):
+        wrong.append("the gradient of this rank's logits")
+    return dict(wrong=wrong, events=[(e.op, e.payload_bytes) for e in meter.events],
+                loss=loss.detach()[0, :2].tolist() if isinstance(loss, torch.Tensor) else loss,
+                expected=expected.detach()[0, :2].tolist())
+
+
+def check_matches_dense_cross_entropy(module):
+    for world_size in (2, 3):
+        for rank, res in enumerate(run_ranks(_vocab_ce_on_rank, world_size, module,
+                                             timeout=20)):
+            if res["wrong"]:
+                raise CheckFailed(
+                    f"rank {rank}: {' and '.join(res['wrong'])} differ from the dense "
+                    f"F.cross_entropy (tokens of row 0, logits near {LARGE:.0f}: got "
+                    f"{res['loss']}, expected {res['expected']}). Subtract the global max "
+                    "before exp(); the target's logit comes from the rank that holds it; "
+                    "the gradient is softmax minus one-hot", world_size=world_size,
+                    vocab=VOCAB, tokens=TOKENS_SHAPE)
+
+
+def check_never_gathers_the_logits(module):
+    tokens = TOKENS_SHAPE[0] * TOKENS_SHAPE[1]
+    for world_size in (2, 3):
+        for rank, res in enumerate(run_ranks(_vocab_ce_on_rank, world_size, module,
+                                             timeout=20)):
+            ops_seen = sorted({op for op, _ in res["events"]})
+            payload = sum(size for _, size in res["events"])
+            if ops_seen != ["all_reduce"] or payload > 3 * 4 * tokens:
+                raise CheckFailed(
+                    f"rank {rank}: the meter saw {res['events']}; the loss needs three "
+                    f"all-reduces of one number per token (the max, the sum of exponentials, "
+                    f"the target's logit): at most 3 x {tokens} tokens x 4 bytes = "
+                    f"{3 * 4 * tokens}, never the {VOCAB // world_size} logits per token of a "
+                    "rank. Use ops.all_reduce", world_size=world_size, vocab=VOCAB)
+    return passed(f"all-reduced {payload // (4 * tokens)} numbers per token instead of "
+                  f"gathering {VOCAB} logits", "the max, Σ exp, the target's logit",
+                  V=VOCAB, t=world_size)
+
+
+EXERCISES.append(Exercise(
+    name="ch05.vocab_parallel_ce",
+    title="The vocabulary-parallel cross-entropy",
+    module="ch05_vocab_parallel_ce",
+    attr="",
+    checks=(check_matches_dense_cross_entropy, check_never_gathers_the_logits),
+    hints=(
+        "log Σ exp(z) needs only two numbers per token from each rank's slice: its max and "
+        "its sum of exp(z - max). The target's logit lives on exactly one rank. So three "
+        "all-reduces of one number per token replace gathering V numbers per token; and the "
+        "gradient, softmax - onehot, is local to each slice.",
+        "ops.all_reduce(t, op=dist.ReduceOp.MAX, group=group), then plain sums; this rank's "
+        "words start at dist.get_rank(group) * logits.shape[-1]; logits.gather(-1, idx) picks "
+        "a logit per token; masked_fill zeroes the tokens whose target is elsewhere; "
+        "ctx.save_for_backward keeps tensors for backward.",
+        "forward: top = logits.max(-1).values, all-reduce MAX; shifted = logits - top[..., "
+        "None]; exp = shifted.exp(); total = exp.sum(-1), all-reduce; local = targets - "
+        "start; mine = (0 <= local < V/t); picked = shifted.gather(-1, local.clamp) masked by "
+        "mine, all-reduce; save exp / total[..., None], local, mine; return total.log() - "
+        "picked. backward: grad = softmax; grad[mine, local] -= 1; return grad * "
+        "grad_loss[..., None], None, None",
+    ),
+    blocks=("engine.tp.layers.vocab_parallel_cross_entropy",
+            "engine.tp.layers._VocabParallelCrossEntropy.forward",
+            "engine.tp.layers._VocabParallelCrossEntropy.backward"),
+))
