@@ -18,6 +18,8 @@ import torch.utils.checkpoint
 import torch.nn as nn
 import torch.nn.functional as F
 
+from engine.validation import positive_int
+
 
 @contextlib.contextmanager
 def seeded(seed: int):
@@ -56,9 +58,7 @@ class GPTConfig:
 
     def __post_init__(self):
         for name in ("vocab", "seq_len", "layers", "heads", "hidden"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+            positive_int(f"GPTConfig.{name}", getattr(self, name))
         if self.hidden % self.heads:
             raise ValueError(
                 f"GPTConfig.hidden={self.hidden} must be divisible by heads={self.heads}"

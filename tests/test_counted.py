@@ -134,3 +134,20 @@ def test_all_to_all_with_splits_the_ranks_disagree_on_is_a_clear_error():
 def test_a_meter_refuses_an_unknown_count_mode():
     with pytest.raises(ValueError, match="count must be one of \\('model', 'wire'\\), got 'all'"):
         CommMeter(count="all")
+
+
+def _small_ints(rank, world_size):
+    got = {}
+    for dtype in (torch.uint8, torch.int8):
+        built_in, counted = torch.full((5,), rank + 1, dtype=dtype), None
+        ops.all_reduce(built_in)
+        counted = torch.full((5,), rank + 1, dtype=dtype)
+        with CommMeter():
+            ops.all_reduce(counted)
+        got[str(dtype)] = torch.equal(built_in, counted)
+    return got
+
+
+def test_counted_all_reduce_takes_every_dtype_the_built_in_takes():
+    for got in run_ranks(_small_ints, 3):
+        assert got == {"torch.uint8": True, "torch.int8": True}

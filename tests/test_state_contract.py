@@ -211,3 +211,58 @@ def test_pytorchs_ddp_is_refused_its_buckets_are_out_of_sight():
     for message in run_ranks(_torch_ddp, N):
         assert message is not None and "DistributedDataParallel" in message
         assert "model_state_bytes(ddp.module)" in message
+
+
+# -- what a compressor keeps between steps is held memory too ---------------------------------
+
+def _compressed(rank, world_size, which):
+    from engine.compress import FP16, PowerSGD, TopK
+
+    compressor = {"fp16": FP16(), "topk": TopK(0.1),
+                  "powersgd": PowerSGD(1, start_iter=0)}[which]
+    model = DataParallel(MLP(SIZES, seed=0), bucket_cap_mb=1, compressor=compressor)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    _one_step(model, opt, rank)
+    return _fields(model_state_bytes(model, opt))
+
+
+def test_data_parallel_counts_what_its_compressor_keeps():
+    dense = 4 * PSI
+    # one bucket of PSI fp32 gradients; written from the algorithms, not read back:
+    # FP16 keeps nothing; Top-K a residual and its last selection, each bucket-sized;
+    # PowerSGD (rank 1) an error-feedback bucket and P (n x 1), Q (m x 1) per weight matrix
+    # (biases are vectors: all-reduced as they are, nothing kept)
+    kept = {"fp16": 0, "topk": 2 * dense, "powersgd": dense + 4 * (32 + 16) + 4 * (8 + 32)}
+    for which, extra in kept.items():
+        for held in run_ranks(_compressed, N, which):
+            assert held["buffers"] == dense + extra, which  # bucket buffer + compressor state
+            assert held["total"] == 3 * dense + extra, which
+
+
+class _Stateful:
+    """A compressor object that keeps something and cannot say what."""
+
+    def __init__(self):
+        self.memory = {}
+
+    def __call__(self, bucket, group=None):
+        from engine.comm import ops
+        from engine.compress.base import Then
+
+        self.memory[bucket.index] = bucket.buffer.clone()
+        return Then(ops.all_reduce(bucket.buffer, group=group, async_op=True),
+                    lambda: bucket.buffer.div_(2))
+
+
+def _unknown_compressor(rank, world_size):
+    model = DataParallel(MLP(SIZES, seed=0), compressor=_Stateful())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    _one_step(model, opt, rank)
+    model_state_bytes(model, opt)
+
+
+def test_a_compressor_that_cannot_say_what_it_keeps_is_refused_not_counted_as_zero():
+    from engine import RankError
+
+    with pytest.raises(RankError, match="cannot count what the compressor .*_Stateful"):
+        run_ranks(_unknown_compressor, N)

@@ -22,8 +22,8 @@ strategy both ways).
 Which ring: a sum or average on Gloo runs the tuned ring
 (:func:`engine.comm.ring_all_reduce_pipelined`): the same algorithm and the same messages as
 the readable one, counted the same way, in about half the time of a training run (a dense
-300-step run on 4 ranks: 4.7-6.4 s against 9.7-11.8 s). On NCCL, and for max and min, the
-readable ring (:mod:`engine.comm.ring`) runs: the tuned one posts receives ahead of their sends,
+300-step run on 4 ranks: 4.7-6.4 s against 9.7-11.8 s). On NCCL, for max and min, and for
+dtypes the tuned ring's checks do not list (int8, uint8, ...), the readable ring (:mod:`engine.comm.ring`) runs: the tuned one posts receives ahead of their sends,
 which can block NCCL.
 """
 
@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from engine.comm import ops
 from engine.comm.all_to_all import pairwise_all_to_all
+from engine.comm.checks import SUPPORTED_DTYPES
 from engine.comm.ring import COMBINE, all_gather_steps, reduce_scatter_steps
 from engine.comm.ring_pipelined import ring_all_reduce_pipelined
 
@@ -53,7 +54,8 @@ def _me_and_n(group) -> tuple[int, int]:
 
 def all_reduce(tensor: torch.Tensor, op, group) -> None:
     name = op_name(op)
-    if name in ("sum", "avg") and dist.get_backend(group) != "nccl":
+    if name in ("sum", "avg") and tensor.dtype in SUPPORTED_DTYPES and \
+            dist.get_backend(group) != "nccl":
         ring_all_reduce_pipelined(tensor.view(-1), group, name, check=False)
         return
     me, n = _me_and_n(group)

@@ -262,7 +262,7 @@ def batch_isend_irecv(p2p_ops: Sequence[P2POp]) -> list[MeteredWork]:
     works = dist.batch_isend_irecv(wire_ops)
     if len(works) != len(events):  # NCCL coalesces a batch into one work for all its ops
         return [MeteredWork(w, [e for op_events in events for e in op_events]) for w in works]
-    return [MeteredWork(w, e, after=c)
+    return [MeteredWork(w, e, has_future=False, after=c)
             for w, e, c in zip(works, events, copy_backs, strict=True)]
 
 
@@ -288,6 +288,10 @@ class CompletedWork:
 
     def exception(self):
         return None
+
+
+# the algorithm each collective's bytes follow: counted, or modeled for the built-in
+_ALGORITHM = {"broadcast": "chain", "reduce": "chain", "all_to_all": "pairwise"}
 
 
 def _collective(
@@ -319,8 +323,7 @@ def _collective(
             bytes_sent=sent,
             bytes_received=received,
             measured=False,
-            algorithm="chain" if op in ("broadcast", "reduce") else
-            "pairwise" if op == "all_to_all" else "ring",
+            algorithm=_ALGORITHM.get(op, "ring"),
             start=time.perf_counter(),
             peer=root,
             dtype=str(payload.dtype),
@@ -344,9 +347,6 @@ def _gpu_end(events) -> None:
     for event in events:
         if len(event.gpu_marks) == 1:
             event.gpu_marks.append(OPEN.gpu_mark(event.gpu_marks[0][0]))
-
-
-_ALGORITHM = {"broadcast": "chain", "reduce": "chain", "all_to_all": "pairwise"}
 
 
 def _run_counted(op: str, payload: torch.Tensor, ranks, root, counted, async_op: bool):

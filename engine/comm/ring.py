@@ -52,8 +52,10 @@ def ring_position(group=None) -> tuple[int, int, int, int]:
     return me, n, ranks[(me + 1) % n], ranks[(me - 1) % n]
 
 
-def exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group=None) -> None:
-    """Send ``send`` to ``dst`` while receiving ``recv`` from ``src``: one ring step.
+def start_exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group=None
+                   ) -> list:
+    """Post the send of ``send`` to ``dst`` and the receive of ``recv`` from ``src`` (empty
+    tensors are skipped); return the works to wait on.
 
     Both go in one ``batch_isend_irecv``, so every rank of the ring sends and receives at once.
     That is also what NCCL needs: a lone receive posted before its send blocks the send queued
@@ -64,7 +66,12 @@ def exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group=N
         p2p.append(ops.recv_op(recv, src, group))
     if send.numel():
         p2p.append(ops.send_op(send, dst, group))
-    for work in ops.batch_isend_irecv(p2p) if p2p else []:
+    return ops.batch_isend_irecv(p2p) if p2p else []
+
+
+def exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group=None) -> None:
+    """One ring step: send ``send`` to ``dst`` while receiving ``recv`` from ``src``."""
+    for work in start_exchange(send, dst, recv, src, group):
         work.wait()
 
 

@@ -31,6 +31,10 @@ class Cast:
         work = ops.all_reduce(wire, group=group, async_op=True)
         return Then(work, lambda: bucket.buffer.copy_(wire))
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """What it keeps between steps (see :mod:`engine.memory`): nothing."""
+        return []
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 

@@ -47,6 +47,11 @@ class TopK:
         """Indices of the coordinates to send (largest magnitude)."""
         return vector.abs().topk(self.k(vector.numel()), sorted=False).indices
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """What it keeps between steps (see :mod:`engine.memory`): the error-feedback residuals
+        and the last selection of each bucket."""
+        return [*self.residuals.values(), *self.last_sent.values()]
+
     def __call__(self, bucket, group=None):
         buffer = bucket.buffer
         check_float_bucket(buffer, type(self).__name__)

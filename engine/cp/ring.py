@@ -27,8 +27,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from engine.comm import ops
-from engine.comm.ring import exchange, ring_position
+from engine.comm.ring import exchange, ring_position, start_exchange
 from engine.cp.blocks import DIAGONAL, FULL, block_backward, block_forward, merge
 from engine.cp.checks import check_attention_inputs, check_same_on_every_rank
 from engine.cp.layout import LAYOUTS, check_sequence_split, rank_chunks
@@ -56,11 +55,6 @@ def ring_schedule(n: int, layout: str, causal: bool) -> dict[int, list[list[tupl
             for r in range(n)}
 
 
-def _start_ring_step(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, group):
-    """Post the send to the right and the receive from the left; return the works to wait on."""
-    return ops.batch_isend_irecv([ops.recv_op(recv, left, group), ops.send_op(send, right, group)])
-
-
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, layout):
@@ -74,7 +68,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(n):
             if step < n - 1:
                 incoming = torch.empty_like(kv)
-                works = _start_ring_step(kv, incoming, right, left, group)
+                works = start_exchange(kv, right, incoming, left, group)
             k_chunks, v_chunks = (t.float().chunk(per_rank, dim=-2) for t in kv)
             for a, b, kind in block_pairs(me, (me - step) % n, n, layout, causal):
                 block = block_forward(q_chunks[a], k_chunks[b], v_chunks[b], scale, kind)
@@ -105,7 +99,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(n):
             if step < n - 1:
                 incoming = torch.empty_like(kv)
-                works = _start_ring_step(kv, incoming, right, left, group)
+                works = start_exchange(kv, right, incoming, left, group)
             k_chunks, v_chunks = (t.float().chunk(per_rank, dim=-2) for t in kv)
             dk = [torch.zeros_like(c) for c in k_chunks]
             dv = [torch.zeros_like(c) for c in v_chunks]

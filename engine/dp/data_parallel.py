@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import types
 
 import torch
 import torch.distributed as dist
@@ -149,10 +150,20 @@ class DataParallel(nn.Module):
 
     def state_tensors(self) -> StateTensors:
         """What this rank holds (see :mod:`engine.memory`): the replica's parameters and
-        gradients, and the bucket buffers, a second copy of the gradients (what PyTorch's
-        ``gradient_as_bucket_view=True`` saves)."""
+        gradients; as buffers, the bucket buffers (a second copy of the gradients, what
+        PyTorch's ``gradient_as_bucket_view=True`` saves) and what the compressor keeps between
+        steps (error feedback, warm starts). A compressor object that cannot say what it keeps
+        is an error, not a silent 0; a plain function keeps nothing."""
+        kept = []
+        if self.compressor is not None:
+            if hasattr(self.compressor, "state_tensors"):
+                kept = list(self.compressor.state_tensors())
+            elif not isinstance(self.compressor, types.FunctionType):
+                raise TypeError(f"cannot count what the compressor {self.compressor!r} keeps "
+                                "between steps: give it a state_tensors() method returning "
+                                "its tensors")
         return module_state_tensors(self.module) + \
-            StateTensors(buffers=[b.buffer for b in self.buckets])
+            StateTensors(buffers=[b.buffer for b in self.buckets] + kept)
 
     # -- during backward ---------------------------------------------------------------------
 

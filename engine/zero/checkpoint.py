@@ -385,7 +385,8 @@ def consolidate_optimizer(directory, tp: int | None = None, pp: int | None = Non
     per_bucket: dict[str, dict[str, torch.Tensor]] = {}
     for i, bucket in enumerate(part.buckets):
         for key, value in states[0].get(i, {}).items():
-            if torch.is_tensor(value) and value.numel() == part.shard_numel(i):
+            if torch.is_tensor(value) and value.dim() > 0 and \
+                    value.numel() == part.shard_numel(i):
                 elementwise.setdefault(key, [[] for _ in part.payloads])
                 continue
             for param in bucket["params"]:
