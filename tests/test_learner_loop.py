@@ -145,7 +145,7 @@ def test_importing_the_engines_answer_inside_an_exercise_is_refused(tmp_path, na
     assert text.count("switched off") == 1 and f"{file}, line 5" in text
 
 
-def test_the_engine_reached_through_another_engine_function_is_refused_too():
+def test_the_engines_answer_taken_from_an_engine_table_is_refused_too():
     from engine.pp.experiments import SCHEDULES  # a table of the engine's schedules
 
     def through_a_table(p, m):
@@ -178,8 +178,8 @@ def test_a_solution_that_re_exports_the_engine_is_refused(tmp_path):
 
 def test_blocking_keeps_the_checks_working_and_undoes_itself():
     """The router exercise switches off engine.moe.router.route: the check still compares
-    with it, the learner's code (here, this file) cannot call it, even through the engine's MoE
-    layer, and a module imported meanwhile keeps the original afterwards."""
+    with it, the learner's code (here, this file) cannot call it, and a module imported
+    meanwhile holds the original again afterwards."""
     import sys
     import types
 
@@ -420,7 +420,7 @@ def test_grading_the_untouched_stubs_says_not_implemented_everywhere_with_no_hin
     out = capsys.readouterr().out
     failures = [line for line in out.splitlines() if line.strip().startswith("✗")]
     assert failures and all(line.endswith("not implemented yet") for line in failures)
-    assert "hint" not in out
+    assert "hint 1 (" not in out and "hint=" not in out
     heads = [line for line in out.splitlines() if line.startswith(("PASS", "FAIL"))]
     assert len(heads) == len(registry()) and all(h.startswith("FAIL") for h in heads)
     assert "next: write ch00.p2p_broadcast in exercises/ch00_p2p_broadcast.py" in out
@@ -483,3 +483,16 @@ def test_the_grade_command_counts_attempts_only_for_the_learners_code(capsys):
     assert not attempts_path().exists()
     row = next(line for line in out.splitlines() if line.startswith("ch06 pipeline"))
     assert f"1/{sum(e.chapter == 'ch06' for e in registry().values())}" in row
+
+
+def test_the_engines_chain_broadcast_is_refused_and_a_collective_caught_by_the_meter():
+    """ch00's broadcast: the engine's chain (engine.comm.counted, built from sends, N-1
+    copies) is switched off for the learner; ops.broadcast, which runs it on the engine's
+    behalf, is left to the meter check (tests/test_grading.py)."""
+    from engine.comm import counted
+
+    def chain(tensor, src):
+        counted.broadcast(tensor, src, None)
+        return tensor
+
+    assert {r.kind for r in run_checks("ch00.p2p_broadcast", impl=chain).results} == {BLOCKED}

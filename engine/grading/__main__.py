@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     known = registry()
     unknown = sorted(wanted - set(known) - {n.split(".")[0] for n in known})
     if unknown:
-        parser.error(f"--only: {', '.join(unknown)} matches no exercise; known: {', '.join(known)}")
+        parser.error(f"--only: {', '.join(unknown)} matches no exercise; "
+                     f"known: {', '.join(known)}")
     names = [n for n in known if not wanted or n in wanted or n.split(".")[0] in wanted]
     learner = args.source == "exercises"  # the reference solutions are nobody's attempts
     attempts = Attempts()

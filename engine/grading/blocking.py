@@ -2,7 +2,8 @@
 
 An exercise asks for something the engine already has: the ring all-reduce, 1F1B, Megatron's
 f and g. ``Exercise.blocks`` names those implementations by dotted path
-(``"engine.comm.ring.ring_all_reduce"``, a method: ``"engine.zero.optimizer.ZeroOptimizer.step"``).
+(``"engine.comm.ring.ring_all_reduce"``; a method:
+``"engine.zero.optimizer.ZeroOptimizer.step"``).
 Inside :func:`blocking`, each is replaced, wherever it is reachable, by a stand-in that raises
 :class:`EngineAnswerBlocked` when the learner's code calls it:
 
@@ -11,15 +12,16 @@ Inside :func:`blocking`, each is replaced, wherever it is reachable, by a stand-
   of the engine's module-level tables (``SCHEDULES = {"1f1b": one_f_one_b}``);
 * for a method, the class that defines it.
 
-The stand-in looks at who called it: walking out from the call, the first frame that is either
-a check (``engine/grading``) or the learner's code decides. A check, or the engine on a check's
-behalf, gets the original (the checks compare with the engine's answers); the learner's code,
-directly or through another engine function, gets the error. Everything is put back on exit.
+The stand-in looks at who called it, past Python's and torch's own frames: the learner's code
+gets the error; the engine, the checks included, gets the original (the checks compare with
+the engine's answers, and the engine's collectives run on its own algorithms). Everything is
+put back on exit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import sys
 from pathlib import Path
@@ -29,7 +31,7 @@ from typing import Any, Callable, Iterator
 from engine.grading.core import Exercise
 from engine.grading.feedback import is_learner_file
 
-_GRADING = Path(__file__).resolve().parent
+_ENGINE = Path(__file__).resolve().parents[1]
 # code typed at a prompt; other "<...>" files are generated (dataclasses, torch) and decide nothing
 _TYPED_IN = ("<ipython-input", "<stdin>", "<console>")
 
@@ -62,16 +64,24 @@ def resolve(path: str) -> tuple[Any, str, Any]:
                      "class's method, as a dotted path)")
 
 
+@functools.lru_cache(maxsize=4096)
+def _who_wrote(file: str) -> str:
+    """Who wrote ``file``: "engine" (the grader's checks included), "learner", or "" for
+    Python, installed packages and generated code, which decide nothing."""
+    if Path(file).is_absolute() and Path(file).resolve().is_relative_to(_ENGINE):
+        return "engine"
+    generated = file.startswith("<") and not file.startswith(_TYPED_IN)
+    return "learner" if not generated and is_learner_file(file) else ""
+
+
 def _learner_is_calling() -> bool:
-    """True when, walking out from the blocked call, the learner's code comes before a check."""
+    """True when the blocked function's caller, looking past Python's and torch's own frames
+    (``autograd.Function.apply``), is the learner's code."""
     frame = sys._getframe(2)  # 0: here, 1: the stand-in, 2: its caller
     while frame is not None:
-        file = frame.f_code.co_filename
-        generated = file.startswith("<") and not file.startswith(_TYPED_IN)
-        if Path(file).is_absolute() and Path(file).resolve().is_relative_to(_GRADING):
-            return False
-        if not generated and is_learner_file(file):
-            return True
+        who = _who_wrote(frame.f_code.co_filename)
+        if who:
+            return who == "learner"
         frame = frame.f_back
     return False
 

@@ -93,7 +93,7 @@ EXERCISES = [
             "if dist.get_rank() == src: for every peer != src: ops.send(tensor, peer); else: "
             "ops.recv(tensor, src). Return tensor.",
         ),
-        blocks=("engine.comm.ops.broadcast", "engine.comm.counted.broadcast"),
+        blocks=("engine.comm.counted.broadcast",),
     ),
 ]
 
