@@ -215,7 +215,7 @@ def _check_checkpointing(cfg: TrainConfig) -> None:
         positive_int("--save-every (steps between checkpoints)", cfg.save_every)
     for flag, value in (("--save-every", cfg.save_every), ("--resume", cfg.resume),
                         ("--reshard", cfg.reshard)):
-        if value not in (None, False) and cfg.save is None:
+        if value is not None and value is not False and cfg.save is None:
             raise ValueError(f"{flag} needs --save DIR, the directory of the run's checkpoints")
     if cfg.reshard and not cfg.resume:
         raise ValueError("--reshard re-cuts the checkpoint --resume loads: pass --resume too")
@@ -349,8 +349,8 @@ def resolved(cfg: TrainConfig, args: argparse.Namespace, given: set[str], world:
               **{f.name: getattr(cfg, f.name) for f in fields(TrainConfig)}}
     shown = {}
     for name, value in values.items():
-        if (name == "schedule" and cfg.pp == 1) or (value in (None, False) and name not in
-                                                     given) or \
+        if (name == "schedule" and cfg.pp == 1) or \
+                ((value is None or value is False) and name not in given) or \
                 (name == "ep" and cfg.ep == 1 and name not in given) or \
                 (name == "keep" and cfg.save is None):
             continue
