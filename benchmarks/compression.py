@@ -12,6 +12,7 @@ bytes-vs-accuracy frontier.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from tqdm.auto import tqdm
 
@@ -38,6 +39,7 @@ def main(argv=None):
               f"{r['bytes_sent'] / r['dense_bytes']:>9.2%} {r['test_loss']:>10.3f} "
               f"{r['accuracy']:>9.1%}")
     if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         compression_figure(results).savefig(args.plot, dpi=110)
         print(f"plot: {args.plot}")
     return results
