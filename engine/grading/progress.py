@@ -107,9 +107,9 @@ def _drill_cell(chapter: str, scores: Scores) -> tuple[str, str]:
         return shown, ""
     chapter_drills = any(name.split(".")[0] == chapter for name in drills())
     if chapter_drills:
-        return shown, f"drill: drill(\"{chapter}\") in the notebook"
+        return shown, f"answer drill(\"{chapter}\") in the notebook"
     topic = f" --topic '{topics[0]}'" if len(topics) == 1 else ""
-    return shown, f"drill: python -m engine drill{topic}"
+    return shown, f"run python -m engine drill{topic}"
 
 
 def progress_table(exercises: dict[str, Exercise], last: dict[str, str], attempts: Attempts,

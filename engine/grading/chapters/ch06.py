@@ -75,9 +75,9 @@ EXERCISES = [
             "A stage can run a micro-batch's backward only after the last stage has run its "
             "forward. So stage s runs a few forwards first (the warm-up), then alternates one "
             "forward and one backward, then finishes the backwards it still owes.",
-            'Return {stage: [("F", i) or ("B", i), ...]}; stage s warms up with min(p - s - 1, '
-            "m) forwards; engine.pp.validate(schedule) and engine.pp.simulate(schedule) "
-            "(.bubble, .peak_in_flight) try it out.",
+            'Return {stage: [("F", i) or ("B", i), ...]}, micro-batches in order; '
+            "engine.pp.validate(schedule) names a deadlock, engine.pp.simulate(schedule) gives "
+            ".bubble and each stage's .peak_in_flight: try yours before the check does.",
             "for s in range(p): warmup = min(p - s - 1, m); actions = F 0 .. warmup-1; f, b = "
             "warmup, 0; while f < m: append F f and B b; f += 1; b += 1; then append B b .. "
             "m-1.",
