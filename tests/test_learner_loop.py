@@ -496,3 +496,22 @@ def test_the_engines_chain_broadcast_is_refused_and_a_collective_caught_by_the_m
         return tensor
 
     assert {r.kind for r in run_checks("ch00.p2p_broadcast", impl=chain).results} == {BLOCKED}
+
+
+_ALIASED_ANSWERS = {
+    "ch06_interleaved": "from engine.pp import interleaved_1f1b\n",
+    "ch06_linear_b_w": ("from engine.pp.weight_grad import linear_input_grad as linear_b\n"
+                        "from engine.pp.weight_grad import linear_weight_grad as linear_w\n"),
+}
+
+
+@pytest.mark.parametrize("name, module", [("ch06.interleaved", "ch06_interleaved"),
+                                          ("ch06.linear_b_w", "ch06_linear_b_w")])
+def test_an_exercise_that_only_re_exports_the_engines_answer_is_refused(tmp_path, name, module):
+    """The checks call what the file defines, so a stand-in imported under the graded name
+    would be let through as the checks' own call: it is refused before any check runs."""
+    root = _course(tmp_path, {module: _ALIASED_ANSWERS[module]})
+    report = run_checks(name, root=root)
+    assert report.results and {r.kind for r in report.results} == {BLOCKED}
+    assert "the engine's own answer" in report.results[0].message
+    assert "imported instead of written" in report.results[0].message

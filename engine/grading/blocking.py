@@ -96,6 +96,7 @@ def _stand_in(original: Callable, path: str, exercise: Exercise) -> Callable:
             raise EngineAnswerBlocked(message)
         return original(*args, **kwargs)
 
+    blocked.engine_answer = path  # what it stands in for (see borrowed_answers)
     blocked.__name__ = getattr(original, "__name__", path.rsplit(".", 1)[-1])
     blocked.__qualname__ = getattr(original, "__qualname__", blocked.__name__)
     blocked.__doc__ = f"Switched off while {exercise.name} is graded: {message}."
@@ -120,6 +121,19 @@ def _holders(original: Any) -> Iterator[tuple[dict, Any, Callable[[Any], Any]]]:
                     elif isinstance(inner, tuple) and any(x is original for x in inner):
                         yield value, inner_key, lambda new, t=inner: tuple(
                             new if x is original else x for x in t)
+
+
+def borrowed_answers(impl: Any) -> list[str]:
+    """The engine answers the learner's ``impl`` merely re-exports: a function that *is* a
+    stand-in (``from engine.pp import interleaved_1f1b``, or an alias of it), or, for an
+    exercise graded as a module, every such name in it. Call inside :func:`blocking`. A check
+    calling it would be let through (the caller is the check), so it is refused up front."""
+    if isinstance(impl, ModuleType):
+        found = vars(impl).values()
+    else:
+        found = [impl]
+    return sorted({getattr(f, "engine_answer") for f in found
+                   if callable(f) and hasattr(f, "engine_answer")})
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from engine.grading import chapters
-from engine.grading.blocking import EngineAnswerBlocked, blocking
+from engine.grading.blocking import EngineAnswerBlocked, blocking, borrowed_answers
 from engine.grading.core import (BLOCKED, ERROR, NOT_IMPLEMENTED, NOT_LOADED, STUCK, WRONG,
                                  CheckFailed, CheckResult, Exercise, Frame, Report,
                                  keeping_rank_output)
@@ -58,6 +58,14 @@ def run_checks(name: str, impl: Callable | None = None, source: str = "exercises
             except ExerciseLoadError as e:
                 return Report(exercise, source, [_not_loaded(check_fn, e)
                                                  for check_fn in exercise.checks])
+        borrowed = borrowed_answers(impl)
+        if borrowed:
+            message = (f"{exercise.name} is being graded, and what it grades is the engine's "
+                       f"own answer ({', '.join(borrowed)}), imported instead of written; "
+                       "write it yourself")
+            return Report(exercise, label, [CheckResult(_name(check_fn), False, message,
+                                                        kind=BLOCKED)
+                                            for check_fn in exercise.checks])
         return Report(exercise, label, [_run_one(check_fn, impl)
                                         for check_fn in exercise.checks])
 
