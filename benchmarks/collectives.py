@@ -86,10 +86,11 @@ def main() -> None:
                 per_launch[(4, "ring-tuned", size)], per_launch[(4, "built-in", size)]))
             print(f"target ring-tuned <= 1.15x built-in at {_fmt(size)}, N=4: {ratio:.2f}x, "
                   f"{'met' if ratio <= 1.15 else 'MISSED'} (launch by launch: {launches})")
-        crossover = next((s for name, s, t in results[4] if name == "ring" and
+        crossover = next((s for name, s, t in results[4] if name == "ring-tuned" and
                           t < dict(((nm, sz), tt) for nm, sz, tt in results[4])[("tree", s)]),
                          None)
-        print(f"ring first beats tree on 4 ranks at {_fmt(crossover) if crossover else 'never'}")
+        print("ring-tuned first beats tree on 4 ranks at "
+              f"{_fmt(crossover) if crossover else 'never'}")
     _plot(results, fits, args.plot)
 
 
