@@ -130,12 +130,6 @@ def ring_all_gather(t: torch.Tensor, group=None, check: bool = True) -> torch.Te
 
 def ring_all_reduce(t: torch.Tensor, group=None, op="sum", check: bool = True) -> torch.Tensor:
     """Sum (or average) ``t`` over the group, in place: reduce-scatter, then all-gather."""
-    op = validate(t, op)
-    if check:
-        check_same_everywhere(t, group)
-    chunks, me = _chunks(t, group), ring_position(group)[0]
-    reduce_scatter_steps(chunks, group, COMBINE[op])
-    if op == "avg":
-        chunks[me].div_(len(chunks))
-    all_gather_steps(chunks, group)
+    ring_reduce_scatter(t, group, op, check)  # chunk r of t: the sum, on rank r
+    all_gather_steps(_chunks(t, group), group)  # every chunk, everywhere
     return t
