@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import time
 from pathlib import Path
 
 import nbformat
@@ -119,9 +120,11 @@ def build(course: Path, out: Path, executed: bool = False) -> list[Path]:
     paths = chapters(course)
     notebooks = {}
     for path in paths:
-        print(f"{'reading' if executed else 'running'} {path.name}", flush=True)
+        start = time.perf_counter()
         notebooks[path.name] = nbformat.read(path, as_version=4) if executed else execute(path)
         check_ran(notebooks[path.name], path.name)
+        print(f"{'read' if executed else 'ran'} {path.name} in {time.perf_counter() - start:.0f} s",
+              flush=True)
     titles = [(name, title(notebook, name)) for name, notebook in notebooks.items()]
     exporter = HTMLExporter(template_name="lab")
     out.mkdir(parents=True, exist_ok=True)
@@ -135,10 +138,11 @@ def build(course: Path, out: Path, executed: bool = False) -> list[Path]:
         notebook.cells = [navigation(titles, i), *notebook.cells, navigation(titles, i)]
         notebook.metadata["title"] = titles[i][1]
         pages.append((out / page_name(name), notebook))
+    start = time.perf_counter()
     for page, notebook in pages:
         body, _ = exporter.from_notebook_node(notebook)
         page.write_text(body, encoding="utf-8")
-    print(f"wrote {len(pages)} pages to {out}", flush=True)
+    print(f"wrote {len(pages)} pages to {out} in {time.perf_counter() - start:.0f} s", flush=True)
     return [page for page, _ in pages]
 
 

@@ -36,14 +36,14 @@ def _build(course: Path, out: Path, *flags: str) -> subprocess.CompletedProcess:
 def book(tmp_path_factory):
     course = tmp_path_factory.mktemp("course")
     _write(course, "00_first.ipynb",
-           v4.new_markdown_cell("# 00 · First\n\nOn to [the second](01_second.ipynb); "
-                                "[a file outside](../docs/lab.md); [the web](https://example.org)."),
+           v4.new_markdown_cell("# 00 · First\n\nOn to [the second](01_second.ipynb); [a file "
+                                "outside](../docs/lab.md); [the web](https://example.org)."),
            v4.new_code_cell("import matplotlib.pyplot as plt\nprint('measured', 6 * 7)\n"
                             "plt.plot([1, 2, 3]); plt.show()"),
            v4.new_code_cell("import ipywidgets\nipywidgets.IntSlider(value=3)"))
     _write(course, "01_second.ipynb", v4.new_markdown_cell("# 01 · Second"),
            v4.new_code_cell("print('second chapter ran')"))
-    (course / "README.md").write_text("# The map\n\n| [first](00_first.ipynb) | 10 s |\n|---|---|\n")
+    (course / "README.md").write_text("# The map\n\n| [first](00_first.ipynb) | 1 s |\n|-|-|\n")
     sources = {p.name: p.read_text() for p in course.glob("*.ipynb")}
     out = tmp_path_factory.mktemp("book")
     built = _build(course, out)
