@@ -128,6 +128,8 @@ def build(course: Path, out: Path, executed: bool = False) -> list[Path]:
     titles = [(name, title(notebook, name)) for name, notebook in notebooks.items()]
     exporter = HTMLExporter(template_name="lab")
     out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("*.html"):  # a renamed or removed chapter leaves no old page
+        stale.unlink()
     readme = course / "README.md"
     course_map = book_links(readme.read_text(), set(notebooks)) if readme.exists() else ""
     pages = [(out / "index.html", contents(titles, course_map))]

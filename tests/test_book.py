@@ -46,6 +46,7 @@ def book(tmp_path_factory):
     (course / "README.md").write_text("# The map\n\n| [first](00_first.ipynb) | 1 s |\n|-|-|\n")
     sources = {p.name: p.read_text() for p in course.glob("*.ipynb")}
     out = tmp_path_factory.mktemp("book")
+    (out / "99_removed.html").write_text("a page from an earlier build")
     built = _build(course, out)
     assert built.returncode == 0, built.stderr
     return course, out, sources
@@ -68,6 +69,8 @@ def test_the_contents_link_every_chapter_by_title_then_show_the_map(book):
     assert '<a href="00_first.html">00 · First</a>' in index
     assert '<a href="01_second.html">01 · Second</a>' in index
     assert "The map" in index and '<a href="00_first.html">first</a>' in index
+    assert sorted(p.name for p in out.iterdir()) == ["00_first.html", "01_second.html",
+                                                      "index.html"]  # no stale page left
 
 
 @pytest.mark.slow
