@@ -394,7 +394,10 @@ class _Launch:
         if failure is None and alive and timed_out:
             return self._stuck_error(alive, cause=failures[0])
         if failure is None and timed_out and len(failures) == self.n:
-            return self._stuck_error(sorted(timed_out), cause=failures[0], deadlock=True)
+            # every rank failed waiting: timed out, or lost a peer that timed out (a rank the
+            # watchdog aborts first takes its peers' connections with it)
+            return self._stuck_error(sorted(f.rank for f in failures), cause=failures[0],
+                                     deadlock=True)
         if failure is None and self.finished:  # a peer returned while others still needed it
             failures[0].message += (
                 f" (rank{'s' if len(self.finished) > 1 else ''} "

@@ -327,6 +327,21 @@ def test_every_rank_aborted_by_the_watchdog_is_a_deadlock():
     assert info.value.ranks == [0, 1]
 
 
+def _watchdog_aborts_rank_0_and_rank_1_loses_it(rank, world_size):
+    if rank == 1:  # still joining when its peer was aborted: it sees the connection go
+        raise RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    print(_WATCHDOG_LINE.format(rank=rank), file=sys.stderr, flush=True)
+    os.abort()
+
+
+def test_a_rank_that_lost_its_watchdog_aborted_peer_is_part_of_the_deadlock():
+    """The race CI met: a rank can see its aborted peer's connection close before its own
+    watchdog fires. Both were waiting: both are named."""
+    with pytest.raises(RankTimeoutError, match="deadlock: every rank was waiting") as info:
+        launch(_watchdog_aborts_rank_0_and_rank_1_loses_it, 2, timeout=30, quiet=True)
+    assert info.value.ranks == [0, 1]
+
+
 def test_a_rank_that_aborts_on_its_own_is_still_named():
     """SIGABRT without the watchdog's line is the rank's own failure, reported as before."""
     def aborts(rank, world_size):
