@@ -12,8 +12,6 @@ draw, never typed. Answers are read as the terminal drill reads them (``"175 MB"
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 import random
 from dataclasses import dataclass
 
@@ -56,12 +54,8 @@ class Drill:
 
 def drills() -> dict[str, Drill]:
     """Every drill, from the ``DRILLS`` list of each ``engine/grading/chapters/ch*.py``."""
-    found = {}
-    for info in sorted(pkgutil.iter_modules(chapters.__path__), key=lambda m: m.name):
-        if info.name.startswith("ch"):
-            module = importlib.import_module(f"{chapters.__name__}.{info.name}")
-            found.update({d.name: d for d in getattr(module, "DRILLS", [])})
-    return found
+    return {d.name: d for module in chapters.chapter_modules()
+            for d in getattr(module, "DRILLS", [])}
 
 
 def _get(name: str) -> Drill:

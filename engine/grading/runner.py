@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import pkgutil
 import types
 from pathlib import Path
 from typing import Callable
@@ -23,13 +21,8 @@ from engine.launch import LaunchError, RankError, RankTimeoutError
 
 def registry() -> dict[str, Exercise]:
     """Every exercise, from the ``EXERCISES`` list of every ``engine/grading/chapters/ch*.py``."""
-    found: dict[str, Exercise] = {}
-    for info in sorted(pkgutil.iter_modules(chapters.__path__), key=lambda m: m.name):
-        if info.name.startswith("ch"):
-            module = importlib.import_module(f"{chapters.__name__}.{info.name}")
-            for exercise in module.EXERCISES:
-                found[exercise.name] = exercise
-    return found
+    return {exercise.name: exercise for module in chapters.chapter_modules()
+            for exercise in module.EXERCISES}
 
 
 def get_exercise(name: str) -> Exercise:
