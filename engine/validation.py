@@ -61,6 +61,13 @@ def fraction(name: str, value, *, open_low: bool = True) -> float:
     return value
 
 
+def boolean(name: str, value) -> bool:
+    """``value`` if it is ``True`` or ``False`` (not 1, not a string), else a ValueError."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def one_of(name: str, value, choices: Iterable):
     """``value`` if it is one of ``choices``, else a ValueError listing them."""
     choices = tuple(choices)

@@ -10,8 +10,8 @@ class Zero3(ZeroDataParallel):
     """ZeroDataParallel without prefetch, its four hooks written out."""
 
     def __init__(self, module: nn.Module, optimizer_cls, units=None, group=None, **kwargs):
-        super().__init__(module, optimizer_cls, units=units, prefetch=False, group=group,
-                         **kwargs)
+        super().__init__(module, optimizer_cls, units=units, forward_prefetch=False,
+                         backward_prefetch=False, group=group, **kwargs)
 
     def _before_forward(self, unit) -> None:
         self._gather(unit, "forward")

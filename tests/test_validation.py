@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from engine.validation import (divides, fraction, non_negative_int, one_of, positive_int,
-                               positive_number)
+from engine.validation import (boolean, divides, fraction, non_negative_int, one_of,
+                               positive_int, positive_number)
 
 
 @pytest.mark.parametrize("check, value, message", [
@@ -22,6 +22,8 @@ from engine.validation import (divides, fraction, non_negative_int, one_of, posi
     (positive_number, "1", "x must be a positive number, got '1'"),
     (fraction, 1.5, "x must be a number in \\(0, 1\\], got 1.5"),
     (fraction, 0, "x must be a number in \\(0, 1\\], got 0"),
+    (boolean, 1, "x must be True or False, got 1"),
+    (boolean, "yes", "x must be True or False, got 'yes'"),
 ])
 def test_each_check_names_the_argument_and_the_value(check, value, message):
     with pytest.raises(ValueError, match=f"^{message}$"):
@@ -34,6 +36,7 @@ def test_good_values_come_back_unchanged():
     assert positive_number("x", 0.5) == 0.5
     assert fraction("x", 1) == 1 and fraction("x", 0, open_low=False) == 0
     assert one_of("x", "b", ("a", "b")) == "b"
+    assert boolean("x", False) is False
     divides("t", 4, "heads", 8)
 
 

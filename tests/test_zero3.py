@@ -25,6 +25,15 @@ def _step(model, optimizer, x, y):
     return meter
 
 
+# (forward_prefetch, backward_prefetch)
+NO_PREFETCH, FSDP_DEFAULTS, BOTH = (False, False), (False, True), (True, True)
+PREFETCHES = [NO_PREFETCH, (True, False), FSDP_DEFAULTS, BOTH]
+
+
+def _prefetch(flags):
+    return dict(zip(("forward_prefetch", "backward_prefetch"), flags, strict=True))
+
+
 def _against_data_parallel(rank, world_size, prefetch, steps=3, device="cpu"):
     on = rank_device(device)
     x, y = (t.to(on) for t in regression_data(8 * world_size, 16, 8, seed=1))
@@ -32,7 +41,7 @@ def _against_data_parallel(rank, world_size, prefetch, steps=3, device="cpu"):
     ref = DataParallel(MLP(SIZES, seed=2).to(on))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     model = ZeroDataParallel(MLP(SIZES, seed=2 + rank).to(on), torch.optim.AdamW,
-                             prefetch=prefetch, lr=1e-2)
+                             **_prefetch(prefetch), lr=1e-2)
     for _ in range(steps):
         _step(ref, ref_opt, xs, ys)
         meter = _step(model, model.optimizer, xs, ys)
@@ -48,7 +57,7 @@ def _against_data_parallel(rank, world_size, prefetch, steps=3, device="cpu"):
     return worst, psi, held, peak, units, meter.bytes_sent
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("prefetch", PREFETCHES)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_stage_three_equals_data_parallel_adamw(world_size, prefetch):
     for worst, *_ in run_ranks(_against_data_parallel, world_size, prefetch):
@@ -58,14 +67,14 @@ def test_stage_three_equals_data_parallel_adamw(world_size, prefetch):
 @pytest.mark.parametrize("device", BEYOND_CPU)
 @pytest.mark.parametrize("world_size", DEVICE_WORLD_SIZES)
 def test_stage_three_equals_data_parallel_on_each_device(device, world_size):
-    for worst, *_ in run_ranks(_against_data_parallel, world_size, True, 3, device,
+    for worst, *_ in run_ranks(_against_data_parallel, world_size, BOTH, 3, device,
                                device=device):
         assert worst <= 1e-6
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_stage_three_holds_sixteen_psi_over_n_and_sends_three_psi(world_size):
-    for _, psi, held, _, _, sent in run_ranks(_against_data_parallel, world_size, False):
+    for _, psi, held, _, _, sent in run_ranks(_against_data_parallel, world_size, NO_PREFETCH):
         expected = theory.zero_model_state_bytes(psi, world_size, 3, k=8, param_bytes=4,
                                                  grad_bytes=4)
         for field in ("params", "grads", "optimizer", "total"):
@@ -74,7 +83,8 @@ def test_stage_three_holds_sixteen_psi_over_n_and_sends_three_psi(world_size):
                                      rel=0.05)
 
 
-@pytest.mark.parametrize("prefetch, units_held", [(False, 1), (True, 2)])
+@pytest.mark.parametrize("prefetch, units_held",
+                         [(NO_PREFETCH, 1), ((True, False), 2), (FSDP_DEFAULTS, 2), (BOTH, 2)])
 def test_only_one_unit_is_gathered_at_a_time_two_with_prefetch(prefetch, units_held):
     for _, _, _, peak, units, _ in run_ranks(_against_data_parallel, 2, prefetch):
         assert peak <= sum(units[:units_held])
@@ -93,8 +103,8 @@ def _gpt(rank, world_size, prefetch):
     ref = DataParallel(TinyGPT(config, seed=0))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     inner = TinyGPT(config, seed=0)
-    model = ZeroDataParallel(inner, torch.optim.AdamW, units=inner.blocks, prefetch=prefetch,
-                             lr=1e-2)
+    model = ZeroDataParallel(inner, torch.optim.AdamW, units=inner.blocks,
+                             **_prefetch(prefetch), lr=1e-2)
     for _ in range(2):
         for m, opt in ((ref, ref_opt), (model, model.optimizer)):
             opt.zero_grad()
@@ -109,7 +119,7 @@ def _gpt(rank, world_size, prefetch):
         [u.name for u in model.all_units]
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("prefetch", PREFETCHES)
 def test_tiny_gpt_with_blocks_as_units_and_tied_embeddings_in_the_root(prefetch):
     for worst, tied, names in run_ranks(_gpt, 2, prefetch):
         assert tied and names == ["(root)", "Block", "Block"]
@@ -177,3 +187,38 @@ def test_stage_three_in_bf16_keeps_fp32_masters_two_two_twelve():
         expected = theory.zero_model_state_bytes(psi, 2, 3)  # 2 + 2 + 12 bytes, all over N
         for field in ("params", "grads", "optimizer"):
             assert getattr(held, field) == pytest.approx(expected[field], rel=0.02), field
+
+
+def test_prefetch_defaults_are_pytorch_fsdps():
+    """FSDP prefetches in backward (``BackwardPrefetch.BACKWARD_PRE``), not in forward; read
+    from PyTorch itself, not typed here."""
+    import inspect
+
+    from torch.distributed.fsdp import BackwardPrefetch
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    ours = inspect.signature(ZeroDataParallel).parameters
+    theirs = inspect.signature(FSDP).parameters
+    assert ours["forward_prefetch"].default == theirs["forward_prefetch"].default
+    # BACKWARD_PRE: gather the next unit before the current unit's backward, what ours does
+    assert ours["backward_prefetch"].default is (
+        theirs["backward_prefetch"].default is BackwardPrefetch.BACKWARD_PRE)
+    assert ours["group"].default == theirs["process_group"].default
+
+
+def _refused(rank, world_size, kwargs):
+    try:
+        ZeroDataParallel(MLP(SIZES, seed=0), torch.optim.AdamW, lr=1e-2, **kwargs)
+    except (TypeError, ValueError) as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    (dict(prefetch=True), "forward_prefetch= and backward_prefetch="),
+    (dict(forward_prefetch=1), "forward_prefetch must be True or False, got 1"),
+    (dict(backward_prefetch="BACKWARD_PRE"), "backward_prefetch must be True or False, got 'BACKWARD_PRE'"),
+])
+def test_bad_prefetch_arguments_are_refused_by_name(kwargs, says):
+    message, = run_ranks(_refused, 1, kwargs)
+    assert message is not None and says in message

@@ -12,9 +12,10 @@ bucket, and a rank keeps only its 1/N slice of it. Then, per step:
 * **step**: the optimizer updates the shard; nothing else moves.
 
 Two all-gathers and one reduce-scatter: ``3(N-1)/N * psi`` elements per rank per step, 1.5x
-data parallelism (the paper's section 7). With ``prefetch=True`` the next unit's gather is
-started before the current unit runs, so it overlaps with compute, at the price of holding
-two units at once.
+data parallelism (the paper's section 7). Prefetching starts the next unit's gather before the
+current unit runs, so it overlaps with compute, at the price of holding two units at once.
+Like PyTorch's FSDP, the engine prefetches in backward by default (FSDP's
+``BackwardPrefetch.BACKWARD_PRE``) and not in forward (FSDP's ``forward_prefetch=False``).
 
 Parameters that are not in any unit, or that two units share (tied embeddings), form the
 *root* unit: gathered when the forward starts and freed when the backward ends.
@@ -32,6 +33,7 @@ from engine.comm import ops
 from engine.grad_buckets import BucketLauncher
 from engine.memory import (StateBytes, StateTensors, count_state_bytes, mark_held_by,
                            optimizer_tensors)
+from engine.validation import boolean
 from engine.zero.flat import ShardedBucket, check_params
 
 _EMPTY = torch.empty(0)
@@ -88,18 +90,31 @@ class ZeroDataParallel(nn.Module):
         optimizer_cls, **kwargs: the optimizer, run on this rank's shards only.
         units: the modules to gather and free one at a time (default: every module that owns
             parameters directly).
-        prefetch: start gathering the next unit before the current one runs.
+        forward_prefetch: start gathering the next unit just before the current unit's
+            forward (FSDP's ``forward_prefetch``; default False, as there).
+        backward_prefetch: start gathering the unit whose backward comes next just before the
+            current unit's backward (FSDP's ``BackwardPrefetch.BACKWARD_PRE``, its default;
+            False is FSDP's ``backward_prefetch=None``).
         group: the data-parallel group (default: the world).
+
+    With both prefetches off at most one unit is whole at a time; each one that is on lets two
+    be whole during its pass. Both defaults are PyTorch FSDP's (a test reads them from it).
 
     Call the wrapper, ``model(x)``: it gathers the root unit first. A method of
     ``model.module`` that calls ``self(...)`` bypasses the wrapper and sees empty parameters.
     """
 
-    def __init__(self, module: nn.Module, optimizer_cls, units=None, prefetch: bool = False,
-                 group=None, **kwargs):
+    def __init__(self, module: nn.Module, optimizer_cls, units=None,
+                 forward_prefetch: bool = False, backward_prefetch: bool = True, group=None,
+                 **kwargs):
         super().__init__()
+        if "prefetch" in kwargs:  # else it goes to the optimizer, which says only "unexpected"
+            raise TypeError("ZeroDataParallel takes forward_prefetch= and backward_prefetch= "
+                            f"(PyTorch FSDP's names), not prefetch={kwargs['prefetch']!r}")
+        self.forward_prefetch = boolean("forward_prefetch", forward_prefetch)
+        self.backward_prefetch = boolean("backward_prefetch", backward_prefetch)
         check_params(module.parameters())
-        self.module, self.group, self.prefetch = module, group, prefetch
+        self.module, self.group = module, group
         self.world_size, rank = dist.get_world_size(group), dist.get_rank(group)
         root = ops.group_ranks(group)[0]
         with torch.no_grad():
@@ -183,7 +198,7 @@ class ZeroDataParallel(nn.Module):
             return
         self._order.append(unit)
         self._gather(unit, "forward")
-        if self.prefetch:  # the next unit's gather overlaps with this unit's compute
+        if self.forward_prefetch:  # the next unit's gather overlaps with this unit's compute
             following = self._next_in(self.units, unit)
             if following is not None:
                 self._start(following, "forward prefetch")
@@ -206,7 +221,7 @@ class ZeroDataParallel(nn.Module):
     def _before_backward(self, unit: _Unit) -> None:
         self.launcher.end.queue()
         self._gather(unit, "backward")
-        if self.prefetch:  # backward runs the units in reverse
+        if self.backward_prefetch:  # backward runs the units in reverse
             earlier = self._next_in(self._order[::-1], unit)
             if earlier is not None and not earlier.ready:
                 self._start(earlier, "backward prefetch")
