@@ -1,6 +1,8 @@
 """ZeRO step times in one run: stages 0-3 against PyTorch's own implementation of each, and the
 effect of the stage-2 reduce-scatter bucket size (DeepSpeed's ``reduce_bucket_size``).
 
+"stage 1 tuned" and "stage 2 tuned" are ``TunedZeroOptimizer``: the same optimizer with its
+step's reduce-scatter and all-gather on the engine's pipelined ring instead of Gloo's built-ins.
 Each stage's PyTorch counterpart: stage 0 DDP; stage 1 DDP + ``ZeroRedundancyOptimizer``;
 stage 2 FSDP2 ``fully_shard(reshard_after_forward=False)``; stage 3 FSDP2 ``fully_shard`` (and
 FSDP1 ``FULL_SHARD``), FSDP2 on every ``Linear``, as the engine's ZeRO-3 units.
@@ -23,7 +25,7 @@ from torch import nn
 
 from engine import launch
 from engine.models import MLP
-from engine.zero import ZeroDataParallel, ZeroOptimizer
+from engine.zero import TunedZeroOptimizer, ZeroDataParallel, ZeroOptimizer
 
 BUCKETS_MB = (0.25, 1, 4, 16, 64)
 # Adam's implementation, given to every variant alike. On the CPU PyTorch's default is the
@@ -46,11 +48,11 @@ def _variants(sizes, buckets=True, adam=None):
         m = FSDP(MLP(sizes, seed=0), device_id=torch.device("cpu"))
         return m, torch.optim.Adam(m.parameters(), lr=1e-4, **adam)
 
-    def zero(stage, cap=25):
+    def zero(stage, cap=25, optimizer=ZeroOptimizer):
         def make():
             m = MLP(sizes, seed=0)
-            return m, ZeroOptimizer(m.parameters(), torch.optim.Adam, stage=stage,
-                                    bucket_cap_mb=cap, lr=1e-4, **adam)
+            return m, optimizer(m.parameters(), torch.optim.Adam, stage=stage,
+                                bucket_cap_mb=cap, lr=1e-4, **adam)
         return make
 
     def zero3():
@@ -78,7 +80,9 @@ def _variants(sizes, buckets=True, adam=None):
         return make
 
     variants = {"torch DDP": torch_ddp, "stage 0": zero(0), "stage 1": zero(1),
+                "stage 1 tuned": zero(1, optimizer=TunedZeroOptimizer),
                 "torch DDP + ZeRO-Opt": torch_zero1, "stage 2": zero(2),
+                "stage 2 tuned": zero(2, optimizer=TunedZeroOptimizer),
                 "torch FSDP2 no reshard": fsdp2(False), "stage 3": zero3,
                 "torch FSDP2": fsdp2(True), "torch FSDP FULL_SHARD": fsdp}
     if buckets:
@@ -88,7 +92,8 @@ def _variants(sizes, buckets=True, adam=None):
 
 # each stage and the PyTorch implementation it is compared with
 COUNTERPARTS = {"stage 0": "torch DDP", "stage 1": "torch DDP + ZeRO-Opt",
-                "stage 2": "torch FSDP2 no reshard", "stage 3": "torch FSDP2"}
+                "stage 1 tuned": "torch DDP + ZeRO-Opt", "stage 2": "torch FSDP2 no reshard",
+                "stage 2 tuned": "torch FSDP2 no reshard", "stage 3": "torch FSDP2"}
 
 
 def _run(rank, world_size, hidden, steps, buckets=True, adam=None):

@@ -60,17 +60,24 @@ def test_all_reduces_are_exact_on_each_device(device, world_size):
         assert mismatches == []
 
 
-def _scatter_then_gather(rank, world_size, numel):
+def _scatter_then_gather(rank, world_size, numel, pipelined=False):
+    reduce_scatter, all_gather = ring_reduce_scatter, ring_all_gather
+    if pipelined:
+        import engine.comm.ring_pipelined as tuned
+
+        tuned.SEGMENT_BYTES = 8  # every rank the same: chunks of 3+ elements are segmented
+        reduce_scatter = tuned.ring_reduce_scatter_pipelined
+        all_gather = tuned.ring_all_gather_pipelined
     full = _data(rank, numel, torch.float32)
     expected = full.clone()
     dist.all_reduce(expected)
-    mine = ring_reduce_scatter(full)
+    mine = reduce_scatter(full)
     start = sum(chunk_sizes(numel, world_size)[:rank])
     scatter_ok = torch.equal(mine, expected[start:start + mine.numel()])
     buffer = torch.full((numel,), -1.0)
     buffer[start:start + mine.numel()] = _data(rank, numel, torch.float32)[start:start +
                                                                            mine.numel()]
-    ring_all_gather(buffer)
+    all_gather(buffer)
     pieces = [_data(r, numel, torch.float32)[sum(chunk_sizes(numel, world_size)[:r]):][
         :chunk_sizes(numel, world_size)[r]] for r in range(world_size)]
     return scatter_ok, torch.equal(buffer, torch.cat(pieces))
@@ -79,6 +86,31 @@ def _scatter_then_gather(rank, world_size, numel):
 @pytest.mark.parametrize("world_size, numel", [(1, 4), (2, 9), (3, 10), (4, 3), (5, 1001)])
 def test_reduce_scatter_and_all_gather_own_chunk_rank(world_size, numel):
     assert run_ranks(_scatter_then_gather, world_size, numel) == [(True, True)] * world_size
+
+
+@pytest.mark.parametrize("world_size, numel", [(1, 4), (2, 9), (3, 10), (4, 3), (5, 1001)])
+def test_pipelined_reduce_scatter_and_all_gather_equal_the_readable_ones(world_size, numel):
+    assert run_ranks(_scatter_then_gather, world_size, numel, True) == \
+        [(True, True)] * world_size
+
+
+def _pipelined_phases_metered(rank, world_size, numel):
+    from engine.comm.ring_pipelined import (ring_all_gather_pipelined,
+                                            ring_reduce_scatter_pipelined)
+
+    t = _data(rank, numel, torch.float32)
+    with CommMeter() as scatter:
+        ring_reduce_scatter_pipelined(t, op="avg")
+    with CommMeter() as gather:
+        ring_all_gather_pipelined(t)
+    return scatter.bytes_sent, gather.bytes_sent
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_pipelined_reduce_scatter_and_all_gather_each_send_n_minus_1_over_n(world_size):
+    size = 60 * 4
+    for scatter, gather in run_ranks(_pipelined_phases_metered, world_size, 60):
+        assert scatter == gather == theory.ring_reduce_scatter_bytes(size, world_size)
 
 
 def _metered(rank, world_size, name, numel):

@@ -19,7 +19,7 @@ from engine import theory
 from engine.dp import DataParallel, NaiveDataParallel
 from engine.memory import model_state_bytes
 from engine.models import MLP
-from engine.zero import ZeroDataParallel, ZeroOptimizer
+from engine.zero import TunedZeroOptimizer, ZeroDataParallel, ZeroOptimizer
 from tests.helpers import run_ranks
 
 N = 2
@@ -65,10 +65,10 @@ def _dp(rank, world_size):
     return {"wrapper, optimizer": _fields(model_state_bytes(model, opt))}
 
 
-def _zero(rank, world_size, stage, offload, dtype):
+def _zero(rank, world_size, stage, offload, dtype, optimizer=ZeroOptimizer):
     model = MLP(SIZES, seed=0).to(dtype)
-    opt = ZeroOptimizer(model.parameters(), torch.optim.Adam, stage=stage, offload=offload,
-                        bucket_cap_mb=1.0, lr=1e-3)  # one bucket
+    opt = optimizer(model.parameters(), torch.optim.Adam, stage=stage, offload=offload,
+                    bucket_cap_mb=1.0, lr=1e-3)  # one bucket
     _one_step(model, opt, rank, dtype)
     return {"model, optimizer": _fields(model_state_bytes(model, opt))}
 
@@ -144,6 +144,14 @@ CASES = {
                                    _zero_formula(2, torch.bfloat16, 1)),
     **{f"ZeroOptimizer stage {s} offload": (_zero, (s, True, torch.float32),
                                             _offload_formula(s)) for s in (0, 1, 2)},
+    # the tuned one's stage-1 reduce-scatter also keeps the ring's scratch: two chunks (1/N
+    # each) of the one bucket; stage 2 reduce-scatters in backward (built-in), and the ring's
+    # all-gather receives in place
+    "TunedZeroOptimizer stage 1": (_zero, (1, False, torch.float32, TunedZeroOptimizer),
+                                   _expected(4 * PSI, 4 * PSI, 8 * PSI // N + STEP,
+                                             buffers=2 * 4 * PSI // N)),
+    "TunedZeroOptimizer stage 2": (_zero, (2, False, torch.float32, TunedZeroOptimizer),
+                                   _zero_formula(2, torch.float32, 1)),
     "ZeroDataParallel": (_zero3, (torch.float32,), _zero_formula(3, torch.float32, 2)),
     "ZeroDataParallel bf16": (_zero3, (torch.bfloat16,), _zero_formula(3, torch.bfloat16, 2)),
     "tensor parallel": (_tp, (), _expected(4 * TP_ELEMENTS, 4 * TP_ELEMENTS,

@@ -15,6 +15,9 @@ times this ring, the readable one and the built-in side by side.
 * **Views made once per call** (:class:`_Ring`), and **scratch buffers reused** between calls
   when the caller hands in a :class:`RingBuffers`.
 
+The two phases are also functions of their own, :func:`ring_reduce_scatter_pipelined` and
+:func:`ring_all_gather_pipelined` (what :class:`engine.zero.TunedZeroOptimizer` runs).
+
 Every message goes through :func:`engine.comm.ops.isend` / ``irecv``, the same send path as the
 readable ring, so a :class:`~engine.comm.CommMeter` counts both the same way. On NCCL use the
 readable ring: unbatched receives posted ahead of their sends can block a two-rank ring there.
@@ -58,6 +61,10 @@ class RingBuffers:
             buf = self._buffers[key] = torch.empty(2 * numel, dtype=dtype, device=device)
         return [buf[:numel], buf[numel:2 * numel]]
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The scratch held now (what a memory count should see)."""
+        return list(self._buffers.values())
+
 
 class _Ring(NamedTuple):
     """One call's ring: the tensor cut into chunks and each chunk into segments (views)."""
@@ -87,12 +94,7 @@ def ring_all_reduce_pipelined(t: torch.Tensor, group=None, op="sum", check: bool
     ``buffers``: scratch to reuse between calls (fresh buffers are taken when ``None``).
     """
     op = validate(t, op)
-    if dist.get_backend(group) == "nccl":
-        raise ValueError("ring_all_reduce_pipelined posts receives ahead of their sends, which "
-                         "can block on NCCL; use engine.comm.ring_all_reduce there")
-    if check:
-        check_same_everywhere(t, group)
-    ring = _plan(t, group)
+    ring = _checked_plan(t, group, check, "ring_all_reduce_pipelined")
     if ring.n > 1:
         scratch = (buffers or RingBuffers()).pair(max(ring.sizes), t.dtype, t.device)
         sent: list = []
@@ -101,10 +103,43 @@ def ring_all_reduce_pipelined(t: torch.Tensor, group=None, op="sum", check: bool
     return t
 
 
-def _reduce_scatter(ring: _Ring, scratch: list[torch.Tensor], op: str, forward: list) -> None:
+def ring_reduce_scatter_pipelined(t: torch.Tensor, group=None, op="sum", check: bool = True,
+                                  buffers: RingBuffers | None = None) -> torch.Tensor:
+    """:func:`engine.comm.ring_reduce_scatter`, tuned: ``t`` is the working buffer; returns the
+    view of ``t`` holding this rank's chunk, summed (or averaged) over the group."""
+    op = validate(t, op)
+    ring = _checked_plan(t, group, check, "ring_reduce_scatter_pipelined")
+    if ring.n > 1:
+        scratch = (buffers or RingBuffers()).pair(max(ring.sizes), t.dtype, t.device)
+        _reduce_scatter(ring, scratch, op, forward=None)
+    return ring.chunks[ring.me]
+
+
+def ring_all_gather_pipelined(t: torch.Tensor, group=None, check: bool = True) -> torch.Tensor:
+    """:func:`engine.comm.ring_all_gather`, tuned: fills every chunk of ``t`` from the rank that
+    owns it, in place; returns ``t``. Only chunk ``rank`` needs to be valid on entry."""
+    validate(t)
+    ring = _checked_plan(t, group, check, "ring_all_gather_pipelined")
+    if ring.n > 1:
+        _all_gather(ring, [_isend(ring, seg) for seg in ring.segments[ring.me]])
+    return t
+
+
+def _checked_plan(t: torch.Tensor, group, check: bool, name: str) -> _Ring:
+    if dist.get_backend(group) == "nccl":
+        raise ValueError(f"{name} posts receives ahead of their sends, which can block on "
+                         "NCCL; use the readable ring of engine.comm.ring there")
+    if check:
+        check_same_everywhere(t, group)
+    return _plan(t, group)
+
+
+def _reduce_scatter(ring: _Ring, scratch: list[torch.Tensor], op: str,
+                    forward: list | None) -> None:
     """The N-1 reduce-scatter steps. Step s adds chunk (me-s-2), arriving from the left; each
     segment of this rank's own chunk is sent on as the all-gather's first send the moment its
-    last addition is done (divided by N first for "avg"), its work appended to ``forward``."""
+    last addition is done (divided by N first for "avg"), its work appended to ``forward``
+    (``None``: a reduce-scatter alone, nothing sent on)."""
     me, n = ring.me, ring.n
     k = len(ring.segments[0])
     incoming = [scratch[step % 2][: ring.sizes[(me - step - 2) % n]].tensor_split(k)
@@ -123,7 +158,8 @@ def _reduce_scatter(ring: _Ring, scratch: list[torch.Tensor], op: str, forward: 
             else:  # own chunk, final: the all-gather starts here
                 if op == "avg":
                     seg.div_(n)
-                forward.append(_isend(ring, seg))
+                if forward is not None:
+                    forward.append(_isend(ring, seg))
         receives = ahead
     for work in sends:
         _wait(work)

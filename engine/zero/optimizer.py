@@ -120,10 +120,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 ops.all_reduce(full, group=self.group)
                 shards.append(full.div_(self.world_size))
             else:
-                shard = torch.empty_like(b.shard)
-                ops.reduce_scatter_tensor(shard, full, group=self.group)
-                shards.append(shard.div_(self.world_size))
+                shards.append(self._reduce_scatter(full, b).div_(self.world_size))
         return shards
+
+    def _reduce_scatter(self, full: torch.Tensor, bucket) -> torch.Tensor:
+        """The sum over ranks of this rank's slice of ``full`` (stage 1's gradients)."""
+        shard = torch.empty_like(bucket.shard)
+        ops.reduce_scatter_tensor(shard, full, group=self.group)
+        return shard
+
+    def _all_gather(self, bucket) -> None:
+        """Every rank's updated slice into ``bucket.flat`` (stages 1 and 2)."""
+        ops.all_gather_into_tensor(bucket.flat, bucket.shard.clone(), group=self.group)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -140,7 +148,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if self.separate_masters:
                 b.shard.copy_(master)  # back to the device, in the model's precision
             if self.stage >= 1:
-                ops.all_gather_into_tensor(b.flat, b.shard.clone(), group=self.group)
+                self._all_gather(b)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
