@@ -11,6 +11,11 @@ FSDP1 ``FULL_SHARD``), FSDP2 on every ``Linear``, as the engine's ZeRO-3 units.
 rank's, median over the timed steps, variants interleaved so load drift hits all alike.
 
     python benchmarks/zero.py [--ranks 4] [--steps 8] [--hidden 1024] [--no-buckets]
+                              [--trace DIR]
+
+``--trace DIR`` also profiles one more step of each stage and its counterpart with
+``torch.profiler`` and writes rank 0's Chrome trace per variant (open it in Perfetto or
+chrome://tracing), then prints where rank 0's time went in each: the ops that took longest.
 """
 
 from __future__ import annotations
@@ -96,7 +101,13 @@ COUNTERPARTS = {"stage 0": "torch DDP", "stage 1": "torch DDP + ZeRO-Opt",
                 "stage 2 tuned": "torch FSDP2 no reshard", "stage 3": "torch FSDP2"}
 
 
-def _run(rank, world_size, hidden, steps, buckets=True, adam=None):
+def _step(model, opt, x, y) -> None:
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def _run(rank, world_size, hidden, steps, buckets=True, adam=None, trace_dir=None):
     sizes = (hidden,) * 5 + (8,)
     built = {name: make() for name, make in _variants(sizes, buckets, adam).items()}
     x, y = torch.randn(32, hidden), torch.randn(32, 8)
@@ -105,14 +116,37 @@ def _run(rank, world_size, hidden, steps, buckets=True, adam=None):
         for name, (model, opt) in built.items():
             dist.barrier()
             start = time.perf_counter()
-            opt.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
+            _step(model, opt, x, y)
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if step >= 2:
                 times[name].append(elapsed.item())
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    result = {name: statistics.median(ts) for name, ts in times.items()}
+    if trace_dir is None:
+        return result, {}
+    return result, _profile(rank, built, x, y, trace_dir)
+
+
+def _profile(rank, built, x, y, trace_dir, top=6):
+    """One more step of each compared variant under ``torch.profiler`` on every rank; rank 0
+    writes its Chrome trace and returns its longest ops (self CPU time, ms) per variant."""
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity, profile
+
+    Path(trace_dir).mkdir(parents=True, exist_ok=True)
+    longest = {}
+    for name in dict.fromkeys(n for pair in COUNTERPARTS.items() for n in pair):  # in order, once
+        model, opt = built[name]
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            _step(model, opt, x, y)
+        if rank == 0:
+            prof.export_chrome_trace(str(Path(trace_dir) / f"{name.replace(' ', '_')}.json"))
+            rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total,
+                          reverse=True)[:top]
+            longest[name] = [(e.key, e.self_cpu_time_total / 1e3) for e in rows]
+    return longest
 
 
 def main(argv=None):
@@ -125,9 +159,12 @@ def main(argv=None):
     parser.add_argument("--adam", default="foreach", choices=ADAM,
                         help="Adam's implementation, the same for every variant (default: "
                              "%(default)s)")
+    parser.add_argument("--trace", metavar="DIR",
+                        help="also write rank 0's Chrome trace of one step of each compared "
+                             "variant into DIR and print its longest ops")
     args = parser.parse_args(argv)
-    result = launch(_run, args.ranks, args.hidden, args.steps, not args.no_buckets,
-                    ADAM[args.adam])[0]
+    result, longest = launch(_run, args.ranks, args.hidden, args.steps, not args.no_buckets,
+                             ADAM[args.adam], args.trace)[0]
     params = 4 * args.hidden * args.hidden + 8 * args.hidden
     print(f"{args.ranks} Gloo ranks, MLP with {params / 1e6:.1f} M parameters, Adam "
           f"({args.adam}), "
@@ -139,6 +176,10 @@ def main(argv=None):
     print("\neach stage against PyTorch's implementation of it:")
     for ours, theirs in COUNTERPARTS.items():
         print(f"  {ours} / {theirs}: {result[ours] / result[theirs]:.2f}x")
+    if longest:
+        print(f"\nrank 0's longest ops in one profiled step (self CPU ms; traces in {args.trace}):")
+        for name, rows in longest.items():
+            print(f"  {name}: " + ", ".join(f"{op} {ms:.1f}" for op, ms in rows))
     return result
 
 
