@@ -6,7 +6,8 @@
     DIR/step-00000006/
 
 Each is a sharded checkpoint of :mod:`engine.zero.checkpoint` (every rank writes only what it
-owns) plus ``trainer.json``: the step, the configuration that shapes the training, and the
+owns; expert parallelism's ranks, which shard nothing but hold different experts, write
+per-rank checkpoints of :mod:`engine.rank_checkpoint`) plus ``trainer.json``: the step, the configuration that shapes the training, and the
 loss of every step so far, so a resumed run prints the whole curve.
 
 **Atomic.** A checkpoint is written under a temporary name (``DIR/.step-00000006.tmp``) and
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from engine.comm import ops
+from engine.rank_checkpoint import load_per_rank, save_per_rank
 from engine.zero.checkpoint import (MANIFEST, CheckpointError, load_sharded, save_sharded,
                                     write_atomically)
 
@@ -77,8 +79,11 @@ def save(root, step: int, strategy, trainer: dict, keep: int) -> Path:
     first = dist.get_rank() == 0
     if first:
         shutil.rmtree(temporary, ignore_errors=True)  # a save that died before
-    # save_sharded lines every rank up before anyone writes, and again once all is written
-    save_sharded(temporary, strategy.model, strategy.optimizer, mesh=strategy.mesh)
+    # each save lines every rank up before anyone writes, and again once all is written
+    if strategy.per_rank_checkpoint:
+        save_per_rank(temporary, strategy.model, strategy.optimizer)
+    else:
+        save_sharded(temporary, strategy.model, strategy.optimizer, mesh=strategy.mesh)
     if first:
         write_atomically(temporary / TRAINER,
                          json.dumps({"step": step, **trainer}, indent=1).encode())
@@ -103,4 +108,7 @@ def _prune(root: Path, keep: int) -> None:
 def load(path, strategy) -> None:
     """Load checkpoint ``path`` into ``strategy``, on the layout it was saved with. Call on
     every rank."""
-    load_sharded(path, strategy.model, strategy.optimizer, mesh=strategy.mesh)
+    if strategy.per_rank_checkpoint:
+        load_per_rank(path, strategy.model, strategy.optimizer)
+    else:
+        load_sharded(path, strategy.model, strategy.optimizer, mesh=strategy.mesh)

@@ -77,6 +77,13 @@ class Strategy:
     # code that cut the model, so a checkpoint of any layout can be re-cut with it
     # (engine.reshard); None where checkpoints are not supported
     part_of: Callable[[nn.Module], nn.Module] | None = None
+    # True: checkpointed rank by rank, each its whole state (engine.rank_checkpoint), for
+    # ranks that hold different parameters but shard none (expert parallelism)
+    per_rank_checkpoint: bool = False
+
+    @property
+    def checkpointable(self) -> bool:
+        return self.part_of is not None or self.per_rank_checkpoint
 
     def state_bytes(self) -> StateBytes | None:
         """What this rank holds (:func:`engine.memory.model_state_bytes`); None for

@@ -221,7 +221,7 @@ def _check_checkpointing(cfg: TrainConfig) -> None:
         raise ValueError("--reshard re-cuts the checkpoint --resume loads: pass --resume too")
     if cfg.save is not None and (cfg.impl != "engine" or cfg.compress is not None):
         raise ValueError("--save writes the engine's sharded checkpoints (DDP as --zero 0, "
-                         "ZeRO-1/2/3, TP, PP, 3D): use --impl engine without --compress")
+                         "ZeRO-1/2/3, TP, PP, 3D, MoE): use --impl engine without --compress")
     if cfg.kill_at_step is not None:
         positive_int("--kill-at-step", cfg.kill_at_step)
     if cfg.kill_rank is not None and not 0 <= non_negative_int("--kill-rank", cfg.kill_rank) \

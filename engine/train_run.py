@@ -135,7 +135,7 @@ def train(strategy, cfg, inputs, labels, point: ResumePoint | None = None,
           progress_fd: int | None = None) -> tuple[StepsRun, int, list[float]]:
     """Run ``strategy`` to the last step; return the timed run, the step it started from and
     the loss of every step of the run (those before it from the checkpoint)."""
-    if cfg.save is not None and strategy.part_of is None:
+    if cfg.save is not None and not strategy.checkpointable:
         raise ValueError(f"--save: {strategy.name} has no sharded checkpoint here")
     loading = time.perf_counter()
     first, losses = start(strategy, cfg, point)

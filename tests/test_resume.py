@@ -173,3 +173,66 @@ def test_a_missing_or_corrupted_shard_is_named(tmp_path, capsys):
                                           r"shard files"):
         train("--dp", "2", "--save", directory, "--resume")
     assert descendants() == []
+
+
+# -- expert parallelism: per-rank checkpoints (engine.rank_checkpoint) -----------------------
+
+MOE = ["--model", "tiny-moe", "--ep", "2", "--dp", "2"]
+
+
+def assert_same_per_rank_checkpoint(a, b) -> None:
+    """Every rank's model and optimizer state, and the loss curve: bit for bit."""
+    from engine.rank_checkpoint import read_rank_state
+
+    assert json.loads((a / "trainer.json").read_text()) == \
+        json.loads((b / "trainer.json").read_text())
+    ranks = json.loads((a / MANIFEST).read_text())["world_size"]
+    assert ranks == 4
+    for rank in range(ranks):
+        x, y = read_rank_state(a, rank), read_rank_state(b, rank)
+        assert x["model"].keys() == y["model"].keys()
+        for name in x["model"]:
+            assert torch.equal(x["model"][name], y["model"][name]), (rank, name)
+        for index, state in x["optimizer"]["state"].items():
+            for key, value in state.items():
+                assert torch.equal(value, y["optimizer"]["state"][index][key]), (rank, key)
+
+
+def test_moe_killed_and_resumed_equals_uninterrupted(tmp_path, capsys):
+    assert train(*MOE, "--save", str(tmp_path / "whole")) == 0
+    capsys.readouterr()
+    killed = tmp_path / "killed"
+    with pytest.raises(LaunchError, match=r"rank \d was killed by signal SIGKILL"):
+        train(*MOE, "--save", str(killed), "--save-every", "2", "--kill-at-step", "3")
+    assert [p.name for p in complete(killed)] == ["step-00000002"]
+    capsys.readouterr()
+    assert train(*MOE, "--save", str(killed), "--save-every", "2", "--resume") == 0
+    assert f"resumed from {step_dir(killed, 2)} after step 2" in capsys.readouterr().out
+    assert sorted(p.name for p in (killed / "step-00000005").iterdir()) == [
+        "manifest.json", "rank0-of4.pt", "rank1-of4.pt", "rank2-of4.pt", "rank3-of4.pt",
+        "trainer.json"]
+    # the ranks hold different experts: rank 0's and rank 1's files differ, replicas' agree
+    from engine.rank_checkpoint import read_rank_state
+
+    states = [read_rank_state(killed / "step-00000005", r)["model"] for r in range(4)]
+    experts = [name for name in states[0] if ".experts." in name]
+    assert experts and any(not torch.equal(states[0][n], states[1][n]) for n in experts)
+    assert all(torch.equal(states[0][n], states[2][n]) for n in states[0])
+    assert_same_per_rank_checkpoint(tmp_path / "whole" / "step-00000005",
+                                    killed / "step-00000005")
+    assert descendants() == []
+
+
+def test_a_missing_or_corrupted_moe_rank_file_is_named(tmp_path, capsys):
+    directory = str(tmp_path)
+    assert train(*MOE, "--save", directory, "--steps", "1") == 0
+    rank_file = step_dir(tmp_path, 2) / "rank2-of4.pt"
+    _corrupt(rank_file)
+    with pytest.raises(LaunchError, match=r"CheckpointError: .*rank2-of4.pt is corrupted: its "
+                                          "SHA-256 does not match the manifest"):
+        train(*MOE, "--save", directory, "--resume")
+    rank_file.unlink()
+    with pytest.raises(LaunchError, match=r"rank2-of4.pt is missing: the manifest lists 4 "
+                                          "rank files"):
+        train(*MOE, "--save", directory, "--resume")
+    assert descendants() == []

@@ -67,7 +67,8 @@ def moe_strategy(cfg, model_cfg, mesh, device, precision) -> MoEStrategy:
     strategy = MoEStrategy(
         f"expert x data parallelism, ep {cfg.ep} x dp {cfg.dp}", model, optimizer, None,
         parameter_count(model), mesh, device,
-        groups={"ep": experts.ep_group, "expert-dp": experts.expert_dp_group})
+        groups={"ep": experts.ep_group, "expert-dp": experts.expert_dp_group},
+        per_rank_checkpoint=True)  # each rank its own experts: engine.rank_checkpoint
     strategy.step = _step(strategy, autocast(model, precision), experts)
     return strategy
 

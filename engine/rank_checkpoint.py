@@ -1,0 +1,137 @@
+"""Per-rank checkpoints: every rank writes its own model and optimizer state, whole.
+
+For strategies whose ranks hold *different* parameters but shard none of them, as expert
+parallelism does: in each MoE layer a rank holds the experts of its expert-parallel slot and
+the dense weights whole (Lepikhin et al., GShard, 2020, section 2.2). ZeRO's flat-bucket
+checkpoints (:mod:`engine.zero.checkpoint`) do not apply, and there is nothing to join: rank
+``r`` writes
+
+    rank{r}-of{W}.pt    its module's ``state_dict()`` and its optimizer's
+
+and global rank 0 writes ``manifest.json`` last, with every rank's parameter names and shapes
+and the SHA-256 of every file. ``load_per_rank`` puts each rank's state back, bit for bit;
+a checkpoint of another world size or model, a missing file or a corrupted one is a
+:class:`~engine.zero.checkpoint.CheckpointError` naming the file and what was expected, and
+every rank learns of any rank's error before training goes on. Data-parallel replicas write
+the same dense weights: simple, at the price of ``W`` copies of them on disk.
+
+Files are written atomically, as ZeRO's are (temporary name, then rename), and the manifest
+last, so a directory with a manifest is a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.comm import ops
+from engine.zero.checkpoint import MANIFEST, CheckpointError, write_atomically
+
+KIND = "per-rank"
+
+
+def _file(rank: int, world_size: int) -> str:
+    return f"rank{rank}-of{world_size}.pt"
+
+
+def _layout(module: nn.Module) -> dict[str, list[int]]:
+    return {name: list(t.shape) for name, t in module.state_dict().items()}
+
+
+def save_per_rank(directory, model: nn.Module, optimizer: torch.optim.Optimizer) -> Path:
+    """Every rank writes its state; global rank 0 writes the manifest last. Call on every
+    rank."""
+    directory = Path(directory)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+    data = buffer.getvalue()
+    if rank == 0:  # from here until the new manifest is in place, the directory is incomplete
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / MANIFEST).unlink(missing_ok=True)
+    ops.barrier()
+    write_atomically(directory / _file(rank, world), data)
+    entries = [None] * world if rank == 0 else None
+    dist.gather_object((hashlib.sha256(data).hexdigest(), _layout(model)), entries, dst=0)
+    if rank == 0:
+        manifest = {"kind": KIND, "world_size": world,
+                    "files": {_file(r, world): digest for r, (digest, _) in enumerate(entries)},
+                    "layouts": [layout for _, layout in entries]}
+        write_atomically(directory / MANIFEST, json.dumps(manifest, indent=1).encode())
+    ops.barrier()
+    return directory
+
+
+def read_rank_state(directory, rank: int) -> dict:
+    """Rank ``rank``'s saved ``{"model": state_dict, "optimizer": state_dict}``, checked
+    against the manifest, on the CPU. Offline: no process group needed."""
+    directory = Path(directory)
+    manifest = _manifest(directory)
+    world = manifest["world_size"]
+    if not 0 <= rank < world:
+        raise CheckpointError(f"{directory} was saved by {world} ranks; there is no rank {rank}")
+    path = directory / _file(rank, world)
+    if not path.exists():
+        raise CheckpointError(f"{path} is missing: the manifest lists {world} rank files")
+    data = path.read_bytes()
+    if hashlib.sha256(data).hexdigest() != manifest["files"][path.name]:
+        raise CheckpointError(f"{path} is corrupted: its SHA-256 does not match the manifest")
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def _manifest(directory: Path) -> dict:
+    path = directory / MANIFEST
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist: not a checkpoint directory, or a save "
+                              "that did not finish (the manifest is written last)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is corrupted: {e}") from None
+    if manifest.get("kind") != KIND:
+        raise CheckpointError(f"{path} is not a per-rank checkpoint (a ZeRO checkpoint? load "
+                              "it with engine.zero.load_sharded)")
+    return manifest
+
+
+def load_per_rank(directory, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Resume from :func:`save_per_rank` on the same ranks. Call on every rank."""
+    directory = Path(directory)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state, error = None, None
+    try:
+        manifest = _manifest(directory)
+        if manifest["world_size"] != world:
+            raise CheckpointError(f"the checkpoint in {directory} was saved by "
+                                  f"{manifest['world_size']} ranks and this run has {world}")
+        saved, ours = manifest["layouts"][rank], _layout(model)
+        if saved != ours:
+            raise CheckpointError(f"rank {rank}'s model does not match the checkpoint: "
+                                  f"{_difference(saved, ours)} ({directory / MANIFEST})")
+        state = read_rank_state(directory, rank)
+    except CheckpointError as e:
+        error = e
+    errors = [None] * world  # every rank learns of any rank's error before training goes on
+    dist.all_gather_object(errors, None if error is None else str(error))
+    if error is not None:
+        raise error
+    if any(errors):
+        failed, message = next((r, m) for r, m in enumerate(errors) if m)
+        raise CheckpointError(f"rank {failed} cannot load: {message}")
+    device = next(model.parameters()).device
+    model.load_state_dict({k: v.to(device) for k, v in state["model"].items()})
+    optimizer.load_state_dict(state["optimizer"])
+
+
+def _difference(saved: dict, ours: dict) -> str:
+    missing, extra = sorted(saved.keys() - ours.keys()), sorted(ours.keys() - saved.keys())
+    if missing or extra:
+        return f"saved but not here: {missing or 'none'}; here but not saved: {extra or 'none'}"
+    name = next(k for k in saved if saved[k] != ours[k])
+    return f"{name} is {tuple(saved[name])} in the checkpoint and {tuple(ours[name])} here"
