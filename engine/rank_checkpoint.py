@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.comm import ops
-from engine.zero.checkpoint import MANIFEST, CheckpointError, write_atomically
+from engine.zero.checkpoint import MANIFEST, CheckpointError, manifest_json, write_atomically
 
 KIND = "per-rank"
 
@@ -86,17 +86,10 @@ def read_rank_state(directory, rank: int) -> dict:
 
 
 def _manifest(directory: Path) -> dict:
-    path = directory / MANIFEST
-    if not path.exists():
-        raise CheckpointError(f"{path} does not exist: not a checkpoint directory, or a save "
-                              "that did not finish (the manifest is written last)")
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is corrupted: {e}") from None
+    manifest = manifest_json(directory, KIND)
     if manifest.get("kind") != KIND:
-        raise CheckpointError(f"{path} is not a per-rank checkpoint (a ZeRO checkpoint? load "
-                              "it with engine.zero.load_sharded)")
+        raise CheckpointError(f"{directory / MANIFEST} is not a per-rank checkpoint (a ZeRO "
+                              "checkpoint? load it with engine.zero.load_sharded)")
     return manifest
 
 

@@ -207,15 +207,21 @@ def read_manifest(directory) -> dict:
     return _manifest(Path(directory))
 
 
-def _manifest(directory: Path) -> dict:
+def manifest_json(directory: Path, kind: str = "sharded") -> dict:
+    """``directory``'s manifest as JSON, unchecked: a :class:`CheckpointError` if there is
+    none (not a ``kind`` checkpoint, or a save that did not finish) or it does not parse."""
     path = directory / MANIFEST
     if not path.exists():
-        raise CheckpointError(f"{path} does not exist: not a sharded checkpoint directory, or "
+        raise CheckpointError(f"{path} does not exist: not a {kind} checkpoint directory, or "
                               "a save that did not finish (the manifest is written last)")
     try:
-        manifest = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is corrupted: {e}") from None
+
+
+def _manifest(directory: Path) -> dict:
+    path, manifest = directory / MANIFEST, manifest_json(directory)
     missing = {"format", "mesh", "stage", "parts", "files"} - set(manifest)
     if missing or manifest["format"] != FORMAT:
         raise CheckpointError(f"{path} is not a format-{FORMAT} manifest (missing "
