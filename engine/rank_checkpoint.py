@@ -56,13 +56,22 @@ def save_per_rank(directory, model: nn.Module, optimizer: torch.optim.Optimizer)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / MANIFEST).unlink(missing_ok=True)
     ops.barrier()
-    write_atomically(directory / _file(rank, world), data)
-    entries = [None] * world if rank == 0 else None
-    dist.gather_object((hashlib.sha256(data).hexdigest(), _layout(model)), entries, dst=0)
+    path, failure = directory / _file(rank, world), None
+    try:
+        write_atomically(path, data)
+    except OSError as e:  # a full disk on one rank: every rank hears of it, none waits
+        failure = f"rank {rank} could not write {path}: {e}"
+    entries = [None] * world
+    dist.all_gather_object(entries, (hashlib.sha256(data).hexdigest(), _layout(model), failure))
+    failures = [f for _, _, f in entries if f]
+    if failures:
+        raise CheckpointError("; ".join(failures) + " (no manifest written: the checkpoint "
+                              "is incomplete)")
     if rank == 0:
         manifest = {"kind": KIND, "world_size": world,
-                    "files": {_file(r, world): digest for r, (digest, _) in enumerate(entries)},
-                    "layouts": [layout for _, layout in entries]}
+                    "files": {_file(r, world): digest for r, (digest, _, _) in
+                              enumerate(entries)},
+                    "layouts": [layout for _, layout, _ in entries]}
         write_atomically(directory / MANIFEST, json.dumps(manifest, indent=1).encode())
     ops.barrier()
     return directory
@@ -87,9 +96,17 @@ def read_rank_state(directory, rank: int) -> dict:
 
 def _manifest(directory: Path) -> dict:
     manifest = manifest_json(directory, KIND)
+    path = directory / MANIFEST
     if manifest.get("kind") != KIND:
-        raise CheckpointError(f"{directory / MANIFEST} is not a per-rank checkpoint (a ZeRO "
-                              "checkpoint? load it with engine.zero.load_sharded)")
+        raise CheckpointError(f"{path} is not a per-rank checkpoint (a ZeRO checkpoint? load "
+                              "it with engine.zero.load_sharded)")
+    world = manifest.get("world_size")
+    files, layouts = manifest.get("files"), manifest.get("layouts")
+    if not (isinstance(world, int) and world >= 1 and isinstance(files, dict)
+            and set(files) == {_file(r, world) for r in range(world)}
+            and isinstance(layouts, list) and len(layouts) == world):
+        raise CheckpointError(f"{path} is damaged: it should list {world!r} rank files and as "
+                              "many layouts")
     return manifest
 
 
@@ -97,7 +114,7 @@ def load_per_rank(directory, model: nn.Module, optimizer: torch.optim.Optimizer)
     """Resume from :func:`save_per_rank` on the same ranks. Call on every rank."""
     directory = Path(directory)
     rank, world = dist.get_rank(), dist.get_world_size()
-    state, error = None, None
+    error = None
     try:
         manifest = _manifest(directory)
         if manifest["world_size"] != world:
@@ -108,8 +125,14 @@ def load_per_rank(directory, model: nn.Module, optimizer: torch.optim.Optimizer)
             raise CheckpointError(f"rank {rank}'s model does not match the checkpoint: "
                                   f"{_difference(saved, ours)} ({directory / MANIFEST})")
         state = read_rank_state(directory, rank)
+        device = next(model.parameters()).device
+        model.load_state_dict({k: v.to(device) for k, v in state["model"].items()})
+        optimizer.load_state_dict(state["optimizer"])
     except CheckpointError as e:
         error = e
+    except Exception as e:  # noqa: BLE001  anything else one rank meets: all must hear of it
+        error = CheckpointError(f"rank {rank} could not load {directory}: "
+                                f"{type(e).__name__}: {e}")
     errors = [None] * world  # every rank learns of any rank's error before training goes on
     dist.all_gather_object(errors, None if error is None else str(error))
     if error is not None:
@@ -117,9 +140,6 @@ def load_per_rank(directory, model: nn.Module, optimizer: torch.optim.Optimizer)
     if any(errors):
         failed, message = next((r, m) for r, m in enumerate(errors) if m)
         raise CheckpointError(f"rank {failed} cannot load: {message}")
-    device = next(model.parameters()).device
-    model.load_state_dict({k: v.to(device) for k, v in state["model"].items()})
-    optimizer.load_state_dict(state["optimizer"])
 
 
 def _difference(saved: dict, ours: dict) -> str:

@@ -88,9 +88,15 @@ def resume_point(cfg) -> ResumePoint | None:
                          f"{_global_batch(config)} sequences (dp x microbatches x micro-batch),"
                          f" this run's are {_global_batch(vars(cfg))}; keep the global batch "
                          "(e.g. double --microbatches when you halve --dp)")
-    if changed and (config.get("ep", 1) > 1 or cfg.ep > 1):
+    if changed and _is_moe(config.get("model")):  # per-rank checkpoints: nothing to re-cut
         raise ValueError("--reshard re-cuts the dense GPT's checkpoints; not an MoE run's")
     return ResumePoint(str(path), saved["step"], saved["losses"], reshard=bool(changed))
+
+
+def _is_moe(model: str | None) -> bool:
+    from engine.moe.gpt import MOE_MODELS
+
+    return model in MOE_MODELS
 
 
 def _flag(name: str) -> str:

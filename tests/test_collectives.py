@@ -99,18 +99,22 @@ def _pipelined_phases_metered(rank, world_size, numel):
                                             ring_reduce_scatter_pipelined)
 
     t = _data(rank, numel, torch.float32)
+    expected = t.clone()
+    dist.all_reduce(expected)
+    expected /= world_size  # integer sums over 2-4: the average is exact in float32
     with CommMeter() as scatter:
-        ring_reduce_scatter_pipelined(t, op="avg")
+        mine = ring_reduce_scatter_pipelined(t, op="avg")
     with CommMeter() as gather:
         ring_all_gather_pipelined(t)
-    return scatter.bytes_sent, gather.bytes_sent
+    return scatter.bytes_sent, gather.bytes_sent, torch.equal(t, expected), mine.numel()
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_pipelined_reduce_scatter_and_all_gather_each_send_n_minus_1_over_n(world_size):
     size = 60 * 4
-    for scatter, gather in run_ranks(_pipelined_phases_metered, world_size, 60):
+    for scatter, gather, averaged, mine in run_ranks(_pipelined_phases_metered, world_size, 60):
         assert scatter == gather == theory.ring_reduce_scatter_bytes(size, world_size)
+        assert averaged and mine == 60 // world_size  # avg, then everyone's chunk everywhere
 
 
 def _metered(rank, world_size, name, numel):

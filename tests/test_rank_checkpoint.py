@@ -67,3 +67,32 @@ def test_another_world_size_and_a_zero_checkpoint_are_refused(tmp_path):
     run_ranks(_save_then_load, 2, str(tmp_path))
     with pytest.raises(CheckpointError, match="was saved by 2 ranks; there is no rank 5"):
         read_rank_state(tmp_path, 5)
+
+
+def _load_with_groups(rank, world_size, directory, split_on):
+    model = _model(rank)
+    params = list(model.parameters())
+    groups = [{"params": params[:1]}, {"params": params[1:]}] if rank == split_on else params
+    try:
+        load_per_rank(directory, model, torch.optim.AdamW(groups))
+    except CheckpointError as e:
+        return str(e)
+
+
+def test_an_error_on_one_rank_reaches_every_rank(tmp_path):
+    run_ranks(_save_then_load, 2, str(tmp_path))
+    # rank 1's optimizer has two parameter groups where one was saved: torch's ValueError
+    mine, theirs = run_ranks(_load_with_groups, 2, str(tmp_path), 1)[::-1]
+    assert mine.startswith("rank 1 could not load") and "ValueError" in mine
+    assert theirs.startswith("rank 1 cannot load: rank 1 could not load")
+
+
+def test_a_damaged_manifest_is_named(tmp_path):
+    import json
+
+    run_ranks(_save_then_load, 2, str(tmp_path))
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    del manifest["files"]["rank1-of2.pt"]
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    for message in run_ranks(_load_only, 2, str(tmp_path)):
+        assert "manifest.json is damaged: it should list 2 rank files" in message

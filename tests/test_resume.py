@@ -236,3 +236,15 @@ def test_a_missing_or_corrupted_moe_rank_file_is_named(tmp_path, capsys):
                                           "rank files"):
         train(*MOE, "--save", directory, "--resume")
     assert descendants() == []
+
+
+def test_resharding_an_moe_checkpoint_is_refused_before_any_rank_starts(tmp_path, capsys):
+    directory = str(tmp_path)
+    # ep 1: the MoE model still trains under the MoE strategy and saves per-rank checkpoints
+    assert train("--model", "tiny-moe", "--dp", "2", "--save", directory, "--steps", "1") == 0
+    capsys.readouterr()
+    assert engine_main(["train", "--steps", "4", "--model", "tiny-moe", "--dp", "4",
+                        "--microbatches", "1", "--save", directory, "--resume",
+                        "--reshard"]) == 2
+    assert "--reshard re-cuts the dense GPT's checkpoints; not an MoE run's" in \
+        capsys.readouterr().err

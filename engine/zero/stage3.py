@@ -104,7 +104,7 @@ class ZeroDataParallel(nn.Module):
     ``model.module`` that calls ``self(...)`` bypasses the wrapper and sees empty parameters.
     """
 
-    def __init__(self, module: nn.Module, optimizer_cls, units=None,
+    def __init__(self, module: nn.Module, optimizer_cls, units=None, *,
                  forward_prefetch: bool = False, backward_prefetch: bool = True, group=None,
                  **kwargs):
         super().__init__()
