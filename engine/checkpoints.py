@@ -7,8 +7,9 @@
 
 Each is a sharded checkpoint of :mod:`engine.zero.checkpoint` (every rank writes only what it
 owns; expert parallelism's ranks, which shard nothing but hold different experts, write
-per-rank checkpoints of :mod:`engine.rank_checkpoint`) plus ``trainer.json``: the step, the configuration that shapes the training, and the
-loss of every step so far, so a resumed run prints the whole curve.
+per-rank checkpoints of :mod:`engine.rank_checkpoint`) plus ``trainer.json``: the step, the
+configuration that shapes the training, and the loss of every step so far, so a resumed run
+prints the whole curve.
 
 **Atomic.** A checkpoint is written under a temporary name (``DIR/.step-00000006.tmp``) and
 renamed into place by global rank 0 once every shard, the manifest and ``trainer.json`` are

@@ -31,7 +31,8 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.comm import ops
-from engine.zero.checkpoint import MANIFEST, CheckpointError, manifest_json, write_atomically
+from engine.zero.checkpoint import (MANIFEST, CheckpointError, manifest_json, read_verified,
+                                    write_atomically)
 
 KIND = "per-rank"
 
@@ -85,13 +86,9 @@ def read_rank_state(directory, rank: int) -> dict:
     world = manifest["world_size"]
     if not 0 <= rank < world:
         raise CheckpointError(f"{directory} was saved by {world} ranks; there is no rank {rank}")
-    path = directory / _file(rank, world)
-    if not path.exists():
-        raise CheckpointError(f"{path} is missing: the manifest lists {world} rank files")
-    data = path.read_bytes()
-    if hashlib.sha256(data).hexdigest() != manifest["files"][path.name]:
-        raise CheckpointError(f"{path} is corrupted: its SHA-256 does not match the manifest")
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    name = _file(rank, world)
+    return read_verified(directory / name, manifest["files"][name],
+                         f"the manifest lists {world} rank files", "cpu")
 
 
 def _manifest(directory: Path) -> dict:
@@ -125,9 +122,8 @@ def load_per_rank(directory, model: nn.Module, optimizer: torch.optim.Optimizer)
             raise CheckpointError(f"rank {rank}'s model does not match the checkpoint: "
                                   f"{_difference(saved, ours)} ({directory / MANIFEST})")
         state = read_rank_state(directory, rank)
-        device = next(model.parameters()).device
-        model.load_state_dict({k: v.to(device) for k, v in state["model"].items()})
-        optimizer.load_state_dict(state["optimizer"])
+        model.load_state_dict(state["model"])  # copied into the parameters, on their device
+        optimizer.load_state_dict(state["optimizer"])  # moved to its parameters' device
     except CheckpointError as e:
         error = e
     except Exception as e:  # noqa: BLE001  anything else one rank meets: all must hear of it

@@ -189,13 +189,17 @@ def test_point_to_point_ops_call_the_process_group_with_its_checks():
         run_ranks(_point_to_point_on_a_pair, 3, "peer outside")
 
 
-def _mismatched(rank, world_size):
-    ring_all_reduce(torch.ones(10 + 2 * rank))
+def _mismatched(rank, world_size, name="ring_all_reduce"):
+    import engine.comm as comm
+
+    getattr(comm, name)(torch.ones(10 + 2 * rank))
 
 
-def test_different_sizes_on_different_ranks_are_a_clear_error_not_garbage():
+@pytest.mark.parametrize("name", ["ring_all_reduce", "ring_reduce_scatter_pipelined",
+                                  "ring_all_gather_pipelined"])
+def test_different_sizes_on_different_ranks_are_a_clear_error_not_garbage(name):
     with pytest.raises(RankError) as info:
-        run_ranks(_mismatched, 2)
+        run_ranks(_mismatched, 2, name)
     assert "rank 0: 10 x torch.float32, rank 1: 12 x torch.float32" in str(info.value)
 
 

@@ -101,3 +101,18 @@ def test_tuned_stage_one_sends_a_reduce_scatter_and_an_all_gather_on_the_ring(wo
     for padded, sent, seen in run_ranks(_one_step, world_size, ZeroOptimizer, "model"):
         assert sent == 2 * theory.ring_reduce_scatter_bytes(4 * padded, world_size)
         assert {op for op, _ in seen} == {"reduce_scatter", "all_gather"}  # the built-ins
+
+
+def _build(rank, world_size, kwargs):
+    return TunedZeroOptimizer(MLP(SIZES).parameters(), torch.optim.Adam, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(stage=3), "use ZeroDataParallel"),
+    (dict(stage=4), "ZeRO stage must be 0, 1, 2 or 3, got 4"),
+    (dict(bucket_cap_mb=True), "bucket_cap_mb must be a positive number, got True"),
+])
+def test_bad_input_is_refused_as_by_zero_optimizer(kwargs, message):
+    with pytest.raises(Exception, match=message):
+        run_ranks(_build, 1, kwargs)
+

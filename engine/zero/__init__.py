@@ -7,5 +7,5 @@ from engine.zero.stage3 import ZeroDataParallel
 from engine.zero.tuned import TunedZeroOptimizer
 from engine.zero.checkpoint import CheckpointError, consolidate, load_sharded, save_sharded
 
-__all__ = ["ZeroOptimizer", "TunedZeroOptimizer", "ZeroDataParallel", "save_sharded", "load_sharded", "consolidate",
-           "CheckpointError", "FlatBucket", "make_buckets"]
+__all__ = ["ZeroOptimizer", "TunedZeroOptimizer", "ZeroDataParallel", "save_sharded",
+           "load_sharded", "consolidate", "CheckpointError", "FlatBucket", "make_buckets"]

@@ -235,10 +235,17 @@ def _read(directory: Path, manifest: dict, name: str, map_location) -> dict:
     expected = f"the manifest lists {len(manifest['files'])} shard files ({shape})"
     if name not in manifest["files"]:
         raise CheckpointError(f"{path} is not in the manifest: {expected}")
+    return read_verified(path, manifest["files"][name], expected, map_location)
+
+
+def read_verified(path: Path, digest: str, expected: str, map_location) -> dict:
+    """``torch.load`` of ``path`` once its SHA-256 equals the manifest's ``digest``; a
+    :class:`CheckpointError` naming the file if it is missing (``expected``: what the
+    manifest lists) or corrupted."""
     if not path.exists():
         raise CheckpointError(f"{path} is missing: {expected}")
     data = path.read_bytes()
-    if hashlib.sha256(data).hexdigest() != manifest["files"][name]:
+    if hashlib.sha256(data).hexdigest() != digest:
         raise CheckpointError(f"{path} is corrupted: its SHA-256 does not match the manifest")
     return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
 
