@@ -9,7 +9,7 @@ Inside :func:`blocking`, each is replaced, wherever it is reachable, by a stand-
 
 * every module that holds the very same object (``from engine.comm import ring_all_reduce``
   in the learner's file, a notebook's namespace, ``engine.comm``'s re-export), and the values
-  of the engine's module-level tables (``SCHEDULES = {"1f1b": one_f_one_b}``);
+  of the engine's module-level tables, or in the tuples they hold (``engine.pp.SCHEDULES``);
 * for a method, the class that defines it.
 
 The stand-in looks at who called it, past Python's and torch's own frames: the learner's code
@@ -103,6 +103,13 @@ def _stand_in(original: Callable, path: str, exercise: Exercise) -> Callable:
     return blocked
 
 
+def _swapped(items: tuple, old: Any, new: Any) -> tuple:
+    """``items`` with ``new`` in place of ``old``, of the same type (a named tuple, such as
+    :class:`engine.pp.registry.Schedule`, stays one)."""
+    swapped = [new if x is old else x for x in items]
+    return items._make(swapped) if hasattr(items, "_make") else tuple(swapped)
+
+
 def _holders(original: Any) -> Iterator[tuple[dict, Any, Callable[[Any], Any]]]:
     """Every place a module keeps ``original``: ``(mapping, key, make)``, where ``make(value)``
     builds what the mapping should hold with ``value`` in place of ``original``."""
@@ -119,8 +126,7 @@ def _holders(original: Any) -> Iterator[tuple[dict, Any, Callable[[Any], Any]]]:
                     if inner is original:
                         yield value, inner_key, lambda new: new
                     elif isinstance(inner, tuple) and any(x is original for x in inner):
-                        yield value, inner_key, lambda new, t=inner: tuple(
-                            new if x is original else x for x in t)
+                        yield value, inner_key, lambda new, t=inner: _swapped(t, original, new)
 
 
 def borrowed_answers(impl: Any) -> list[str]:

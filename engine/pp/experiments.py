@@ -10,13 +10,12 @@ import torch
 from torch import nn
 
 from engine.pp.actions import virtual_stages
+from engine.pp.registry import SCHEDULES, build_schedule
 from engine.pp.runtime import run_pipeline, split_model
-from engine.pp.schedules import gpipe, interleaved_1f1b, one_f_one_b
-from engine.pp.zero_bubble import dualpipe_v, zb_h1, zb_v
 
-SCHEDULES = {"gpipe": (gpipe, "interleaved"), "1f1b": (one_f_one_b, "interleaved"),
-             "interleaved": (interleaved_1f1b, "interleaved"), "zb_h1": (zb_h1, "interleaved"),
-             "zb_v": (zb_v, "v"), "dualpipe_v": (dualpipe_v, "v")}
+__all__ = ["SCHEDULES", "schedule_by_name", "mlp_layers", "pipeline_step", "profile_layers"]
+
+schedule_by_name = build_schedule  # the chapter's name for engine.pp.registry.build_schedule
 
 
 def mlp_layers(widths: list[int], width: int = 512, seed: int = 0) -> nn.Sequential:
@@ -28,23 +27,13 @@ def mlp_layers(widths: list[int], width: int = 512, seed: int = 0) -> nn.Sequent
     return nn.Sequential(*blocks)
 
 
-def schedule_by_name(kind: str, p: int, m: int, v: int = 2):
-    """``(schedule, placement, chunks per rank)`` for ``kind``, a key of :data:`SCHEDULES`
-    (``v``: chunks per rank of the interleaved schedule; the V-shaped ones have 2)."""
-    if kind not in SCHEDULES:
-        raise ValueError(f"kind must be one of {', '.join(SCHEDULES)}; got {kind!r}")
-    make, placement = SCHEDULES[kind]
-    if kind == "interleaved":
-        return make(p, m, v), placement, v
-    return make(p, m), placement, 2 if placement == "v" else 1
-
-
 def pipeline_step(rank: int, p: int, kind: str, m: int, starts: list[int], widths: list[int],
                   rows: int = 64, v: int = 2, repeats: int = 2):
-    """Run one training step of schedule ``kind`` (:func:`schedule_by_name`) ``repeats``
-    times (the first warms up) on the model cut at ``starts`` (one piece per virtual stage);
-    return the last run's :class:`engine.pp.PipelineRun`."""
-    schedule, placement, v = schedule_by_name(kind, p, m, v)
+    """Run one training step of schedule ``kind`` (a name of
+    :data:`engine.pp.registry.SCHEDULES`) ``repeats`` times (the first warms up) on the model
+    cut at ``starts`` (one piece per virtual stage); return the last run's
+    :class:`engine.pp.PipelineRun`."""
+    schedule, placement, v = build_schedule(kind, p, m, v)
     layers = mlp_layers(widths)
     pieces = split_model(layers, starts)
     mine = [pieces[i] for i in virtual_stages(rank, p, v, placement)]

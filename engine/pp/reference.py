@@ -17,14 +17,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from engine.pp.actions import Action, virtual_stages
+from engine.pp.registry import SCHEDULES as REGISTRY
 
-# name -> (PyTorch class name, chunks per rank or None for "given", placement)
-SCHEDULES = {
-    "interleaved_1f1b": ("ScheduleInterleaved1F1B", None, "interleaved"),
-    "zb_h1": ("ScheduleInterleavedZeroBubble", 1, "interleaved"),
-    "zb_v": ("ScheduleZBVZeroBubble", 2, "v"),
-    "dualpipe_v": ("ScheduleDualPipeV", 2, "v"),
-}
+# the registered schedules PyTorch also builds (their ``torch_class``), by name; the
+# interleaved one under its generator's name, "interleaved_1f1b"
+SCHEDULES = {("interleaved_1f1b" if name == "interleaved" else name): spec
+             for name, spec in REGISTRY.items() if spec.torch_class}
 
 
 def torch_order(name: str, p: int, m: int, v: int = 2) -> dict[int, list[Action]]:
@@ -34,8 +32,8 @@ def torch_order(name: str, p: int, m: int, v: int = 2) -> dict[int, list[Action]
 
     if name not in SCHEDULES:
         raise ValueError(f"name must be one of {', '.join(SCHEDULES)}; got {name!r}")
-    cls_name, chunks, placement = SCHEDULES[name]
-    v = chunks or v
+    spec = SCHEDULES[name]
+    cls_name, placement, v = spec.torch_class, spec.placement, spec.chunks or v
     stages = [SimpleNamespace(num_stages=p * v, group_size=p, group_rank=0, submod=None,
                               stage_index=i, is_first=i == 0, is_last=i == p * v - 1)
               for i in virtual_stages(0, p, v, placement)]

@@ -24,11 +24,14 @@ from engine.pp.actions import (KINDS, PLACEMENTS, Action, actions_of, as_action,
                                splits_backward, virtual_stage)
 from engine.validation import non_negative_number, one_of, positive_int, positive_number
 
-__all__ = ["Action", "as_action", "gpipe", "one_f_one_b", "interleaved_1f1b", "validate",
-           "simulate", "SimResult"]
+__all__ = ["Action", "as_action", "check_sizes", "gpipe", "one_f_one_b", "interleaved_1f1b",
+           "validate", "simulate", "SimResult"]
 
 
-def _check(p, m, v=1):
+def check_sizes(p, m, v=1):
+    """Raise ValueError naming the bad value unless ``p`` (stages), ``m`` (micro-batches) and
+    ``v`` (chunks per rank) are positive integers: the first check of every schedule
+    generator, here and in :mod:`engine.pp.zero_bubble`."""
     positive_int("p (stages)", p)
     positive_int("m (micro-batches)", m)
     positive_int("v (chunks)", v)
@@ -37,7 +40,7 @@ def _check(p, m, v=1):
 def gpipe(p: int, m: int) -> dict[int, list[Action]]:
     """All ``m`` forwards, then all ``m`` backwards, on every stage (micro-batch order, as
     ``torch.distributed.pipelining.ScheduleGPipe``)."""
-    _check(p, m)
+    check_sizes(p, m)
     return {s: [Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)]
             for s in range(p)}
 
@@ -45,7 +48,7 @@ def gpipe(p: int, m: int) -> dict[int, list[Action]]:
 def one_f_one_b(p: int, m: int) -> dict[int, list[Action]]:
     """1F1B: ``min(p - s - 1, m)`` warm-up forwards, then one forward and one backward in
     turn, then the remaining backwards."""
-    _check(p, m)
+    check_sizes(p, m)
     schedule = {}
     for s in range(p):
         warmup = min(p - s - 1, m)
@@ -62,7 +65,7 @@ def one_f_one_b(p: int, m: int) -> dict[int, list[Action]]:
 def interleaved_1f1b(p: int, m: int, v: int) -> dict[int, list[Action]]:
     """Megatron-LM's interleaved 1F1B: each rank runs ``v`` model chunks. Micro-batches go
     through the chunks in groups of ``p``, so ``m`` must be a multiple of ``p``."""
-    _check(p, m, v)
+    check_sizes(p, m, v)
     if m % p:
         raise ValueError(f"interleaved 1F1B needs m (micro-batches) to be a multiple of p "
                          f"(stages): got m={m}, p={p}")

@@ -24,13 +24,13 @@ from __future__ import annotations
 from collections import deque
 
 from engine.pp.actions import Action
-from engine.pp.schedules import _check
+from engine.pp.schedules import check_sizes
 
 
 def zb_h1(p: int, m: int) -> dict[int, list[Action]]:
     """ZB-H1: stage ``s`` runs ``min(p-s-1, m)`` warm-up forwards, then one forward and one
     input gradient B in turn, then the remaining B's; each B's W follows ``s`` B's later."""
-    _check(p, m)
+    check_sizes(p, m)
     schedule = {}
     for s in range(p):
         warmup = min(p - s - 1, m)
@@ -91,7 +91,7 @@ def zb_v(p: int, m: int) -> dict[int, list[Action]]:
     """ZB-V on ``p`` ranks, two chunks each, V placement. Built for ``max(m, 2p-1)``
     micro-batches, the fewest that fill the V, then the extra ones dropped, as the authors'
     ``get_zb_v_schedule`` does."""
-    _check(p, m)
+    check_sizes(p, m)
     n = max(2 * p - 1, m)
     schedule = {}
     for s in range(p):
@@ -122,7 +122,7 @@ def dualpipe_v(p: int, m: int) -> dict[int, list[Action]]:
     chunks; chunk 1's first backwards as B with a deferred W; the steady phase of paired
     (F of one chunk, full backward of the other); the tail, where backwards switch to B with
     deferred W's half-way, which then fill the end."""
-    _check(p, m)
+    check_sizes(p, m)
     if m < 2 * p:
         raise ValueError(f"DualPipeV needs m (micro-batches) >= 2p = {2 * p}, got m={m}")
     schedule = {}

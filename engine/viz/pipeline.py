@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
+from engine.pp.registry import SCHEDULES as REGISTRY, build_schedule
 from engine.viz.style import apply_style, full_labels
 
 KIND_COLORS = {"F": "#1f77b4", "B": "#2ca02c", "W": "#ff7f0e"}
@@ -59,8 +60,8 @@ def gantt_figure(timeline, title: str = "", ax=None, unit: str = "time", legend:
     return ax.figure
 
 
-SCHEDULES = {"GPipe": "gpipe", "1F1B": "1f1b", "interleaved 1F1B": "interleaved",
-             "ZB-H1": "zb_h1", "ZB-V": "zb_v", "DualPipeV": "dualpipe_v"}
+# the explorer's buttons: each registered schedule's label -> its name in the registry
+SCHEDULES = {spec.label: name for name, spec in REGISTRY.items()}
 
 
 def formula_line(name: str, p: int, m: int, v: int, t_f: float, t_b: float, t_w: float) -> str:
@@ -85,11 +86,10 @@ def pipeline_explorer():
     import ipywidgets as widgets
 
     from engine.pp import simulate
-    from engine.pp.experiments import schedule_by_name
 
     def show(schedule, p, m, v, b_over_f, w_over_f, t_comm):
         try:
-            plan, placement, chunks = schedule_by_name(SCHEDULES[schedule], p, m, v)
+            plan, placement, chunks = build_schedule(SCHEDULES[schedule], p, m, v)
         except ValueError as e:
             print(f"not valid: {e}")
             return
