@@ -14,7 +14,8 @@ chunk ``c`` is virtual stage :func:`engine.pp.actions.virtual_stage` ``(s, c, p,
 * ``W(mb, c)``: those weight gradients, ``dW = dYᵀ X``.
 
 Messages go through :class:`engine.pp.link.Link` (no tags: received in the order they were
-sent, as NCCL needs). Gradients accumulate across micro-batches in ``param.grad``; scaling
+sent, as NCCL needs); what the rank holds is counted by
+:class:`engine.pp.stage_memory.StageMemory`, fed once per action. Gradients accumulate across micro-batches in ``param.grad``; scaling
 each loss by ``1/m`` makes the sum the full batch's mean gradient.
 """
 
@@ -27,10 +28,11 @@ import torch
 from torch import nn
 
 from engine.comm import ops
-from engine.memory import ActivationTracker, unique_storage_bytes
+from engine.memory import ActivationTracker
 from engine.pp.actions import actions_of, rank_of, shape, splits_backward, virtual_stages
 from engine.pp.link import Link
 from engine.pp.schedules import validate
+from engine.pp.stage_memory import StageMemory
 from engine.pp.weight_grad import apply_weight_grads, deferred_weight_grads
 from engine.trace import Clock, TraceEvent
 
@@ -157,9 +159,7 @@ def run_pipeline(chunks: list[nn.Module], schedule, inputs: list[torch.Tensor],
     clock = Clock(first_param.device)  # CUDA events on a GPU: execution, not launch, times
     params = [q for c in chunks for q in c.parameters()]
     stored, waiting, marks = {}, {}, []
-    held = peak = in_flight = peak_flight = grads_held = peak_grads = pending = peak_pending = 0
-    per_chunk: dict[int, int] = {}
-    stash_per_chunk: dict[int, int] = {}
+    memory = StageMemory()
     total_loss = 0.0
 
     for kind, mb, c in schedule[stage]:
@@ -177,47 +177,36 @@ def run_pipeline(chunks: list[nn.Module], schedule, inputs: list[torch.Tensor],
                 if vs == last:
                     out = loss_fn(out, targets[mb].detach().clone()) / m
             end = clock.mark()
-            stored[mb, c] = (x, out, acts.bytes, stash)
-            per_chunk.setdefault(c, acts.bytes)
-            held += acts.bytes
-            in_flight, pending = in_flight + 1, pending + 1
+            stored[mb, c] = (x, out, stash)
+            memory.forward(mb, c, acts.bytes)
             if vs == last:
                 total_loss += out.item()
             else:
                 link.send(out, ("act", mb, vs), rank_of(vs + 1, p, placement))
         elif kind == "B":
-            x, out, nbytes, stash = stored.pop((mb, c))
+            x, out, stash = stored.pop((mb, c))
             grad = None if vs == last else \
                 link.receive(("grad", mb, vs + 1), rank_of(vs + 1, p, placement))
             start = clock.mark()
             out.backward(grad)
             end = clock.mark()
-            held -= nbytes
-            in_flight, pending = in_flight - 1, pending - (0 if split else 1)
             if split:  # what W needs stays: each linear layer's input and output gradient
-                kept = unique_storage_bytes([t for inp, dy, *_ in stash for t in (inp, dy)])
-                grads = unique_storage_bytes([dy for _, dy, *_ in stash])
-                waiting[mb, c] = (stash, kept, grads)
-                stash_per_chunk.setdefault(c, kept)
-                held, grads_held = held + kept, grads_held + grads
+                waiting[mb, c] = stash
+            memory.backward(mb, c, stash)
             if vs != 0:
                 link.send(x.grad, ("grad", mb, vs), rank_of(vs - 1, p, placement))
         else:
-            stash, kept, grads = waiting.pop((mb, c))
             start = clock.mark()
-            apply_weight_grads(stash)
+            apply_weight_grads(waiting.pop((mb, c)))
             end = clock.mark()
-            held, grads_held, pending = held - kept, grads_held - grads, pending - 1
-        peak, peak_flight = max(peak, held), max(peak_flight, in_flight)
-        peak_grads, peak_pending = max(peak_grads, grads_held), max(peak_pending, pending)
+            memory.weight_grad(mb, c)
         marks.append((kind, mb, c, start, end))
     link.finish()
     events = [TraceEvent(f"{kind}{mb}", stage, clock.seconds(start), clock.seconds(end),
                          lane="compute", args={"kind": kind, "mb": mb, "chunk": c})
               for kind, mb, c, start, end in marks]
     holds_last = rank_of(last, p, placement) == stage
-    return PipelineRun(total_loss if holds_last else None, events, peak, per_chunk, peak_flight,
-                       stash_per_chunk, peak_grads, peak_pending)
+    return PipelineRun(total_loss if holds_last else None, events, **memory.counts())
 
 
 def measured_idle(events: list[TraceEvent]) -> dict[int, float]:
