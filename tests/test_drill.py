@@ -89,22 +89,27 @@ def test_the_terminal_drill_runs_from_a_script_and_keeps_scores(tmp_path, capsys
     for q in questions:
         if q.kind == "numeric":
             answers.append(str(q.answer))
+        elif q.kind == "choice":
+            answers.append(chr(ord("a") + q.answer))
         else:
-            answers.append(chr(ord("a") + q.answer) if q.kind == "choice" else "y")
+            answers += ["(my 30-second answer)", "y"]  # said, then y or n after the outline
     script = tmp_path / "answers.txt"
     script.write_text("\n".join(answers), encoding="utf-8")
     args = ["drill", "--count", "6", "--seed", "7", "--answers", str(script), "--scores",
             str(scores)]
     assert engine_main(args) == 0
     assert "score: 6/6" in capsys.readouterr().out
-    wrong = ["0" if q.kind == "numeric" else "n" if q.kind == "outline"
-             else chr(ord("a") + (q.answer + 1) % len(q.options)) for q in questions]
-    script.write_text("\n".join(wrong), encoding="utf-8")  # a second, worse sitting
+    wrong = []
+    for q in questions:
+        wrong += ["0"] if q.kind == "numeric" else ["", "n"] if q.kind == "outline" \
+            else [chr(ord("a") + (q.answer + 1) % len(q.options))]
+    script.write_text("\n".join(wrong), encoding="utf-8")  # the same items, all wrong now
     engine_main(args)
     out = capsys.readouterr().out
+    assert "score: 0/6" in out
     saved = json.loads(scores.read_text())
-    assert sum(e["total"] for e in saved.values()) == 12
-    assert sum(e["right"] for e in saved.values()) < 12
+    assert sum(e["total"] for e in saved.values()) == 6  # the latest result of each item
+    assert sum(e["right"] for e in saved.values()) == 0
     assert "all sittings so far" in out
     assert Scores(scores).table().count("\n") == len(TOPICS)
 

@@ -22,8 +22,8 @@ import pytest
 
 from engine.__main__ import main as engine_main
 from engine.drill import BANK, draw
-from engine.drill.answers import (UNITS, Unreadable, evaluate, read_letter, read_number,
-                                  read_yes_no, show, unit)
+from engine.drill.answers import (UNITS, Unreadable, evaluate, example, read_letter,
+                                  read_number, read_yes_no, show, unit)
 from engine.drill.items import Numeric
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,6 +69,40 @@ def test_arithmetic_with_a_unit():
     assert read_number("2*7/8*100 %", "fraction") == pytest.approx(1.75)
 
 
+@pytest.mark.parametrize("text, asked, value", [
+    ("approx 1.88", "x", 1.88), ("approx. 1.88", "x", 1.88), ("approximately 1.88", "x", 1.88),
+    ("~1.88x", "x", 1.88), ("~ 1.88", "x", 1.88), ("≈ 1.88", "x", 1.88), ("≈1.88x", "x", 1.88),
+    ("about 175 MB", "MB", 175), ("About 0.175 GB", "MB", 175), ("around 6 rounds", "rounds", 6),
+    ("roughly 2*7/8*100", "%", 175), ("about ~2.9%", "%", 2.9), ("~=1/4", "fraction", 0.25),
+    ("~ -2.5", "x", -2.5),
+])
+def test_hedged_numbers_read_as_the_number(text, asked, value):
+    """'approx', 'about', 'around', 'roughly', '~' and '≈' before a number are read as what they
+    mean: the number follows (issue 31's 'approx 1.88' and '~1.88' were not read)."""
+    assert read_number(text, asked) == pytest.approx(value, rel=1e-12)
+
+
+def test_a_hedge_without_a_number_is_still_not_a_number():
+    for text in ("approx", "about", "~", "about that"):
+        with pytest.raises(Unreadable):
+            read_number(text, "x")
+
+
+@pytest.mark.parametrize("text, index", [
+    ("a) whole heads", 0), ("A) whole heads", 0), ("b. the ring", 1), ("(c) something", 2),
+    ("c: the last one", 2), ("b - the ring", 1), ("(b)the ring", 1),
+    ("a) an option's text that says something else", 0),  # the letter decides
+])
+def test_a_letter_followed_by_its_option_text(text, index):
+    assert read_letter(text, 3) == index
+
+
+def test_a_letter_and_text_with_no_mark_between_is_not_read():
+    for text in ("a guess", "b the ring", "d) no such option"):
+        with pytest.raises(Unreadable):
+            read_letter(text, 3)
+
+
 @pytest.mark.parametrize("text", ["a", "A", "a)", "(a)", "A.", "a:", " ( A ) "])
 def test_letters(text):
     assert read_letter(text, 3) == 0
@@ -82,7 +116,8 @@ def test_yes_no(text, value):
 
 
 @pytest.mark.parametrize("text, asked, why", [
-    ("a guess", "MB", "no number"), ("", "MB", "no number"), ("A)", "MB", "not a number"),
+    ("a guess", "MB", "no number"), ("", "MB", "no number"), ("A)", "MB", "'A' is not a number"),
+    ("maybe 1.88", "x", "'maybe' is not a number"), ("approx", "x", "no number"),
     ("__import__('os').system('true')", "x", "only numbers"), ("len(2)", "x", "only numbers"),
     ("1/0", "x", "division by zero"), ("9**9**9", "x", "exponent"), ("10**400", "x", "large"),
     ("6 GB", "rounds", "'GB' measures data size; this answer is in rounds"),
@@ -142,8 +177,8 @@ def _run(tmp_path, capsys, seed, lines, count=1, extra=()):
 def test_unreadable_numeric_answer_is_asked_again_and_not_scored(tmp_path, capsys):
     seed, q = _first("numeric")
     out, total, right = _run(tmp_path, capsys, seed, ["A)", f"{q.answer:.6g} {q.unit}"])
-    assert f"could not read 'A)': answer with a number (units allowed), " \
-           f"{unit(q.unit).asked}" in out
+    assert f"could not read 'A)' ('A' is not a number): answer with a number " \
+           f"{unit(q.unit).asked}, for example {example(q.unit)}." in out
     assert out.count("answer> ") == 2 and "score: 1/1" in out
     assert (total, right) == (1, 1)
 
@@ -153,8 +188,10 @@ def test_unreadable_letter_is_asked_again_then_every_form_is_read(tmp_path, caps
     seed, q = _first("choice")
     letter = chr(ord("A") + q.answer)
     out, total, right = _run(tmp_path, capsys, seed, ["1", "z", form.format(letter)])
-    assert "could not read '1': answer with a letter, a to" in out
-    assert "could not read 'z'" in out and "there are options a to" in out
+    last = chr(ord("a") + len(q.options) - 1)
+    assert f"could not read '1' (not a letter): answer with a letter from a to {last}, for " \
+           "example b or b)." in out
+    assert f"could not read 'z' (there is no option z; the options are a to {last}): " in out
     assert out.count("letter> ") == 3 and "score: 1/1" in out
     assert (total, right) == (1, 1)
 
@@ -173,9 +210,9 @@ def test_the_original_issue_inputs_are_right(tmp_path, capsys):
 def test_end_of_input_stops_the_sitting_and_only_answered_items_count(tmp_path, capsys):
     questions = draw(5, seed=3)
     first = questions[0]
-    answer = {"numeric": f"{first.answer:.6g}", "outline": "y"}.get(
-        first.kind, chr(ord("a") + (first.answer or 0)))
-    out, total, right = _run(tmp_path, capsys, 3, [answer], count=5)
+    answer = {"numeric": [f"{first.answer:.6g}"], "outline": ["(said aloud)", "y"]}.get(
+        first.kind, [chr(ord("a") + (first.answer or 0))])
+    out, total, right = _run(tmp_path, capsys, 3, answer, count=5)
     assert "score: 1/1 (4 of 5 skipped: the input ended; not scored)" in out
     assert "[2/5]" in out and "[3/5]" not in out  # the second is asked, the sitting stops there
     assert (total, right) == (1, 1)
@@ -272,7 +309,9 @@ def test_every_item_states_its_question_and_its_answer_reads_back_as_right(item)
             assert not any(q.grade(chr(ord("a") + i)) for i in range(len(q.options))
                            if i != q.answer)
         else:
-            assert q.grade("y") and not q.grade("n") and all(p in text for p in q.outline)
+            assert q.grade("y") and not q.grade("n")
+            assert not any(p in text for p in q.outline)  # not before the learner answered
+            assert all(p in q.as_text(answered=True) for p in q.outline)
 
 
 @pytest.mark.parametrize("name", ["MB", "GB", "TB", "%", "fraction"])
@@ -297,4 +336,120 @@ def test_the_notebook_widget_asks_again_for_what_it_cannot_read(tmp_path):
     answer.value = f"{q.answer:.6g} {q.unit}"
     check.click()
     assert "right" in result.value and show(q.answer, q.unit) in result.value
-    assert json.loads(path.read_text())[q.topic] == {"right": 1, "total": 1}
+    saved = json.loads(path.read_text())[q.topic]
+    assert (saved["right"], saved["total"], saved["items"]) == (1, 1, {q.item_id: 1})
+
+
+# -- issue 31: hedged numbers, letters with text, plain messages, outlines after the answer --------
+
+def _first_item(item_id: str):
+    """A seed whose first drawn question is the bank item ``item_id``."""
+    topic = next(item.topic for item in BANK if item.item_id == item_id)
+    for seed in range(5000):
+        q = draw(1, topic, seed)[0]
+        if q.item_id == item_id:
+            return seed, q
+    raise AssertionError(f"{item_id} never drawn first")
+
+
+def _run_topic(tmp_path, capsys, topic, seed, lines):
+    return _run(tmp_path, capsys, seed, lines, extra=["--topic", topic])
+
+
+@pytest.mark.parametrize("form", ["approx {}", "~{}x", "≈ {}", "about ~{}"])
+def test_hedged_answers_are_read_and_graded_in_a_sitting(tmp_path, capsys, form):
+    seed, q = _first_item("ps-over-ring")  # an answer in "x"
+    out, total, right = _run_topic(tmp_path, capsys, q.topic, seed, [form.format(q.answer)])
+    assert "could not read" not in out and "score: 1/1" in out and (total, right) == (1, 1)
+
+
+@pytest.mark.parametrize("form", ["{}) {}", "{}. {}", "({}) {}"])
+def test_a_letter_with_its_option_text_is_read_in_a_sitting(tmp_path, capsys, form):
+    seed, q = _first("choice")
+    letter = chr(ord("a") + q.answer)
+    out, total, right = _run(tmp_path, capsys, seed, [form.format(letter, q.options[q.answer])])
+    assert "could not read" not in out and "score: 1/1" in out and (total, right) == (1, 1)
+
+
+def test_what_cannot_be_read_is_said_in_one_plain_sentence(tmp_path, capsys):
+    seed, q = _first_item("ps-over-ring")
+    out, total, _ = _run_topic(tmp_path, capsys, q.topic, seed, ["xyz", f"{q.answer}"])
+    assert "  could not read 'xyz' (no number in it): answer with a number as a multiple, for " \
+           "example 1.5 or 1.5x.\n" in out
+    assert total == 1
+
+
+def test_an_outline_is_shown_only_after_the_learner_answered(tmp_path, capsys):
+    from engine.drill.cli import SAY_PROMPT
+
+    seed, q = _first("outline")
+    out, total, right = _run(tmp_path, capsys, seed, ["ring, then latency", "y"])
+    said = out.index(SAY_PROMPT + "ring, then latency")
+    assert out.index(q.text) < said  # the question, then the learner's answer,
+    assert all(out.index(point) > said for point in q.outline)  # then the outline,
+    assert out.index("did you cover it (y/n)> y") > out.index(q.outline[-1])  # then y or n
+    assert "score: 1/1" in out and (total, right) == (1, 1)
+    (tmp_path / "again").mkdir()
+    out, total, _ = _run(tmp_path / "again", capsys, seed, [])  # the input ends at once
+    assert SAY_PROMPT + "(end of input)" in out
+    assert not any(point in out for point in q.outline) and total == 0  # never shown, not scored
+    out, total, _ = _run(tmp_path / "again", capsys, seed, ["said; the input ends before y/n"])
+    assert all(point in out for point in q.outline) and total == 0  # shown, not scored
+
+
+def test_a_chapter_drill_shows_an_outline_only_with_the_answer(tmp_path, capsys, monkeypatch):
+    from engine.grading import drill as chapter_drill
+
+    item = chapter_drill.Drill("ch02.what_is_dp", "what-is-dp")
+    monkeypatch.setattr(chapter_drill, "drills", lambda: {item.name: item})
+    q, scores = item.question(), tmp_path / "scores.json"
+    chapter_drill.drill("ch02", scores=str(scores))
+    chapter_drill.drill("ch02.what_is_dp", scores=str(scores))
+    out = capsys.readouterr().out
+    assert out.count(q.text) == 2 and not any(point in out for point in q.outline)
+    chapter_drill.drill("ch02.what_is_dp", "y", scores=str(scores))
+    out = capsys.readouterr().out
+    assert all(point in out for point in q.outline) and "noted" in out
+
+
+def test_answering_a_drill_again_replaces_its_score(tmp_path, capsys):
+    from engine.drill import Scores
+    from engine.grading.drill import drill, drills
+
+    scores = str(tmp_path / "scores.json")
+    q = drills()["ch01.ring_latency_steps"].question()
+    for answer in (q.answer / 2, q.answer * 2, q.answer):  # wrong, wrong, right
+        drill("ch01.ring_latency_steps", answer, scores=scores)
+    assert "✓" in capsys.readouterr().out.splitlines()[-1]
+    assert Scores(scores).data == {"collectives": {"right": 1, "total": 1}}
+    drill("ch01.ring_latency_steps", q.answer / 2, scores=scores)  # and wrong again
+    assert Scores(scores).data == {"collectives": {"right": 0, "total": 1}}
+
+
+def test_a_sitting_repeated_does_not_inflate_the_score(tmp_path, capsys):
+    seed, q = _first("numeric")
+    for answer in ("0", "0", f"{q.answer}"):
+        out, total, right = _run(tmp_path, capsys, seed, [answer])
+    assert (total, right) == (1, 1) and "score: 1/1" in out
+
+
+def test_a_score_file_of_the_old_format_loads_as_a_baseline(tmp_path, capsys):
+    from engine.drill import Scores
+
+    path = tmp_path / "scores.json"
+    path.write_text(json.dumps({"collectives": {"right": 3, "total": 5},
+                                "zero": {"right": 0, "total": 2}, "junk": 7}))
+    scores = Scores(path)
+    assert scores.data == {"collectives": {"right": 3, "total": 5},
+                           "zero": {"right": 0, "total": 2}}
+    assert "(includes 7 answers saved before results were kept per item" in scores.table()
+    q = draw(1, "collectives", seed=0)[0]
+    scores.record(q, True)
+    scores.record(q, True)  # again: replaces
+    scores.save()
+    again = Scores(path)
+    assert again.data["collectives"] == {"right": 4, "total": 6}
+    assert again.items["collectives"] == {q.item_id: 1} and again.earlier["zero"]["total"] == 2
+    for broken in ("[1, 2]", "{\"zero\": {\"right\": \"x\", \"total\": -1}}", "not json"):
+        path.write_text(broken)
+        assert Scores(path).data == {}

@@ -6,7 +6,11 @@
   unit is asked, is not read.
 * Arithmetic: ``4.5*1024``, ``2*7/8*100``, ``(8-1)/8``, ``2^20``, ``3 x 4``: evaluated from the
   syntax tree (numbers and + - * / ** only; no names, no calls), never with ``eval``.
-* Letters: ``a``, ``A``, ``a)``, ``(a)``, ``A.``, ``a:``.
+* Hedged numbers: ``approx 1.88``, ``about 175 MB``, ``~1.88x``, ``≈ 1.88``, ``about ~2``: the
+  hedge (``approx``, ``approximately``, ``about``, ``around``, ``roughly``, ``~``, ``≈``) is
+  dropped and the number read; it is graded within the item's tolerance like any other.
+* Letters: ``a``, ``A``, ``a)``, ``(a)``, ``A.``, ``a:``, and a letter followed by its option's
+  text, ``a) whole heads``, ``b. the ring``, ``(c) something``: the letter decides.
 * Yes or no: ``y``, ``yes``, ``n``, ``no``.
 
 What cannot be read raises :class:`Unreadable`, whose message says what to type instead: the
@@ -110,7 +114,9 @@ def evaluate(expression: str) -> float:
     try:
         tree = ast.parse(expression.strip(), mode="eval")
     except (SyntaxError, ValueError):
-        raise Unreadable("not a number or arithmetic") from None
+        word = re.search(r"(?<![\d.])[^\W\d]\w*", expression)  # a word, not 1e3's e
+        raise Unreadable(f"'{word[0]}' is not a number" if word
+                         else "not a number or arithmetic") from None
     value = _value(tree.body)
     if not math.isfinite(value):
         raise Unreadable("not a finite number")
@@ -138,6 +144,9 @@ def _value(node: ast.AST) -> float:
 
 # -- numbers with units --------------------------------------------------------------------------
 
+# Words and signs that hedge a number ("approx 1.88", "~2x", "about ~175 MB"), at the start only.
+_HEDGE = re.compile(r"^\s*(?:(?:approximately|approx\.?|about|around|roughly)(?![a-z])|~=|~|≈|≃)\s*",
+                    re.I)
 _THOUSANDS = re.compile(r"(?<![\d.])(\d{1,3}(?:,\d{3})+)(?![\d,])")  # 4,608 -> 4608
 _TIMES = re.compile(r"(?<=[\d.)])\s*[x×·]\s*(?=[\d.(])")  # 3 x 4 -> 3*4
 # The unit: what follows the last digit, point or closing parenthesis.
@@ -146,7 +155,10 @@ _SPLIT = re.compile(r"^(?P<expr>.*[\d.)])\s*(?P<unit>[^\d.()]*)$", re.S)
 
 def split_unit(text: str) -> tuple[float, str]:
     """``"4.5*1024 MiB"`` -> ``(4608.0, "MiB")``; ``"2.9%"`` -> ``(2.9, "%")``."""
-    text = text.strip().replace("−", "-").replace("^", "**")
+    text = text.strip()
+    while (hedge := _HEDGE.match(text)) and hedge.end():
+        text = text[hedge.end():]
+    text = text.replace("−", "-").replace("^", "**")
     text = _TIMES.sub("*", _THOUSANDS.sub(lambda m: m[1].replace(",", ""), text))
     match = _SPLIT.match(text)
     if not match:
@@ -190,17 +202,21 @@ _MEASURES = {"bytes": "data size", "bandwidth": "bandwidth", "time": "time", "fl
 
 # -- letters and yes/no --------------------------------------------------------------------------
 
-_LETTER = re.compile(r"^\(?\s*([a-z])\s*[).:]?\s*$", re.I)
+# A letter alone ("a", "(a)", "A."), or followed by a mark and the option's text ("a) whole
+# heads", "b. the ring", "(c) something"); a letter and text with no mark ("a guess") is not read.
+_LETTER = re.compile(r"^\(?\s*([a-z])\s*(?:[).:]\s*(?:\S.*)?|-\s+\S.*)?$", re.I | re.S)
 
 
 def read_letter(text: str, n_options: int) -> int:
-    """The 0-based option index of a letter typed as ``a``, ``A``, ``a)``, ``(a)`` or ``A.``."""
+    """The 0-based option index of a letter typed as ``a``, ``A``, ``a)``, ``(a)`` or ``A.``,
+    alone or followed by the option's text (``a) whole heads``): the letter decides."""
     match = _LETTER.match(text.strip())
     if not match:
         raise Unreadable("not a letter")
     index = ord(match[1].lower()) - ord("a")
     if index >= n_options:
-        raise Unreadable(f"there are options a to {chr(ord('a') + n_options - 1)} only")
+        raise Unreadable(f"there is no option {match[1].lower()}; the options are a to "
+                         f"{chr(ord('a') + n_options - 1)}")
     return index
 
 
@@ -212,6 +228,20 @@ def read_yes_no(text: str) -> bool:
     if word in _YES or word in _NO:
         return word in _YES
     raise Unreadable("not y or n")
+
+
+_EXAMPLES = {"B": "512 or 512 bytes", "MB": "175 or 175 MB", "GB": "2.5 or 2.5 GB",
+             "TB": "2.8 or 2.8 TB", "GB/s": "10 or 10 GB/s", "ms": "0.5 or 0.5 ms",
+             "days": "34 or 34 days", "EFLOP": "3.5 or 3.5e18 FLOPs", "%": "2.9 or 2.9%",
+             "fraction": "0.25 or 1/4", "x": "1.5 or 1.5x", "billion": "1.8 or 1.8B",
+             "million": "3.2 or 3.2M"}
+
+
+def example(asked: Unit | str) -> str:
+    """Two ways to type an answer in ``asked``, for the drill's "answer with ..." hint:
+    ``175 or 175 MB``, ``1.5 or 1.5x``, ``6 or 6 rounds``."""
+    asked = asked if isinstance(asked, Unit) else unit(asked)
+    return _EXAMPLES.get(asked.name, f"6 or 6 {asked.name}")
 
 
 def show(value: float, asked: Unit | str) -> str:

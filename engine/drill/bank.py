@@ -1,9 +1,10 @@
 """The drill bank, sessions and saved scores.
 
 ``BANK`` holds every item; :func:`draw` picks questions (optionally by topic) with fresh
-random parameters; :class:`Scores` keeps per-topic results in a JSON file
+random parameters; :class:`Scores` keeps the latest result of each item in a JSON file
 (``$DRILL_SCORES`` or ``~/.cache/distributed-course/drill.json``) so progress shows from one
-sitting to the next.
+sitting to the next: a topic's score is the share of its items last answered right, and
+answering an item again replaces its result instead of adding one.
 """
 
 from __future__ import annotations
@@ -21,8 +22,17 @@ from engine.drill.outline import OUTLINE
 BANK = NUMERIC + CHOICE + OUTLINE
 
 
+KINDS = ("numeric", "choice", "outline")
+
+
 def by_topic() -> dict[str, int]:
     return {topic: sum(item.topic == topic for item in BANK) for topic in TOPICS}
+
+
+def by_kind(topic: str | None = None) -> dict[str, int]:
+    """Items per kind (numeric, choice, outline), in ``topic`` or in the whole bank."""
+    return {kind: sum(_kind(item) == kind and topic in (None, item.topic) for item in BANK)
+            for kind in KINDS}
 
 
 def draw(count: int = 10, topic: str | None = None, seed: int | None = None,
@@ -49,28 +59,73 @@ def scores_path(path: str | Path | None = None) -> Path:
 
 
 class Scores:
-    """Right and total per topic, saved as JSON."""
+    """The latest result of each item, by topic, saved as JSON.
+
+    The file maps each topic to ``{"right", "total", "items", "earlier"}``: ``items`` holds each
+    answered item's latest result (1 right, 0 not), ``earlier`` the right/total counts of a file
+    written before results were kept per item (such a file loads as that baseline), and
+    ``right``/``total`` are the two added, kept in the file for whoever reads it."""
 
     def __init__(self, path: str | Path | None = None):
         self.path = scores_path(path)
         try:
-            self.data = json.loads(self.path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            self.data = {}
+            saved = json.loads(self.path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+            saved = {}
+        self.items: dict[str, dict[str, int]] = {}
+        self.earlier: dict[str, dict[str, int]] = {}
+        for topic, entry in (saved.items() if isinstance(saved, dict) else ()):
+            if not isinstance(entry, dict):
+                continue
+            if isinstance(entry.get("items"), dict):  # per item
+                self.items[topic] = {str(k): int(bool(v)) for k, v in entry["items"].items()}
+                baseline = entry.get("earlier") or {}
+            else:  # the format of before: counts only
+                baseline = entry
+            right, total = _count(baseline.get("right")), _count(baseline.get("total"))
+            if total:
+                self.earlier[topic] = {"right": min(right, total), "total": total}
 
     def record(self, question: Question, correct: bool) -> None:
-        entry = self.data.setdefault(question.topic, {"right": 0, "total": 0})
-        entry["total"] += 1
-        entry["right"] += int(correct)
+        """``question``'s item was answered (right or not): replaces its earlier result."""
+        self.items.setdefault(question.topic, {})[question.item_id] = int(bool(correct))
+
+    def counts(self, topic: str) -> tuple[int, int]:
+        """``(right, total)`` in ``topic``: items last answered right, items answered, each
+        plus the earlier baseline."""
+        items = self.items.get(topic, {})
+        earlier = self.earlier.get(topic, {"right": 0, "total": 0})
+        return sum(items.values()) + earlier["right"], len(items) + earlier["total"]
+
+    @property
+    def data(self) -> dict[str, dict[str, int]]:
+        """``{topic: {"right", "total"}}`` for every topic with an answer."""
+        counts = {topic: self.counts(topic) for topic in {*self.items, *self.earlier}}
+        return {topic: {"right": right, "total": total}
+                for topic, (right, total) in counts.items() if total}
 
     def save(self) -> None:
+        out = {}
+        for topic, counts in self.data.items():
+            out[topic] = {**counts, "items": dict(sorted(self.items.get(topic, {}).items()))}
+            if topic in self.earlier:
+                out[topic]["earlier"] = self.earlier[topic]
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(self.data, indent=1))
+        self.path.write_text(json.dumps(out, indent=1))
 
     def table(self) -> str:
         lines = [f"{'topic':<18}{'right':>7}{'asked':>7}{'score':>8}"]
         for topic in TOPICS:
-            entry = self.data.get(topic, {"right": 0, "total": 0})
-            score = f"{entry['right'] / entry['total']:.0%}" if entry["total"] else "-"
-            lines.append(f"{topic:<18}{entry['right']:>7}{entry['total']:>7}{score:>8}")
+            right, total = self.counts(topic)
+            score = f"{right / total:.0%}" if total else "-"
+            lines.append(f"{topic:<18}{right:>7}{total:>7}{score:>8}")
+        earlier = sum(e["total"] for e in self.earlier.values())
+        if earlier:
+            lines.append(f"(includes {earlier} answers saved before results were kept per item; "
+                         "each answer counts there, repeats too)")
         return "\n".join(lines)
+
+
+def _count(value) -> int:
+    """A saved count, or 0 when it is missing or not a non-negative whole number."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

@@ -3,10 +3,12 @@
 Interactive by default. ``--answers FILE`` (one answer per line, ``-`` for stdin) runs it
 without a person: for scripted practice, and for the tests. Answers are read the way people
 type them (:mod:`engine.drill.answers`): numbers with units or arithmetic (``175 MB``,
-``2*7/8*100``), letters (``a``, ``B)``, ``(c)``), y or n for the 30-second prompts after you
-compare your answer with the outline. An answer the drill cannot read is asked again, never
-graded. When the input ends (Ctrl-D, or the end of the file) the sitting stops: only the
-answered items are scored and saved.
+``2*7/8*100``, ``approx 1.88``), letters (``a``, ``B)``, ``(c)``, ``a) whole heads``). A
+30-second item shows its question only: say (or type) your answer and press Enter, then the
+outline is shown and you answer y or n, whether yours covered it; in a file of answers such an
+item takes two lines, your answer (any text, or empty) and then y or n. An answer the drill
+cannot read is asked again, never graded. When the input ends (Ctrl-D, or the end of the file)
+the sitting stops: only the answered items are scored and saved.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from engine.drill.answers import Unreadable, show
-from engine.drill.bank import Scores, by_topic, draw
+from engine.drill.bank import Scores, by_kind, by_topic, draw
 from engine.drill.items import TOPICS, Question
 from engine.validation import positive_int
 
@@ -41,6 +43,9 @@ def feedback(q: Question, correct: bool, value) -> str:
     if q.evidence:
         text += f"\n     evidence: {q.evidence[0]}, section \"{q.evidence[1]}\""
     return text
+
+
+SAY_PROMPT = "  your answer (say it, then press Enter)> "
 
 
 def prompt_for(q: Question) -> str:
@@ -97,12 +102,16 @@ def sit(questions: list[Question], ask: Ask, scores: Scores, original: bool = Tr
     sitting = Sitting(drawn=len(questions))
     for i, q in enumerate(questions, 1):
         print(render(q, i, len(questions), original), flush=True)
+        if q.kind == "outline":  # the outline only once the learner has said an answer
+            if ask(SAY_PROMPT) is None:
+                break
+            print(q.reveal(indent="    "), flush=True)
         while (response := ask(prompt_for(q))) is not None:
             try:
                 value = q.read(response)
                 break
             except Unreadable as e:
-                print(f"  could not read {response!r}: {q.how_to_answer()} ({e}).", flush=True)
+                print(f"  {q.unreadable(response, e)}", flush=True)
         if response is None:
             break
         correct = q.grade(value)
@@ -111,6 +120,17 @@ def sit(questions: list[Question], ask: Ask, scores: Scores, original: bool = Tr
         scores.record(q, correct)
         print(feedback(q, correct, value), flush=True)
     return sitting
+
+
+def listing() -> str:
+    """The bank's size: per topic, and in all, with the count of each kind."""
+    def kinds(topic=None) -> str:
+        n = by_kind(topic)
+        return (f"{n['numeric']} numeric, {n['choice']} misconception{'s' * (n['choice'] != 1)}, "
+                f"{n['outline']} outline{'s' * (n['outline'] != 1)}")
+    lines = [f"{topic:<18}{n:>4} items: {kinds(topic)}" for topic, n in by_topic().items()]
+    lines.append(f"{'in all':<18}{sum(by_topic().values()):>4} items: {kinds()}")
+    return "\n".join(lines)
 
 
 def _count(text: str) -> int:
@@ -133,11 +153,10 @@ def main(argv=None) -> int:
                                          "~/.cache/distributed-course/drill.json)")
     parser.add_argument("--no-original", dest="original", action="store_false",
                         help="leave out the question as asked in the source interview")
-    parser.add_argument("--list", action="store_true", help="print the bank's size per topic")
+    parser.add_argument("--list", action="store_true", help="print the bank's size per topic and kind, and in all")
     args = parser.parse_args(argv)
     if args.list:
-        for topic, n in by_topic().items():
-            print(f"{topic:<18}{n:>4} items")
+        print(listing())
         return 0
     questions = draw(args.count, args.topic, args.seed)
     scores = Scores(args.scores)

@@ -32,9 +32,11 @@ class Question:
     outline: tuple[str, ...] = ()
     unit: str = ""  # numeric: the unit asked for (see engine.drill.answers.UNITS)
 
-    def as_text(self, indent: str = "", original: bool = True) -> str:
-        """The question as plain text: the terminal drill, the widget and the static
-        fallback all show this. ``original=False`` leaves out the source interview's wording."""
+    def as_text(self, indent: str = "", original: bool = True, answered: bool = False) -> str:
+        """The question as plain text: the terminal drill, the widget, the chapter drills and
+        the static fallback all show this. ``original=False`` leaves out the source interview's
+        wording. An outline item's outline is left out until the learner has answered
+        (``answered=True`` adds :meth:`reveal`), so that it cannot prompt the answer."""
         lines = [f"({self.topic}) {self.text}"]
         if self.zh and original:
             lines.append(f"{indent}as asked in the source interview: {self.zh}")
@@ -46,16 +48,31 @@ class Question:
             lines += [f"{indent}{chr(ord('a') + i)}) {option}"
                       for i, option in enumerate(self.options)]
         if self.kind == "outline":
-            lines.append(f"{indent}Say your 30-second answer, then compare with the outline:")
-            lines += [f"{indent}- {point}" for point in self.outline]
+            lines.append(f"{indent}Say your 30-second answer first; the outline comes after.")
+            if answered:
+                lines.append(self.reveal(indent))
         return "\n".join(lines)
 
+    def reveal(self, indent: str = "") -> str:
+        """An outline item's outline, shown once the learner has said an answer."""
+        if self.kind != "outline":
+            return ""
+        return "\n".join([f"{indent}Compare your answer with the outline:"]
+                         + [f"{indent}- {point}" for point in self.outline])
+
     def how_to_answer(self) -> str:
+        """What to type, with an example: the end of the drill's "could not read" sentence."""
         if self.kind == "numeric":
-            return f"answer with a number (units allowed), {answers.unit(self.unit).asked}"
+            asked = answers.unit(self.unit)
+            return f"answer with a number {asked.asked}, for example {answers.example(asked)}"
         if self.kind == "choice":
-            return f"answer with a letter, a to {chr(ord('a') + len(self.options) - 1)}"
-        return "answer y or n"
+            last = chr(ord("a") + len(self.options) - 1)
+            return f"answer with a letter from a to {last}, for example b or b)"
+        return "answer y if your answer covered the outline, n if it did not"
+
+    def unreadable(self, response, error: Exception | str) -> str:
+        """One sentence saying what could not be read, why, and what to type instead."""
+        return f"could not read {response!r} ({error}): {self.how_to_answer()}."
 
     def read(self, response):
         """The answer in ``response`` (typed text, or a number/index/bool): a value in the
