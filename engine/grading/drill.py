@@ -101,7 +101,7 @@ def drill(name: str, answer=None, scores: str | None = None) -> None:
         return
     verdict = grade_drill(name, answer)  # raises on an unknown name or an unreadable answer
     question = _get(name).question()
-    print(question.as_text(indent="    ", original=False))
+    print(question.as_text(indent="    ", original=False, answered=verdict is not None))
     if verdict is None:
         print(f"    (not answered yet; {_how(name, question)})")
         return
