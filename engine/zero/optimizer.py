@@ -11,7 +11,9 @@ Rajbhandari et al., "ZeRO: Memory optimizations toward training trillion paramet
   all-gather move exactly what one all-reduce moves: no extra communication.
 * **stage 2** (P_os+g): as stage 1, but the reduce-scatter runs during backward, bucket by
   bucket from gradient hooks, and each full gradient is freed as soon as it is in its bucket:
-  a rank keeps only its 1/N of the gradients.
+  a rank keeps only its 1/N of the gradients. That addition lives in
+  :mod:`engine.zero.stage2` (:class:`~engine.zero.stage2.GradientSharding`); this class reads
+  as stages 0 and 1, with the three places stage 2 changes marked.
 
 With fp16/bf16 parameters the optimizer keeps fp32 master weights for its shard: the paper's
 2 + 2 + 12 bytes per parameter (K = 12). With fp32 parameters the shard *is* the parameters'
@@ -28,9 +30,9 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.comm import ops
-from engine.grad_buckets import BucketLauncher
 from engine.memory import StateBytes, StateTensors, count_state_bytes, optimizer_tensors
 from engine.zero.flat import check_params, make_buckets
+from engine.zero.stage2 import GradientSharding
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -82,37 +84,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                                         torch.float32, copy=True)
                                     if self.separate_masters else b.shard.detach())
         self.inner = optimizer_cls(self.masters, **kwargs)
-        if stage == 2:
-            self._setup_stage2()
+        # stage 2: the gradients are reduce-scattered during backward (engine.zero.stage2)
+        self.grad_sharding = GradientSharding(self.buckets, group) if stage == 2 else None
+        if self.grad_sharding is not None:
+            self.launcher = self.grad_sharding.launcher  # the buckets' launcher, as in DDP
 
     @property
     def masters(self) -> list[nn.Parameter]:
         """Each bucket's ``master``: what the inner optimizer updates."""
         return [b.master for b in self.buckets]
 
-    # -- stage 2: reduce-scatter during backward -----------------------------------------------
-
-    def _setup_stage2(self) -> None:
-        for b in self.buckets:
-            b.shard_grad = torch.zeros_like(b.shard)  # this rank's gradients, accumulated
-        self.launcher = BucketLauncher(self.buckets,
-                                       launch=lambda b: b.start_reduce_scatter(self.group),
-                                       finish=lambda b: b.add_reduced_grad())
-        for p in self.launcher.bucket_of:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
-
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        # the full gradient goes into the bucket and is dropped: only the bucket holds it,
-        # until its reduce-scatter has sent it
-        self.launcher.bucket_of[p].accumulate_grad(p)
-        self.launcher.grad_ready(p)
-
     # -- the step ----------------------------------------------------------------------------
 
     def _average_gradients(self) -> list[torch.Tensor]:
         """This rank's shard of the averaged gradient, per bucket."""
-        if self.stage == 2:
-            return [b.shard_grad for b in self.buckets]
+        if self.grad_sharding is not None:  # stage 2: reduced during backward already
+            return self.grad_sharding.shard_grads()
         shards = []
         for b in self.buckets:
             full = b.flatten_grads()
@@ -153,9 +140,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
-        if self.stage == 2:
-            for b in self.buckets:
-                b.shard_grad.zero_()
+        if self.grad_sharding is not None:  # stage 2: the accumulated shards too
+            self.grad_sharding.zero()
 
     # -- measuring -----------------------------------------------------------------------------
 
@@ -165,8 +151,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         inner optimizer's, and fp32 master weights in mixed precision). With ``offload`` the
         optimizer state and the masters are in host memory: ``offloaded``."""
         grads = [p.grad for b in self.buckets for p in b.params if p.grad is not None]
-        if self.stage == 2:
-            grads += [b.shard_grad for b in self.buckets]
+        if self.grad_sharding is not None:  # stage 2: the shards of the gradients
+            grads += self.grad_sharding.shard_grads()
         state = optimizer_tensors(self.inner) + (self.masters if self.separate_masters else [])
         return StateTensors(params=[b.flat for b in self.buckets], grads=grads,
                             optimizer=[] if self.offload else state,
