@@ -18,16 +18,18 @@ While an exercise is graded, the engine's own implementation of what it asks
 (:mod:`engine.grading.blocking`).
 
 An exercise is a triple: a stub ``exercises/<module>.py``, a reference ``solutions/<module>.py``
-with the same names, and an :class:`Exercise` in an ``engine/grading/chapters/chNN.py`` module.
+with the same names, and an :class:`Exercise` in an ``engine/grading/chapters/chNN.py`` module;
+the package :mod:`engine.grading.chapters` collects them (:func:`registry`, and the drills).
 """
 
 from engine.grading.blocking import EngineAnswerBlocked
+from engine.grading.chapters import get_exercise, registry
 from engine.grading.core import (CheckFailed, CheckResult, Exercise, Frame, Report, passed,
                                  run_ranks)
 from engine.grading.feedback import format_report
 from engine.grading.learner import SOURCES, ExerciseLoadError, course_root, load_impl
 from engine.grading.progress import show_progress
-from engine.grading.runner import check, get_exercise, registry, run_checks
+from engine.grading.runner import check, run_checks
 
 __all__ = ["check", "run_checks", "registry", "get_exercise", "load_impl", "course_root",
            "format_report", "run_ranks", "passed", "show_progress", "CheckFailed",

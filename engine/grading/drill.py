@@ -19,7 +19,7 @@ from engine.drill.answers import Unreadable
 from engine.drill.bank import BANK, Scores
 from engine.drill.cli import feedback
 from engine.drill.items import TOPICS, Question
-from engine.grading import chapters
+from engine.grading.chapters import drills  # every chapter's DRILLS, by name
 
 # The drill topics each chapter teaches (chapter 08 is the whole drill).
 CHAPTER_TOPICS: dict[str, tuple[str, ...]] = {
@@ -50,12 +50,6 @@ class Drill:
 
     def question(self) -> Question:
         return _ITEMS[self.item].draw(random.Random(self.seed))
-
-
-def drills() -> dict[str, Drill]:
-    """Every drill, from the ``DRILLS`` list of each ``engine/grading/chapters/ch*.py``."""
-    return {d.name: d for module in chapters.chapter_modules()
-            for d in getattr(module, "DRILLS", [])}
 
 
 def _get(name: str) -> Drill:

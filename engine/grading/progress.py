@@ -19,9 +19,10 @@ import json
 from pathlib import Path
 
 from engine.drill.bank import Scores, scores_path
+from engine.grading.chapters import drills, registry
 from engine.grading.core import (BLOCKED, ERROR, HINT_LEVELS, NOT_IMPLEMENTED, NOT_LOADED,
                                  NOT_STARTED, PASSED, STUCK, WRONG, Exercise, Report)
-from engine.grading.drill import CHAPTER_TOPICS, drills
+from engine.grading.drill import CHAPTER_TOPICS
 
 ATTEMPTS_FILE = "exercises.json"
 DRILL_ENOUGH = 5  # questions answered on a topic before its score says much
@@ -153,7 +154,6 @@ def saved_progress(root: Path | None = None) -> str:
     """The progress table from what was saved: the last verdict of each exercise checked
     (``check`` in a notebook, ``make grade``) and the drill's scores."""
     from engine.grading.learner import course_root
-    from engine.grading.runner import registry
 
     if root is None:
         try:
