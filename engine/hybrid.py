@@ -30,7 +30,7 @@ from engine.strategy import (SCHEDULES, Strategy, autocast, global_batch, parame
                              pipeline_step)
 from engine.timed_steps import run_steps
 from engine.topology import Mesh
-from engine.tp.blocks import TensorParallelGPT, _gather_dim, block_dense_state
+from engine.tp.blocks import TensorParallelGPT, block_dense_state, gather_parameter
 from engine.tp.mappings import copy_to_tp
 from engine.zero import ZeroOptimizer
 
@@ -92,7 +92,7 @@ class GPTStage(nn.Module):
         for i, block in enumerate(self.blocks):
             state.update(block_dense_state(block, f"blocks.{self.first_block + i}.", group))
         if self.first or self.last:
-            state["tok.weight"] = _gather_dim(self.tok.weight.detach(), 0, group)
+            state["tok.weight"] = gather_parameter(self.tok.weight, "tok.weight", group)
         if self.first:
             state["pos.weight"] = self.pos.weight.detach().clone()
         if self.last:

@@ -18,6 +18,7 @@ import torch.utils.checkpoint
 import torch.nn as nn
 import torch.nn.functional as F
 
+from engine.attention import causal_attention
 from engine.validation import positive_int
 
 
@@ -66,6 +67,9 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention: one fused q/k/v projection, then
+    :func:`engine.attention.causal_attention` on every head, then the output projection."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.heads = cfg.heads
@@ -76,10 +80,7 @@ class CausalSelfAttention(nn.Module):
         b, s, h = x.shape
         q, k, v = self.qkv(x).split(h, dim=2)
         q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(h // self.heads)
-        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
-        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(b, s, h)
+        y = causal_attention(q, k, v).transpose(1, 2).reshape(b, s, h)
         return self.proj(y)
 
 
@@ -97,8 +98,10 @@ class Block(nn.Module):
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
-def _gpt2_init(module: nn.Module) -> None:
-    """GPT-2's initialisation: weights N(0, 0.02), biases zero (so the first loss is ~ln vocab)."""
+def gpt2_init(module: nn.Module) -> None:
+    """GPT-2's initialisation (Radford et al. 2019, as in nanoGPT): every linear and embedding
+    weight N(0, 0.02), every linear bias zero, so the first loss is about ln(vocab). Use it as
+    ``model.apply(gpt2_init)``."""
     if isinstance(module, (nn.Linear, nn.Embedding)):
         nn.init.normal_(module.weight, mean=0.0, std=0.02)
     if isinstance(module, nn.Linear) and module.bias is not None:
@@ -123,7 +126,7 @@ class TinyGPT(nn.Module):
             self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
             self.ln_f = nn.LayerNorm(cfg.hidden)
             self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
-            self.apply(_gpt2_init)
+            self.apply(gpt2_init)
         self.head.weight = self.tok.weight  # tied, as in GPT-2
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

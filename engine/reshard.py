@@ -10,7 +10,8 @@ another layout, go through the whole model, the way DeepSpeed's universal checkp
    concatenated and cut at the manifest's offsets (:func:`engine.zero.checkpoint.consolidate`
    for the parameters, :func:`~engine.zero.checkpoint.consolidate_optimizer` for AdamW's
    moments and step); then the tp slices of each parameter are joined along the dimension
-   Megatron-LM split them on (:data:`TP_SPLIT`; DeepSpeed asks the model for the same table)
+   Megatron-LM split them on (:data:`engine.tp.layout.TP_SPLIT`, the table the live gather
+   :func:`engine.tp.dense_state` reads too; DeepSpeed asks the model for the same table)
    and the pipeline stages' blocks renumbered. The result is named like the dense
    :class:`engine.models.TinyGPT`.
 2. **cut** (:func:`load_resharded`, on every rank of the new layout): this rank's part is
@@ -34,16 +35,10 @@ import torch
 
 from engine.models import GPTConfig, TinyGPT
 from engine.pp import uniform_boundaries
+from engine.tp.layout import TP_SPLIT, dense_block_name, join  # noqa: F401 - TP_SPLIT kept here
 from engine.zero.checkpoint import (CheckpointError, DenseOptimizerState, consolidate,
                                     consolidate_optimizer, load_dense, read_manifest)
 
-# How the tensor-parallel GPT (engine.tp.blocks) splits each parameter of a block or of the
-# model over the tp ranks: the dimension its slices were cut on. ``"heads"``: rank r holds its
-# heads of q, of k and of v side by side; absent: every tp rank holds the whole tensor.
-TP_SPLIT = {"tok.weight": 0, "attn.qkv.weight": "heads", "attn.qkv.bias": "heads",
-            "attn.proj.weight": 1, "fc.weight": 0, "fc.bias": 0, "out.weight": 1}
-# the tensor-parallel block's names for the dense block's MLP layers
-_PART_NAMES = {"mlp.fc.": "fc.", "mlp.out.": "out."}
 _BLOCK = re.compile(r"blocks\.(\d+)\.(.*)")
 
 
@@ -108,10 +103,7 @@ def _dense_name(name: str, first_block: int) -> str:
     match = _BLOCK.fullmatch(name)
     if not match:
         return name
-    rest = match.group(2)
-    for ours, dense in _PART_NAMES.items():
-        if rest.startswith(ours):
-            rest = dense + rest.removeprefix(ours)
+    rest = dense_block_name(match.group(2))
     return f"blocks.{first_block + int(match.group(1))}.{rest}"
 
 
@@ -124,7 +116,7 @@ def _collect(into: dict[str, list], name: str, t: int, value: torch.Tensor) -> N
 
 def _joined(pieces: dict[str, list], cfg: GPTConfig, directory) -> dict[str, torch.Tensor]:
     """Each parameter's tp slices joined; named and shaped like ``TinyGPT(cfg)``'s."""
-    whole = {name: _join(name, slices) for name, slices in pieces.items()}
+    whole = {name: join(name, slices) for name, slices in pieces.items()}
     whole.setdefault("head.weight", whole.get("tok.weight"))  # tied to the input embedding
     expected = {name: tuple(p.shape) for name, p in
                 TinyGPT(cfg).named_parameters(remove_duplicate=False)}
@@ -140,19 +132,6 @@ def _joined(pieces: dict[str, list], cfg: GPTConfig, directory) -> dict[str, tor
         raise CheckpointError(f"{directory} holds {extra[:3]}, which a {cfg.layers}-block GPT "
                               "does not have: a checkpoint of another model")
     return {name: whole[name] for name in expected}
-
-
-def _join(name: str, slices: list[torch.Tensor]) -> torch.Tensor:
-    """One parameter from its tp slices, in tp order."""
-    if len(slices) == 1:
-        return slices[0]
-    leaf = _BLOCK.fullmatch(name).group(2) if _BLOCK.fullmatch(name) else name
-    split = TP_SPLIT.get(leaf)
-    if split is None:  # replicated: every tp rank holds the same tensor
-        return slices[0]
-    if split == "heads":  # [q_r k_r v_r] per rank -> [q_0 q_1 .. | k_0 k_1 .. | v_0 v_1 ..]
-        return torch.cat([torch.cat([s.chunk(3)[j] for s in slices]) for j in range(3)])
-    return torch.cat(slices, dim=split)
 
 
 def load_resharded(dense: DenseGPT, strategy) -> None:

@@ -86,3 +86,46 @@ def test_activation_checkpointing_keeps_less_and_gives_the_same_gradients():
     assert kept[True] < kept[False] / 3
     for a, b in zip(grads[False], grads[True], strict=True):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_causal_attention_is_eq_1_of_attention_is_all_you_need_with_the_causal_mask():
+    import torch.nn.functional as F
+
+    from engine.attention import causal_attention, causal_mask
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 8, 16, generator=g) for _ in range(3))
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.allclose(causal_attention(q, k, v), expected, atol=1e-6)
+    scores = causal_mask(torch.zeros(4, 4))
+    assert torch.equal(scores.isinf(), torch.ones(4, 4, dtype=torch.bool).triu(1))
+    later = v.clone()
+    later[..., 5:, :] += 1.0  # keys and values after query 4 cannot reach it
+    assert torch.equal(causal_attention(q, k, later)[..., :5, :],
+                       causal_attention(q, k, v)[..., :5, :])
+
+
+def test_context_parallel_diagonal_block_is_the_same_causal_attention():
+    import math
+
+    from engine.attention import causal_attention
+    from engine.cp.blocks import DIAGONAL, block_forward
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 4, 8, 16, generator=g) for _ in range(3))
+    out, _ = block_forward(q, k, v, 1 / math.sqrt(16), DIAGONAL)
+    assert torch.allclose(out, causal_attention(q, k, v), atol=1e-6)
+
+
+def test_gpt2_init_draws_weights_at_std_0_02_and_zeroes_biases():
+    from torch import nn
+
+    from engine.models import gpt2_init, seeded
+
+    with seeded(0):
+        layer, embedding = nn.Linear(256, 256), nn.Embedding(256, 64)
+    layer.apply(gpt2_init)
+    embedding.apply(gpt2_init)
+    assert torch.count_nonzero(layer.bias) == 0
+    for weight in (layer.weight, embedding.weight):
+        assert abs(weight.std().item() - 0.02) < 0.002

@@ -231,3 +231,50 @@ def test_tp_traffic_grows_with_tokens_and_zero3_traffic_with_parameters(world_si
         assert measured["tp"] == theory.tp_comm_elements_per_layer(batch, seq, h, t)
         assert measured["zero3"] == pytest.approx(3 * (t - 1) / t * layer_params, rel=0.01)
     assert 8 * crossover_tokens(h) * h == pytest.approx(3 * layer_params)
+
+
+def _cut_as_the_table_says(rank, world_size):
+    """Every parameter of a tensor-parallel GPT is the dense one cut as engine.tp.layout says."""
+    from engine.tp.layout import HEADS, dense_block_name, heads_slice, split_dim
+
+    dense = TinyGPT(CFG[world_size], seed=0)
+    tp = TensorParallelGPT(dense, group=None)
+    whole = dict(dense.named_parameters())
+    mine = {"tok.weight": tp.tok.weight, "pos.weight": tp.pos.weight,
+            **{f"ln_f.{n}": p for n, p in tp.ln_f.named_parameters()},
+            **{f"blocks.{i}.{dense_block_name(n)}": p
+               for i, block in enumerate(tp.blocks) for n, p in block.named_parameters()}}
+    wrong = []
+    for name, local in mine.items():
+        split = split_dim(name)
+        if split is None:
+            expected = whole[name]
+        elif split == HEADS:
+            expected = heads_slice(whole[name], world_size, rank)
+        else:
+            expected = whole[name].chunk(world_size, dim=split)[rank]
+        if not torch.equal(local, expected):
+            wrong.append(name)
+    return sorted(mine), wrong
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_one_layout_table_says_how_every_parameter_is_cut(world_size):
+    dense_names = sorted(n for n, _ in TinyGPT(CFG[world_size]).named_parameters())
+    for names, wrong in run_ranks(_cut_as_the_table_says, world_size):
+        assert names == dense_names  # the table's names are the dense model's
+        assert wrong == []
+
+
+def test_join_puts_back_together_what_the_table_cuts():
+    from engine.tp.layout import HEADS, TP_SPLIT, heads_slice, join, split_dim
+
+    g = torch.Generator().manual_seed(0)
+    for t in (1, 2, 3):
+        for name, split in TP_SPLIT.items():
+            whole = torch.randn(6 * t, 3 * t, generator=g)
+            slices = ([heads_slice(whole, t, r) for r in range(t)] if split == HEADS
+                      else list(whole.chunk(t, dim=split)))
+            assert torch.equal(join(f"blocks.1.{name}", slices), whole), (name, t)
+    assert split_dim("blocks.0.ln1.weight") is None and split_dim("attn.proj.bias") is None
+    assert join("pos.weight", [torch.ones(2), torch.ones(2)]).shape == (2,)  # replicated

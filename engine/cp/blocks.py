@@ -19,12 +19,16 @@ Grouped-query attention (Ainslie et al., "GQA", 2023): ``heads`` query heads sha
 ``kv_heads`` key/value heads, query head ``i`` reading kv head ``i // (heads / kv_heads)``. The
 blocks expand K and V here, and fold dK and dV back, so only ``kv_heads`` travel.
 
-All arithmetic is in fp32 whatever the input dtype (as FlashAttention accumulates).
+All arithmetic is in fp32 whatever the input dtype (as FlashAttention accumulates). A block on
+the causal diagonal is masked by :func:`engine.attention.causal_mask`, as the dense GPT's
+attention is: this is the same attention (Vaswani et al. 2017, eq. 1), computed block by block.
 """
 
 from __future__ import annotations
 
 import torch
+
+from engine.attention import causal_mask
 
 FULL, DIAGONAL = "full", "diagonal"  # a block entirely visible, or on the causal diagonal
 
@@ -43,9 +47,7 @@ def fold_kv(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
 def _scores(q, k, scale, kind):
     scores = q @ expand_kv(k, q.shape[1]).transpose(-2, -1) * scale
     if kind == DIAGONAL:  # query i sees keys 0..i of the same chunk
-        s = scores.shape[-1]
-        visible = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~visible, float("-inf"))
+        scores = causal_mask(scores)
     return scores
 
 

@@ -14,7 +14,7 @@ import copy
 import torch
 from torch import nn
 
-from engine.models import Block, GPTConfig, TinyGPT, _gpt2_init, seeded
+from engine.models import Block, GPTConfig, TinyGPT, gpt2_init, seeded
 from engine.moe.layer import MoE
 
 TINY_MOE = dict(num_experts=4, top_k=2, capacity_factor=1.25)
@@ -46,7 +46,7 @@ class TinyMoEGPT(TinyGPT):
             moes = [MoE(cfg.hidden, ffn, num_experts, top_k, capacity_factor, group,
                         aux_loss_coef, z_loss_coef) for _ in self.blocks]
             for moe in moes:
-                moe.apply(_gpt2_init)
+                moe.apply(gpt2_init)
         self.blocks = nn.ModuleList(MoEBlock(b, m) for b, m in zip(self.blocks, moes))
 
     def moe_layers(self) -> list[MoE]:

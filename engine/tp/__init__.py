@@ -1,9 +1,11 @@
 """Megatron-style tensor parallelism: f/g mappings, column/row-parallel linear layers, a
 vocab-parallel embedding and loss, and a tensor-parallel TinyGPT; ``sequence_parallel=True``
-adds Megatron sequence parallelism (Korthikanti et al., MLSys 2023)."""
+adds Megatron sequence parallelism (Korthikanti et al., MLSys 2023). :mod:`engine.tp.layout` is
+the table of which parameter is cut on which dimension."""
 
 from engine.tp.blocks import (ParallelAttention, ParallelBlock, ParallelMLP, TensorParallelGPT,
-                              check_tp_degree, dense_state)
+                              check_tp_degree, dense_state, gather_dim, gather_parameter)
+from engine.tp.layout import TP_SPLIT, split_dim
 from engine.tp.layers import (ColumnParallelLinear, RowParallelLinear,
                               SequenceParallelLayerNorm, VocabParallelEmbedding,
                               vocab_parallel_cross_entropy)
@@ -19,4 +21,4 @@ __all__ = ["copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp",
            "TensorParallelGPT", "dense_state", "check_tp_degree", "layer_traffic",
            "crossover_tokens", "SequenceParallelLayerNorm", "gather_from_sequence_parallel",
            "reduce_scatter_to_sequence_parallel", "scatter_to_sequence_parallel",
-           "gathered_linear"]
+           "gathered_linear", "TP_SPLIT", "split_dim", "gather_dim", "gather_parameter"]

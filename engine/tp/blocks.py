@@ -18,17 +18,18 @@ sp_comm_elements_per_layer`), and the sequence length must divide by ``t``.
 from __future__ import annotations
 
 import copy
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.attention import causal_attention
 from engine.tp.layers import (ColumnParallelLinear, RowParallelLinear,
                               SequenceParallelLayerNorm, VocabParallelEmbedding, check_divisible,
                               tp_rank_and_size, vocab_parallel_cross_entropy)
 from engine.tp.mappings import (check_sequence_split, copy_to_tp, gather_from_tp,
                                 gathered_linear, scatter_to_sequence_parallel)
+from engine.tp.layout import HEADS, dense_block_name, heads_joined, heads_slice, split_dim
 from engine.validation import positive_int
 
 
@@ -65,9 +66,8 @@ class ParallelAttention(nn.Module):
                                    device=attn.qkv.weight.device, dtype=attn.qkv.weight.dtype,
                                    sequence_parallel=sequence_parallel)
         with torch.no_grad():  # rank r's heads of q, of k and of v, side by side
-            qkv.weight.copy_(torch.cat([w.chunk(t, dim=0)[rank]
-                                        for w in attn.qkv.weight.split(hidden, dim=0)]))
-            qkv.bias.copy_(torch.cat([b.chunk(t)[rank] for b in attn.qkv.bias.split(hidden)]))
+            qkv.weight.copy_(heads_slice(attn.qkv.weight, t, rank))
+            qkv.bias.copy_(heads_slice(attn.qkv.bias, t, rank))
         proj = RowParallelLinear.from_dense(attn.proj, group, input_is_parallel=True,
                                             sequence_parallel=sequence_parallel)
         return cls(qkv, proj, local_heads)
@@ -78,10 +78,7 @@ class ParallelAttention(nn.Module):
         q, k, v = qkv.chunk(3, dim=-1)
         d = q.shape[-1] // self.local_heads
         q, k, v = (t.view(b, s, self.local_heads, d).transpose(1, 2) for t in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(d)
-        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
-        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(b, s, self.local_heads * d)
+        y = causal_attention(q, k, v).transpose(1, 2).reshape(b, s, self.local_heads * d)
         return self.proj(y)
 
 
@@ -153,34 +150,34 @@ class TensorParallelGPT(nn.Module):
         return vocab_parallel_cross_entropy(self(idx), targets, self.group).mean()
 
 
-def _gather_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def gather_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Every rank's slice ``x`` of a tensor cut on ``dim``, joined in rank order: one
+    all-gather over the tensor-parallel ``group``. Not differentiable (for checking and
+    saving)."""
     return gather_from_tp(x.detach().movedim(dim, -1).contiguous(), group).movedim(-1, dim)
+
+
+def gather_parameter(x: torch.Tensor, name: str, group) -> torch.Tensor:
+    """The dense parameter ``name`` (or its gradient) from this rank's slice ``x``: gathered
+    over ``group`` along the dimension :func:`engine.tp.layout.split_dim` names, or copied
+    if it is replicated. Call on every rank of ``group``."""
+    split = split_dim(name)
+    if split is None:
+        return x.detach().clone()
+    if split == HEADS:
+        _, t = tp_rank_and_size(group)
+        return heads_joined(list(gather_dim(x, 0, group).chunk(t, dim=0)))
+    return gather_dim(x, split, group)
 
 
 def block_dense_state(block: ParallelBlock, prefix: str, group, grads: bool = False
                       ) -> dict[str, torch.Tensor]:
     """One :class:`ParallelBlock`'s parameters (or gradients), gathered over the
     tensor-parallel ``group`` and named like the dense block's, under ``prefix``."""
-    _, t = tp_rank_and_size(group)
-
-    def value(p):
-        return (p.grad if grads else p).detach()
-
     state = {}
-    for ln in ("ln1", "ln2"):
-        for name, p in getattr(block, ln).named_parameters():
-            state[prefix + f"{ln}.{name}"] = value(p).clone()
-    for name in ("weight", "bias"):
-        gathered = _gather_dim(value(getattr(block.attn.qkv, name)), 0, group)
-        per_rank = gathered.chunk(t, dim=0)  # [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]
-        state[prefix + f"attn.qkv.{name}"] = torch.cat(
-            [torch.cat([r.chunk(3, dim=0)[j] for r in per_rank]) for j in range(3)])
-    state[prefix + "attn.proj.weight"] = _gather_dim(value(block.attn.proj.weight), 1, group)
-    state[prefix + "attn.proj.bias"] = value(block.attn.proj.bias).clone()
-    state[prefix + "fc.weight"] = _gather_dim(value(block.mlp.fc.weight), 0, group)
-    state[prefix + "fc.bias"] = _gather_dim(value(block.mlp.fc.bias), 0, group)
-    state[prefix + "out.weight"] = _gather_dim(value(block.mlp.out.weight), 1, group)
-    state[prefix + "out.bias"] = value(block.mlp.out.bias).clone()
+    for name, p in block.named_parameters():
+        name = dense_block_name(name)
+        state[prefix + name] = gather_parameter(p.grad if grads else p, name, group)
     return state
 
 
@@ -189,14 +186,14 @@ def dense_state(model: TensorParallelGPT, grads: bool = False) -> dict[str, torc
     out like the dense :class:`engine.models.TinyGPT`'s ``state_dict``. Call on every rank."""
     group = model.group
 
-    def value(p):
-        return (p.grad if grads else p).detach()
+    def gathered(name, p):
+        return gather_parameter(p.grad if grads else p, name, group)
 
-    state = {"tok.weight": _gather_dim(value(model.tok.weight), 0, group),
-             "pos.weight": value(model.pos.weight).clone()}
+    state = {"tok.weight": gathered("tok.weight", model.tok.weight),
+             "pos.weight": gathered("pos.weight", model.pos.weight)}
     for i, block in enumerate(model.blocks):
         state.update(block_dense_state(block, f"blocks.{i}.", group, grads))
     for name, p in model.ln_f.named_parameters():
-        state[f"ln_f.{name}"] = value(p).clone()
+        state[f"ln_f.{name}"] = gathered(f"ln_f.{name}", p)
     state["head.weight"] = state["tok.weight"]
     return state

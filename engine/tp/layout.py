@@ -1,0 +1,87 @@
+"""Where tensor parallelism cuts each parameter of the tiny GPT: the one table that the live
+gather (:func:`engine.tp.blocks.dense_state`) and resharding (:mod:`engine.reshard`) both read.
+
+Megatron-LM (Shoeybi et al. 2019, section 3) splits a column-parallel linear layer's weight
+and bias on their output dimension (dim 0: ``fc``, and ``qkv`` by heads), a row-parallel one's
+weight on its input dimension (dim 1: ``out``, ``proj``; the bias is added once, after the
+all-reduce, so every rank holds all of it) and the vocab-parallel embedding on the vocabulary
+(dim 0: ``tok``, tied to the output layer). The attention's fused ``qkv`` is cut by heads: rank
+``r`` holds its heads of q, of k and of v side by side (:data:`HEADS`), so its slices are not
+one contiguous piece of the dense tensor. Everything else (LayerNorms, the position embedding,
+the row-parallel biases) is replicated: every rank holds the whole tensor.
+
+Names are the dense :class:`engine.models.TinyGPT`'s. Pure: no communication.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+HEADS = "heads"  # rank r holds [q_r k_r v_r]: its heads of q, of k and of v, side by side
+
+# The dimension each split parameter is cut on (a block's parameters by their name inside the
+# block); a name not here is replicated.
+TP_SPLIT: dict[str, int | str] = {
+    "tok.weight": 0,  # vocab-parallel embedding
+    "attn.qkv.weight": HEADS, "attn.qkv.bias": HEADS,  # column-parallel, by heads
+    "attn.proj.weight": 1,  # row-parallel
+    "fc.weight": 0, "fc.bias": 0,  # column-parallel
+    "out.weight": 1,  # row-parallel
+}
+
+# The tensor-parallel block (engine.tp.blocks.ParallelBlock) keeps the dense block's MLP
+# layers ``fc`` and ``out`` inside its ``mlp``: its names for them, and the dense names.
+TP_BLOCK_NAMES = {"mlp.fc.": "fc.", "mlp.out.": "out."}
+
+_IN_BLOCK = re.compile(r"blocks\.\d+\.(.*)")
+
+
+def split_dim(name: str) -> int | str | None:
+    """The dimension tensor parallelism cuts the dense parameter ``name`` on (``"blocks.3.fc.
+    weight"`` or ``"fc.weight"``): an int, :data:`HEADS`, or ``None`` if replicated."""
+    match = _IN_BLOCK.fullmatch(name)
+    return TP_SPLIT.get(match.group(1) if match else name)
+
+
+def dense_block_name(name: str) -> str:
+    """A tensor-parallel block's parameter name (``"mlp.fc.weight"``) as the dense block
+    names it (``"fc.weight"``)."""
+    for ours, dense in TP_BLOCK_NAMES.items():
+        if name.startswith(ours):
+            return dense + name.removeprefix(ours)
+    return name
+
+
+def tp_block_name(name: str) -> str:
+    """The inverse of :func:`dense_block_name`: ``"fc.weight"`` -> ``"mlp.fc.weight"``."""
+    for ours, dense in TP_BLOCK_NAMES.items():
+        if name.startswith(dense):
+            return ours + name.removeprefix(dense)
+    return name
+
+
+def heads_slice(whole: torch.Tensor, t: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s slice of a dense fused ``qkv`` weight or bias ``[q | k | v]`` (dim 0)
+    over ``t`` ranks: its heads of q, of k and of v, side by side."""
+    hidden = whole.shape[0] // 3
+    return torch.cat([w.chunk(t, dim=0)[rank] for w in whole.split(hidden, dim=0)])
+
+
+def heads_joined(slices: list[torch.Tensor]) -> torch.Tensor:
+    """The inverse of :func:`heads_slice`: ``[q_r k_r v_r]`` per rank, in rank order, ->
+    ``[q_0 q_1 .. | k_0 k_1 .. | v_0 v_1 ..]``."""
+    return torch.cat([torch.cat([s.chunk(3)[j] for s in slices]) for j in range(3)])
+
+
+def join(name: str, slices: list[torch.Tensor]) -> torch.Tensor:
+    """The dense parameter ``name`` from its tensor-parallel slices, in rank order."""
+    if len(slices) == 1:
+        return slices[0]
+    split = split_dim(name)
+    if split is None:  # replicated: every tp rank holds the same tensor
+        return slices[0]
+    if split == HEADS:
+        return heads_joined(slices)
+    return torch.cat(slices, dim=split)
