@@ -3,17 +3,23 @@
 The JSON follows the Trace Event Format (complete events, ``"ph": "X"``, times in
 microseconds); open it in https://ui.perfetto.dev or chrome://tracing. Each rank becomes a
 process row, each lane (``"comm"``, ``"compute"``, a pipeline stage...) a thread row under it.
+
+Compute timelines are marked with :class:`Clock` (:mod:`engine.clock`, re-exported here): CUDA
+events on a GPU, so they time execution, not launch; the meter's events use the same clock.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+from engine.clock import Clock
 from engine.comm.meter import CommMeter
+
+__all__ = ["TraceEvent", "Clock", "events_from_meter", "to_chrome_trace", "from_chrome_trace",
+           "as_dicts"]
 
 
 @dataclass(frozen=True)
@@ -34,42 +40,6 @@ class TraceEvent:
     @property
     def seconds(self) -> float:
         return self.end - self.start
-
-
-class Clock:
-    """Timestamps for a compute timeline, in ``time.perf_counter`` seconds.
-
-    On the CPU a mark is ``perf_counter()``. On a GPU kernels run asynchronously, so the host's
-    clock would time their launch, not their execution: a mark is a CUDA event recorded on the
-    current stream, and :meth:`seconds` converts it, after the fact, against a reference event
-    recorded (and waited for) together with a host timestamp. No synchronisation between marks,
-    so the timeline does not change what it measures.
-    """
-
-    def __init__(self, device) -> None:
-        import torch
-
-        self.cuda = torch.device(device).type == "cuda"
-        if self.cuda:
-            self._reference = torch.cuda.Event(enable_timing=True)
-            self._reference.record()
-            self._reference.synchronize()
-            self._host = time.perf_counter()
-
-    def mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        import torch
-
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def seconds(self, mark) -> float:
-        if not self.cuda:
-            return mark
-        mark.synchronize()
-        return self._host + self._reference.elapsed_time(mark) / 1e3
 
 
 def events_from_meter(meter: CommMeter, rank: int, lane: str = "comm") -> list[TraceEvent]:

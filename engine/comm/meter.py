@@ -36,6 +36,8 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from engine.clock import Clock
+
 COUNT_MODES = ("model", "wire")
 
 
@@ -56,7 +58,8 @@ class CommEvent:
     dtype: str = ""
     messages: int = 0  # counted collectives: the point-to-point messages it was made of
     # CUDA tensors: events on the stream at issue and at completion, turned into start/end
-    # when the meter closes (the host's clock would time the launch, not the transfer)
+    # when the meter closes by engine.clock (the host's clock would time the launch, not the
+    # transfer)
     gpu_marks: list = field(default_factory=list, repr=False)
 
     @property
@@ -155,29 +158,19 @@ class _OpenMeters:
     def __init__(self):
         self.meters: list[CommMeter] = []
         self.parts: list[list[CommEvent]] = []  # stack: messages of counted collectives
-        self.gpu_reference: dict = {}  # device -> (CUDA event, perf_counter at that event)
+        self.clocks: dict = {}  # device -> its Clock (engine.clock), made at its first mark
 
     def gpu_mark(self, device):
-        """A CUDA event recorded now on ``device``'s current stream (see ``resolve``)."""
-        import torch
-
-        if device not in self.gpu_reference:  # once per device: one synchronisation
-            reference = torch.cuda.Event(enable_timing=True)
-            reference.record(torch.cuda.current_stream(device))
-            reference.synchronize()
-            self.gpu_reference[device] = (reference, time.perf_counter())
-        mark = torch.cuda.Event(enable_timing=True)
-        mark.record(torch.cuda.current_stream(device))
-        return device, mark
+        """``(device, CUDA event recorded now on its current stream)``, for an event's
+        ``gpu_marks`` (turned into seconds by :meth:`resolve_gpu_marks`)."""
+        if device not in self.clocks:  # once per device: one synchronisation
+            self.clocks[device] = Clock(device)
+        return device, self.clocks[device].mark()
 
     def resolve_gpu_marks(self, events) -> None:
         """Turn the CUDA events of ``events`` into ``perf_counter`` seconds."""
         for event in events:
-            times = []
-            for device, mark in event.gpu_marks:
-                reference, host = self.gpu_reference[device]
-                mark.synchronize()
-                times.append(host + reference.elapsed_time(mark) / 1e3)
+            times = [self.clocks[device].seconds(mark) for device, mark in event.gpu_marks]
             if len(times) == 2:
                 event.start, event.end = times
                 event.gpu_marks = []
