@@ -2,14 +2,15 @@
 
 A receive of the wrong size completes silently with garbage on Gloo, so before the first
 message the ranks compare their shapes with one small all-gather (not metered: it is not part
-of the algorithm), and every rank raises the same ValueError if they differ.
+of the algorithm), and every rank raises the same ValueError if they differ (the engine's one
+agreement check, :func:`engine.comm.checks.agree`).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from engine.comm.checks import agree
 from engine.validation import divides
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -36,16 +37,10 @@ def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wh
 
 def check_same_on_every_rank(q: torch.Tensor, k: torch.Tensor, group, who: str) -> None:
     """Raise on every rank unless every rank holds the same q and k shapes and dtype."""
-    n = dist.get_world_size(group)
-    if n == 1:
-        return
-    device = q.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    mine = torch.tensor([*q.shape, k.shape[1], FLOAT_DTYPES.index(q.dtype)], device=device)
-    everyone = [torch.empty_like(mine) for _ in range(n)]
-    dist.all_gather(everyone, mine, group=group)
-    seen = [tuple(e.tolist()) for e in everyone]
-    if len(set(seen)) > 1:
-        listing = "; ".join(f"rank {r}: q {s[:4]}, {s[4]} kv heads, {FLOAT_DTYPES[s[5]]}"
-                            for r, s in enumerate(seen))
-        raise ValueError(f"{who}: ranks hold different shapes ({listing}); every rank must "
-                         "hold an equal share of the sequence, with the same heads and dtype")
+    def listing(seen):
+        ranks = "; ".join(f"rank {r}: q {s[:4]}, {s[4]} kv heads, {FLOAT_DTYPES[s[5]]}"
+                          for r, s in enumerate(seen))
+        return (f"{who}: ranks hold different shapes ({ranks}); every rank must hold an equal "
+                "share of the sequence, with the same heads and dtype")
+
+    agree([*q.shape, k.shape[1], FLOAT_DTYPES.index(q.dtype)], group, q, listing)
