@@ -61,9 +61,9 @@ def rank_device(device: str) -> torch.device:
 
 
 def _with_host_staging(rank, world_size, fn, *args):
-    from engine.comm import ops
+    from engine.comm import p2p  # where staging is decided, for p2p ops and collectives alike
 
-    ops.stages_through_host = lambda tensor, group=None: True
+    p2p.stages_through_host = lambda tensor, group=None: True
     return fn(rank, world_size, *args)
 
 

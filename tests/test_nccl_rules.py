@@ -85,8 +85,9 @@ def test_torch_distributed_is_restored_when_the_rules_close():
 
 
 def _p2p_calls(rank, world_size, numel):
-    """How the readable ring and the counted collectives post their messages."""
-    from engine.comm import ops as o
+    """How the readable ring and the counted collectives post their messages (through
+    engine.comm.p2p, the layer the algorithms are built on)."""
+    from engine.comm import p2p as o
     from engine.comm import ring_all_reduce
 
     calls = {"batched": 0, "unbatched": 0}

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from engine.comm import ops
-from engine.comm.checks import SUPPORTED_DTYPES
+from engine.comm import p2p
+from engine.comm.checks import SUPPORTED_DTYPES, gather_ints
 from engine.comm.ring import exchange
 
 
@@ -30,8 +30,9 @@ def even_splits(rows: int, n: int, what: str) -> list[int]:
     return [rows // n] * n
 
 
-def _check_splits(output, input, output_splits, input_splits, group) -> None:
-    """Raise on every rank unless rank i sends rank j exactly what j expects from i."""
+def check_splits(output, input, output_splits, input_splits, group) -> None:
+    """Raise on every rank unless rank i sends rank j exactly what j expects from i (one small
+    uncounted all-gather, :func:`engine.comm.checks.gather_ints`)."""
     n = dist.get_world_size(group)
     for name, t, splits in (("input", input, input_splits), ("output", output, output_splits)):
         if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != t.shape[0]:
@@ -40,13 +41,9 @@ def _check_splits(output, input, output_splits, input_splits, group) -> None:
     if input.dtype != output.dtype or input.shape[1:] != output.shape[1:]:
         raise ValueError(f"input {input.dtype} {tuple(input.shape)} and output {output.dtype} "
                          f"{tuple(output.shape)} must agree in dtype and in every dim but 0")
-    device = input.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
     row = input[0].numel() if input.dim() > 1 else 1
-    mine = torch.tensor([*input_splits, *output_splits, row, SUPPORTED_DTYPES.index(input.dtype)
-                         if input.dtype in SUPPORTED_DTYPES else -1], device=device)
-    everyone = [torch.empty_like(mine) for _ in range(n)]
-    dist.all_gather(everyone, mine, group=group)
-    table = torch.stack(everyone).cpu()
+    dtype = SUPPORTED_DTYPES.index(input.dtype) if input.dtype in SUPPORTED_DTYPES else -1
+    table = torch.tensor(gather_ints([*input_splits, *output_splits, row, dtype], group, input))
     sends, expects = table[:, :n], table[:, n:2 * n]
     if (sends != expects.T).any() or len({tuple(r) for r in table[:, 2 * n:].tolist()}) > 1:
         raise ValueError("ranks disagree on the all-to-all: rank i's input_split_sizes[j] must "
@@ -65,14 +62,14 @@ def pairwise_all_to_all(output: torch.Tensor, input: torch.Tensor,
     one small uncounted all-gather, that every rank agrees on the sizes (a receive of the wrong
     size otherwise completes silently with garbage). Returns ``output``.
     """
-    ranks = ops.group_ranks(group)
+    ranks = p2p.group_ranks(group)
     n, me = len(ranks), ranks.index(dist.get_rank())
     input_splits = list(input_split_sizes or even_splits(input.shape[0], n, "input"))
     output_splits = list(output_split_sizes or even_splits(output.shape[0], n, "output"))
     if not (input.is_contiguous() and output.is_contiguous()):
         raise ValueError("all-to-all needs contiguous input and output; call .contiguous()")
     if check:
-        _check_splits(output, input, output_splits, input_splits, group)
+        check_splits(output, input, output_splits, input_splits, group)
     pieces_in = input.split(input_splits)
     pieces_out = output.split(output_splits)
     pieces_out[me].copy_(pieces_in[me])

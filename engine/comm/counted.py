@@ -1,8 +1,9 @@
 """The engine's own algorithm for every collective, used while a meter counts the wire.
 
-:func:`engine.comm.ops.all_reduce` and its peers run the built-in collective normally. Inside
-``CommMeter(count="wire")`` they call the function of the same name here instead, which does
-the same job with point-to-point messages, so every byte is counted:
+:func:`engine.comm.ops.all_reduce` and its peers (:mod:`engine.comm.collectives`) run the
+built-in collective normally. Inside ``CommMeter(count="wire")`` they call the function of the
+same name here instead, which does the same job with point-to-point messages
+(:mod:`engine.comm.p2p`, never the collectives above), so every byte is counted:
 
 =================  ================================  ===================================
 collective         algorithm                         bytes sent per rank (S = full size)
@@ -23,8 +24,9 @@ Which ring: a sum or average on Gloo runs the tuned ring
 (:func:`engine.comm.ring_all_reduce_pipelined`): the same algorithm and the same messages as
 the readable one, counted the same way, in about half the time of a training run (a dense
 300-step run on 4 ranks: 4.7-6.4 s against 9.7-11.8 s). On NCCL, for max and min, and for
-dtypes the tuned ring's checks do not list (int8, uint8, ...), the readable ring (:mod:`engine.comm.ring`) runs: the tuned one posts receives ahead of their sends,
-which can block NCCL.
+dtypes the tuned ring's checks do not list (int8, uint8, ...), the readable ring
+(:mod:`engine.comm.ring`) runs: the tuned one posts receives ahead of their sends, which can
+block NCCL.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from engine.comm import ops
+from engine.comm import p2p
 from engine.comm.all_to_all import pairwise_all_to_all
 from engine.comm.checks import SUPPORTED_DTYPES
 from engine.comm.ring import COMBINE, all_gather_steps, reduce_scatter_steps
@@ -48,7 +50,7 @@ def op_name(op) -> str:
 
 
 def _me_and_n(group) -> tuple[int, int]:
-    ranks = ops.group_ranks(group)
+    ranks = p2p.group_ranks(group)
     return ranks.index(dist.get_rank()), len(ranks)
 
 
@@ -89,29 +91,29 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group) -> None:
 
 def broadcast(tensor: torch.Tensor, src: int, group) -> None:
     """A chain from the root: each rank receives from the one before it and sends on."""
-    ranks = ops.group_ranks(group)
+    ranks = p2p.group_ranks(group)
     n, start = len(ranks), ranks.index(src)
     position = (ranks.index(dist.get_rank()) - start) % n
     if position > 0:
-        ops.recv(tensor, ranks[(start + position - 1) % n], group)
+        p2p.recv(tensor, ranks[(start + position - 1) % n], group)
     if position < n - 1:
-        ops.send(tensor, ranks[(start + position + 1) % n], group)
+        p2p.send(tensor, ranks[(start + position + 1) % n], group)
 
 
 def reduce(tensor: torch.Tensor, dst: int, op, group) -> None:
     """A chain towards the root: each rank adds what arrives from behind it and passes it on.
     Only the root's tensor changes (the others' inputs are left as they were)."""
     combine = COMBINE[op_name(op)]
-    ranks = ops.group_ranks(group)
+    ranks = p2p.group_ranks(group)
     n, start = len(ranks), ranks.index(dst)
     position = (ranks.index(dist.get_rank()) - start) % n
     partial = tensor if position == 0 else tensor.detach().clone()
     if position < n - 1:
         incoming = torch.empty_like(tensor)
-        ops.recv(incoming, ranks[(start + position + 1) % n], group)
+        p2p.recv(incoming, ranks[(start + position + 1) % n], group)
         combine(partial, incoming)
     if position > 0:
-        ops.send(partial, ranks[(start + position - 1) % n], group)
+        p2p.send(partial, ranks[(start + position - 1) % n], group)
     elif op_name(op) == "avg":
         tensor.div_(n)
 

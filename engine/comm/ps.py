@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from engine.comm import ops
+from engine.comm import p2p
 from engine.comm.checks import check_same_everywhere, validate
 
 
@@ -23,7 +23,7 @@ def ps_all_reduce(t: torch.Tensor, group=None, op="sum", server: int = 0,
                   check: bool = True) -> torch.Tensor:
     """Sum (or average) ``t`` over the group through ``server`` (a global rank); in place."""
     op = validate(t, op)
-    ranks = ops.group_ranks(group)
+    ranks = p2p.group_ranks(group)
     if server not in ranks:
         raise ValueError(f"server={server} is not a rank of the group {list(ranks)}")
     if check:
@@ -34,14 +34,14 @@ def ps_all_reduce(t: torch.Tensor, group=None, op="sum", server: int = 0,
         incoming = torch.empty_like(t)
         for worker in ranks:
             if worker != server:
-                ops.recv(incoming, worker, group)
+                p2p.recv(incoming, worker, group)
                 t.add_(incoming)
         if op == "avg":
             t.div_(len(ranks))
         for worker in ranks:
             if worker != server:
-                ops.send(t, worker, group)
+                p2p.send(t, worker, group)
     else:
-        ops.send(t, server, group)
-        ops.recv(t, server, group)
+        p2p.send(t, server, group)
+        p2p.recv(t, server, group)
     return t

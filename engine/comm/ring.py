@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from engine.comm import ops
+from engine.comm import p2p
 from engine.comm.checks import check_same_everywhere, validate
 
 Combine = Callable[[torch.Tensor, torch.Tensor], object]  # combine(into, incoming), in place
@@ -46,7 +46,7 @@ def chunk_sizes(numel: int, n: int) -> list[int]:
 
 def ring_position(group=None) -> tuple[int, int, int, int]:
     """(my index, N, right neighbour, left neighbour) in ``group``; neighbours as global ranks."""
-    ranks = ops.group_ranks(group)
+    ranks = p2p.group_ranks(group)
     me = ranks.index(dist.get_rank())
     n = len(ranks)
     return me, n, ranks[(me + 1) % n], ranks[(me - 1) % n]
@@ -61,12 +61,12 @@ def start_exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, g
     That is also what NCCL needs: a lone receive posted before its send blocks the send queued
     behind it on the same stream, and a two-rank ring then hangs.
     """
-    p2p = []
+    posted = []
     if recv.numel():
-        p2p.append(ops.recv_op(recv, src, group))
+        posted.append(p2p.recv_op(recv, src, group))
     if send.numel():
-        p2p.append(ops.send_op(send, dst, group))
-    return ops.batch_isend_irecv(p2p) if p2p else []
+        posted.append(p2p.send_op(send, dst, group))
+    return p2p.batch_isend_irecv(posted) if posted else []
 
 
 def exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group=None) -> None:

@@ -18,7 +18,7 @@ times this ring, the readable one and the built-in side by side.
 The two phases are also functions of their own, :func:`ring_reduce_scatter_pipelined` and
 :func:`ring_all_gather_pipelined` (what :class:`engine.zero.TunedZeroOptimizer` runs).
 
-Every message goes through :func:`engine.comm.ops.isend` / ``irecv``, the same send path as the
+Every message goes through :func:`engine.comm.p2p.isend` / ``irecv``, the same send path as the
 readable ring, so a :class:`~engine.comm.CommMeter` counts both the same way. On NCCL use the
 readable ring: unbatched receives posted ahead of their sends can block a two-rank ring there.
 """
@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from engine.comm import ops
+from engine.comm import p2p
 from engine.comm.checks import check_same_everywhere, validate
 from engine.comm.ring import chunk_sizes, ring_position
 
@@ -182,11 +182,11 @@ def _all_gather(ring: _Ring, sends: list) -> None:
 
 
 def _isend(ring: _Ring, segment: torch.Tensor):
-    return ops.isend(segment, ring.right, ring.group) if segment.numel() else None
+    return p2p.isend(segment, ring.right, ring.group) if segment.numel() else None
 
 
 def _irecv(ring: _Ring, segment: torch.Tensor):
-    return ops.irecv(segment, ring.left, ring.group) if segment.numel() else None
+    return p2p.irecv(segment, ring.left, ring.group) if segment.numel() else None
 
 
 def _wait(work) -> None:

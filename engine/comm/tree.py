@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from engine.comm import ops
+from engine.comm import p2p
 from engine.comm.checks import check_same_everywhere, validate
 
 
@@ -38,7 +38,7 @@ def tree_all_reduce(t: torch.Tensor, group=None, op="sum", check: bool = True) -
     op = validate(t, op)
     if check:
         check_same_everywhere(t, group)
-    ranks = ops.group_ranks(group)
+    ranks = p2p.group_ranks(group)
     n, me = len(ranks), ranks.index(dist.get_rank())
     if n == 1 or not t.numel():
         return t
@@ -46,13 +46,13 @@ def tree_all_reduce(t: torch.Tensor, group=None, op="sum", check: bool = True) -
     parent = None if me == 0 else me - (me & -me)  # clear the lowest set bit
     incoming = torch.empty_like(t)
     for child in children:  # reduce: children's subtree sums flow up
-        ops.recv(incoming, ranks[child], group)
+        p2p.recv(incoming, ranks[child], group)
         t.add_(incoming)
     if parent is not None:
-        ops.send(t, ranks[parent], group)
-        ops.recv(t, ranks[parent], group)  # the total flows back down
+        p2p.send(t, ranks[parent], group)
+        p2p.recv(t, ranks[parent], group)  # the total flows back down
     elif op == "avg":
         t.div_(n)
     for child in reversed(children):
-        ops.send(t, ranks[child], group)
+        p2p.send(t, ranks[child], group)
     return t
