@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from engine.comm import ops
+from engine.comm.autograd import all_to_all
 from engine.cp.checks import check_attention_inputs, check_same_on_every_rank
 from engine.validation import positive_int
 
@@ -36,31 +36,17 @@ def check_ulysses_heads(heads: int, kv_heads: int, n: int) -> None:
                              f"divides {value}, or ring attention")
 
 
-def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+def heads_all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int
+                     ) -> torch.Tensor:
     """Cut ``x`` into N pieces along ``scatter_dim``, send piece j to rank j, and concatenate
-    what arrives (rank order) along ``gather_dim``."""
+    what arrives (rank order) along ``gather_dim``. Differentiable: the pieces travel stacked
+    along dim 0 through :func:`engine.comm.autograd.all_to_all`, whose backward is the same
+    exchange the other way."""
     n = dist.get_world_size(group)
-    send = torch.stack(x.chunk(n, dim=scatter_dim)).contiguous()
-    recv = torch.empty_like(send)
-    if n == 1:
-        recv.copy_(send)
-    else:
-        ops.all_to_all_single(recv, send, group=group)
-    return torch.cat(recv.unbind(0), dim=gather_dim)
-
-
-class _AllToAll(torch.autograd.Function):
-    """The all-to-all as an autograd op: its backward is the all-to-all the other way."""
-
-    @staticmethod
-    def forward(ctx, x, group, scatter_dim, gather_dim):
-        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
-        return _all_to_all(x, group, scatter_dim, gather_dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        scatter_dim, gather_dim = ctx.dims
-        return _all_to_all(grad, ctx.group, gather_dim, scatter_dim), None, None, None
+    pieces = torch.stack(x.chunk(n, dim=scatter_dim))
+    if n > 1:
+        pieces = all_to_all(pieces, group=group)
+    return torch.cat(pieces.unbind(0), dim=gather_dim)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None,
@@ -77,8 +63,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
         check_same_on_every_rank(q, k, group, "ulysses_attention")
     # rank j's piece along dim 1 is [its query heads, its k heads, its v heads]
     qkv = torch.cat([t.reshape(b, n, t.shape[1] // n, s, d) for t in (q, k, v)], dim=2)
-    qkv = _AllToAll.apply(qkv.flatten(1, 2), group, 1, 2)  # (b, heads/N + 2 kv/N, S, d)
+    qkv = heads_all_to_all(qkv.flatten(1, 2), group, 1, 2)  # (b, heads/N + 2 kv/N, S, d)
     q, k, v = qkv.split([heads // n, kv_heads // n, kv_heads // n], dim=1)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                          enable_gqa=kv_heads != heads)
-    return _AllToAll.apply(out, group, 2, 1)  # (b, heads, S/N, d)
+    return heads_all_to_all(out, group, 2, 1)  # (b, heads, S/N, d)

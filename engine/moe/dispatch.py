@@ -16,7 +16,8 @@ al., GShard, ICLR 2021, where dispatch and combine are all-to-alls):
 
 The combine undoes it: regroup back, one all-to-all with the splits swapped, unsort. Both
 all-to-alls are differentiable: the gradient of an all-to-all is the all-to-all with input
-and output splits swapped, so backward crosses the wire the same two times, reversed.
+and output splits swapped, so backward crosses the wire the same two times, reversed
+(:func:`engine.comm.autograd.all_to_all`, shared with Ulysses).
 Everything goes through :mod:`engine.comm.ops`, so a ``CommMeter`` sees (and inside
 ``CommMeter(count="wire")`` counts) every byte.
 """
@@ -29,32 +30,8 @@ import torch
 import torch.distributed as dist
 
 from engine.comm import ops
+from engine.comm.autograd import all_to_all  # differentiable; re-exported by engine.moe
 from engine.validation import divides
-
-
-class _AllToAll(torch.autograd.Function):
-    """All-to-all of rows; backward is the same all-to-all with the splits swapped."""
-
-    @staticmethod
-    def forward(ctx, rows, output_splits, input_splits, group):
-        ctx.splits, ctx.group = (output_splits, input_splits), group
-        out = rows.new_empty((sum(output_splits), *rows.shape[1:]))
-        ops.all_to_all_single(out, rows.contiguous(), output_splits, input_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        output_splits, input_splits = ctx.splits
-        back = grad.new_empty((sum(input_splits), *grad.shape[1:]))
-        ops.all_to_all_single(back, grad.contiguous(), input_splits, output_splits,
-                              group=ctx.group)
-        return back, None, None, None
-
-
-def all_to_all(rows: torch.Tensor, output_splits: list[int], input_splits: list[int],
-               group=None) -> torch.Tensor:
-    """Differentiable ``all_to_all_single`` of ``rows`` (split along dim 0)."""
-    return _AllToAll.apply(rows, list(output_splits), list(input_splits), group)
 
 
 def exchange_counts(counts: torch.Tensor, group=None) -> torch.Tensor:
