@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from engine import theory
 from engine.comm import CommMeter
+from engine.comm.patching import patched
 from engine.memory import StateBytes, StateTensors, count_state_bytes
 from engine.models import GPTConfig, TinyGPT, token_data
 
@@ -65,14 +66,13 @@ class TorchCollectives(contextlib.AbstractContextManager):
     calls: list[Call] = field(default_factory=list)
 
     def __enter__(self):
-        self._saved = {name: getattr(dist, name) for name in WRAPPED if hasattr(dist, name)}
-        for name, fn in self._saved.items():
-            setattr(dist, name, self._wrap(name, fn))
+        self._patch = patched(dist, **{name: self._wrap(name, getattr(dist, name))
+                                       for name in WRAPPED if hasattr(dist, name)})
+        self._patch.__enter__()
         return self
 
     def __exit__(self, *exc):
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
+        self._patch.__exit__(*exc)
         return False
 
     def _wrap(self, name, fn):

@@ -5,6 +5,24 @@ the rank sees every byte. The ring, the parameter server, the tree and the all-t
 from the point-to-point ops, so their traffic is counted, not modeled; inside
 ``CommMeter(count="wire")`` every collective the engine issues runs on them
 (:mod:`engine.comm.counted`).
+
+The layers, top down; each imports only the layers below it::
+
+    ops                  the facade the rest of the engine calls (re-exports, no code)
+    autograd             the differentiable all-to-all (MoE dispatch, Ulysses), on ops
+    collectives          all_reduce, broadcast, ...: the built-in (bytes modeled), or
+                         inside CommMeter(count="wire") the counted algorithm
+    counted              the engine's algorithm for every collective, from the ones below
+    ring, ring_pipelined, tree, ps, all_to_all
+                         the algorithms, built on p2p only
+    p2p                  send/recv/isend/irecv/batch_isend_irecv, counted exactly; host
+                         staging for Gloo with CUDA tensors; group_ranks, MeteredWork
+    meter, checks, nccl_rules, patching
+                         what every op reports to (CommMeter), the input and cross-rank
+                         agreement checks, NCCL's rules, the patcher of torch.distributed
+    engine.clock         CUDA events as host time (below the meter and engine.trace)
+
+:mod:`engine.comm.timing` times the all-reduce algorithms side by side (benchmarks, ch. 01).
 """
 
 from engine.comm import ops

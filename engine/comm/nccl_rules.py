@@ -26,12 +26,15 @@ device.) Model parameters are not marked: placing a model is its caller's job.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
+
+from engine.comm.patching import patched
 
 _FACTORIES = {torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.empty, torch.full,
               torch.arange, torch.linspace, torch.eye, torch.rand, torch.randn, torch.randint,
@@ -93,33 +96,34 @@ class nccl_rules(TorchFunctionMode):
 # isend/irecv stay unwrapped: P2POp and batch_isend_irecv recognise them by identity
 _DIST_OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
              "reduce_scatter", "reduce_scatter_tensor", "all_to_all_single", "send", "recv")
-_ORIGINAL: dict = {}  # torch.distributed's functions while they are wrapped
+_PATCH = contextlib.ExitStack()  # torch.distributed's ops wrapped while any rules are active
 
 
 def _check_torch_distributed(on: bool) -> None:
     """Wrap (``on``) or restore ``torch.distributed``'s ops so that direct calls are checked."""
     if not on:
-        for name, original in _ORIGINAL.items():
-            setattr(dist, name, original)
-        _ORIGINAL.clear()
+        _PATCH.close()
         return
-    for name in _DIST_OPS:
-        _ORIGINAL[name] = original = getattr(dist, name)
+    _PATCH.enter_context(patched(dist, **{name: _checked(name, getattr(dist, name))
+                                          for name in _DIST_OPS}))
 
-        def checked(*args, _original=original, _name=name, **kwargs):
-            tensors = [t for a in (*args, *kwargs.values())
-                       for t in (a if isinstance(a, (list, tuple)) else [a])
-                       if isinstance(t, torch.Tensor)]
-            peer = {}
-            if _name in ("send", "recv"):
-                tag = kwargs.get("tag", args[3] if len(args) > 3 else 0)
-                if _name == "recv":
-                    peer["src"] = kwargs.get("src", args[1] if len(args) > 1 else None)
-                peer["tag"] = tag
-            check(f"torch.distributed.{_name}", tensors, kwargs.get("group"), **peer)
-            return _original(*args, **kwargs)
 
-        setattr(dist, name, checked)
+def _checked(name: str, original):
+    """``original`` (``torch.distributed.<name>``), refusing what breaks NCCL's rules first."""
+    def checked(*args, **kwargs):
+        tensors = [t for a in (*args, *kwargs.values())
+                   for t in (a if isinstance(a, (list, tuple)) else [a])
+                   if isinstance(t, torch.Tensor)]
+        peer = {}
+        if name in ("send", "recv"):
+            tag = kwargs.get("tag", args[3] if len(args) > 3 else 0)
+            if name == "recv":
+                peer["src"] = kwargs.get("src", args[1] if len(args) > 1 else None)
+            peer["tag"] = tag
+        check(f"torch.distributed.{name}", tensors, kwargs.get("group"), **peer)
+        return original(*args, **kwargs)
+
+    return checked
 
 
 def _names_a_device(args, kwargs) -> bool:
