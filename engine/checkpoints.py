@@ -7,9 +7,12 @@
 
 Each is a sharded checkpoint of :mod:`engine.zero.checkpoint` (every rank writes only what it
 owns; expert parallelism's ranks, which shard nothing but hold different experts, write
-per-rank checkpoints of :mod:`engine.rank_checkpoint`) plus ``trainer.json``: the step, the
-configuration that shapes the training, and the loss of every step so far, so a resumed run
-prints the whole curve.
+per-rank checkpoints of :mod:`engine.checkpoint.per_rank`) plus ``trainer.json``: the step,
+the configuration that shapes the training, and the loss of every step so far, so a resumed
+run prints the whole curve. Both follow :mod:`engine.checkpoint.protocol`, and so does the
+last step here (``trainer.json`` and the rename): any error on any rank, in any step of a
+save or a load, is raised on every rank as a :class:`~engine.checkpoint.files.CheckpointError`
+naming that rank, at once, and the training processes stay alive to report it.
 
 **Atomic.** A checkpoint is written under a temporary name (``DIR/.step-00000006.tmp``) and
 renamed into place by global rank 0 once every shard, the manifest and ``trainer.json`` are
@@ -30,10 +33,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from engine.comm import ops
-from engine.rank_checkpoint import load_per_rank, save_per_rank
-from engine.zero.checkpoint import (MANIFEST, CheckpointError, load_sharded, save_sharded,
-                                    write_atomically)
+from engine.checkpoint.files import MANIFEST, CheckpointError, write_json
+from engine.checkpoint.per_rank import load_per_rank, save_per_rank
+from engine.checkpoint.protocol import finish_on_first
+from engine.zero.checkpoint import load_sharded, save_sharded
 
 TRAINER = "trainer.json"
 _STEP = re.compile(r"step-(\d{8})")
@@ -77,24 +80,24 @@ def save(root, step: int, strategy, trainer: dict, keep: int) -> Path:
     ``keep``. Call on every rank; returns once the checkpoint is in place."""
     final = step_dir(root, step)
     temporary = final.with_name(f".{final.name}.tmp")
-    first = dist.get_rank() == 0
-    if first:
+    if dist.get_rank() == 0:
         shutil.rmtree(temporary, ignore_errors=True)  # a save that died before
     # each save lines every rank up before anyone writes, and again once all is written
     if strategy.per_rank_checkpoint:
         save_per_rank(temporary, strategy.model, strategy.optimizer)
     else:
         save_sharded(temporary, strategy.model, strategy.optimizer, mesh=strategy.mesh)
-    if first:
-        write_atomically(temporary / TRAINER,
-                         json.dumps({"step": step, **trainer}, indent=1).encode())
+
+    def finish() -> None:  # on rank 0; every rank returns once it is done, or raises
+        write_json(temporary / TRAINER, {"step": step, **trainer})
         if final.exists():  # the same step saved before a restart: replace it whole
             old = final.with_name(f".{final.name}.old")
             shutil.rmtree(old, ignore_errors=True)
             final.rename(old)
         temporary.rename(final)
         _prune(Path(root), keep)
-    ops.barrier()
+
+    finish_on_first(temporary, finish)
     return final
 
 

@@ -1,0 +1,224 @@
+"""The checkpoint failure protocol (engine.checkpoint.protocol): an exception on one rank during a
+save or a load, while that rank's process lives on, reaches every rank at once as a
+CheckpointError naming that rank and the cause; no checkpoint that looks complete is left
+behind; and every process goes on to run collectives (and checkpoints) afterwards.
+
+Faults are injected on one rank only, inside the rank function: ``torch.save`` or
+``torch.load`` raising (serialising), ``os.fsync`` failing as on a full disk (writing), rank
+0's rename of the manifest failing (the last write), ``Path.read_bytes`` failing (reading) and
+one rank's own file corrupted (verifying). Each launch runs all the faults of one kind of
+checkpoint and one direction in turn, so the ranks of one process group live through all of
+them: world size 2, tiny models, a few seconds in all.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.checkpoint import (MANIFEST, CheckpointError, load_per_rank, read_rank_state,
+                               save_per_rank)
+from engine.zero import ZeroOptimizer, consolidate, load_sharded, save_sharded
+from tests.helpers import run_ranks
+
+REACHES_EVERY_RANK_S = 15  # the acceptance bound; measured: well under a second
+PROCESS_GROUP_TIMEOUT_S = 20  # a rank left waiting would raise only after this
+
+
+@contextmanager
+def patched(owner, name: str, replacement):
+    original = getattr(owner, name)
+    setattr(owner, name, replacement)
+    try:
+        yield original
+    finally:
+        setattr(owner, name, original)
+
+
+def _raise(error: Exception):
+    def fail(*args, **kwargs):
+        raise error
+    return fail
+
+
+def _fails_to_rename_the_manifest(original):
+    def replace(source, target, *args, **kwargs):
+        if Path(target).name == MANIFEST:
+            raise OSError(errno.EIO, "Input/output error (injected)", str(target))
+        return original(source, target, *args, **kwargs)
+    return replace
+
+
+@contextmanager
+def _corrupted(path: Path):
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2] + bytes([data[len(data) // 2] ^ 1])
+                     + data[len(data) // 2 + 1:])
+    try:
+        yield
+    finally:
+        path.write_bytes(data)
+
+
+# fault -> (the rank it strikes, what it says, a context manager injecting it there)
+SAVE_FAULTS = {
+    "serialise": (1, "torch.save failed (injected)", lambda directory, rank: patched(
+        torch, "save", _raise(RuntimeError("torch.save failed (injected)")))),
+    "write": (1, "No space left on device", lambda directory, rank: patched(
+        os, "fsync", _raise(OSError(errno.ENOSPC, "No space left on device")))),
+    "manifest": (0, "Input/output error (injected)", lambda directory, rank: patched(
+        os, "replace", _fails_to_rename_the_manifest(os.replace))),
+}
+LOAD_FAULTS = {
+    "read": (1, "Input/output error (injected)", lambda directory, rank: patched(
+        Path, "read_bytes", _raise(OSError(errno.EIO, "Input/output error (injected)")))),
+    "deserialise": (1, "torch.load failed (injected)", lambda directory, rank: patched(
+        torch, "load", _raise(RuntimeError("torch.load failed (injected)")))),
+    "verify": (1, "is corrupted: its SHA-256 does not match the manifest",
+               lambda directory, rank: _corrupted(directory / f"rank{rank}-of2.pt")),
+}
+
+
+# -- the two kinds of checkpoint, on tiny models ----------------------------------------------
+
+
+def _sharded(rank, seed):
+    torch.manual_seed(seed)
+    model = nn.Linear(4, 3)
+    optimizer = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=0.1)
+    return model, optimizer
+
+
+def _per_rank(rank, seed):
+    torch.manual_seed(seed + rank)
+    model = nn.Linear(4, 3 + rank)  # the ranks hold different parameters
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
+KINDS = {"sharded": (_sharded, save_sharded, load_sharded),
+         "per-rank": (_per_rank, save_per_rank, load_per_rank)}
+
+
+def _step(model, optimizer):
+    model(torch.ones(2, 4)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _params(model):
+    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+
+
+def _everyone_still_answers(rank, world_size) -> bool:
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total)
+    return total.item() == world_size * (world_size + 1) / 2
+
+
+def _attempt(action, fault, directory, rank):
+    """``action()`` under ``fault`` (on its rank): the CheckpointError every rank raised and
+    how long it took to reach this rank, measured from a point all ranks passed together."""
+    struck, _, inject = fault
+    dist.barrier()
+    started = time.perf_counter()
+    try:
+        if rank == struck:
+            with inject(directory, rank):
+                action()
+        else:
+            action()
+    except CheckpointError as e:
+        return str(e), time.perf_counter() - started
+    return None, time.perf_counter() - started
+
+
+def _faulty_saves(rank, world_size, kind, root):
+    build, save, _ = KINDS[kind]
+    model, optimizer = build(rank, seed=0)
+    _step(model, optimizer)
+    results = {}
+    for name, fault in SAVE_FAULTS.items():
+        directory = Path(root) / name
+        message, seconds = _attempt(lambda: save(directory, model, optimizer), fault,
+                                    directory, rank)
+        results[name] = (message, seconds, _everyone_still_answers(rank, world_size))
+    save(Path(root) / "afterwards", model, optimizer)  # and checkpoints still work
+    return results
+
+
+def _faulty_loads(rank, world_size, kind, root):
+    build, save, load = KINDS[kind]
+    directory = Path(root)
+    model, optimizer = build(rank, seed=0)
+    _step(model, optimizer)
+    save(directory, model, optimizer)
+    fresh, fresh_optimizer = build(rank, seed=7)
+    before = _params(fresh)
+    results = {}
+    for name, fault in LOAD_FAULTS.items():
+        message, seconds = _attempt(lambda: load(directory, fresh, fresh_optimizer), fault,
+                                    directory, rank)
+        results[name] = (message, seconds, _everyone_still_answers(rank, world_size),
+                         torch.equal(_params(fresh), before))  # no rank loaded anything
+    load(directory, fresh, fresh_optimizer)  # and the checkpoint loads once the fault is gone
+    results["afterwards"] = torch.equal(_params(fresh), _params(model))
+    return results
+
+
+def _check(results: list[dict], faults: dict, verb: str) -> None:
+    for name, (struck, cause, _) in faults.items():
+        for rank, found in enumerate(results):
+            message, seconds, answers = found[name][:3]
+            assert message is not None, f"{name}: rank {rank} raised no CheckpointError"
+            own = rf"rank {struck} could not {verb} \S+: "
+            expected = own if rank == struck else rf"rank {struck} cannot {verb}: {own}"
+            assert re.match(expected, message), (name, rank, message)
+            assert cause in message, (name, rank, message)
+            assert seconds < REACHES_EVERY_RANK_S, (name, rank, seconds)
+            assert answers, f"{name}: rank {rank}'s all_reduce after the failure"
+
+
+def _not_complete(directory: Path, kind: str) -> None:
+    assert not (directory / MANIFEST).exists()
+    assert not [p.name for p in directory.iterdir() if p.name.endswith(".tmp")]
+    with pytest.raises(CheckpointError, match="manifest.json does not exist"):
+        consolidate(directory) if kind == "sharded" else read_rank_state(directory, 0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_failed_save_on_one_rank_reaches_every_rank(kind, tmp_path):
+    results = run_ranks(_faulty_saves, 2, kind, tmp_path, timeout=PROCESS_GROUP_TIMEOUT_S)
+    _check(results, SAVE_FAULTS, "save")
+    for name in SAVE_FAULTS:
+        _not_complete(tmp_path / name, kind)
+    assert (tmp_path / "afterwards" / MANIFEST).exists()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_failed_load_on_one_rank_reaches_every_rank(kind, tmp_path):
+    results = run_ranks(_faulty_loads, 2, kind, tmp_path, timeout=PROCESS_GROUP_TIMEOUT_S)
+    _check(results, LOAD_FAULTS, "load")
+    for rank, found in enumerate(results):
+        assert all(found[name][3] for name in LOAD_FAULTS), f"rank {rank} loaded a part"
+        assert found["afterwards"], rank
+
+
+def failure_latencies(tmp_path) -> dict:
+    """The slowest rank's time from the fault to its CheckpointError, per kind, direction and
+    fault (for the record: ``python -c 'from tests.test_checkpoint_protocol import *; ...'``)."""
+    out = {}
+    for kind in KINDS:
+        for verb, fn in (("save", _faulty_saves), ("load", _faulty_loads)):
+            results = run_ranks(fn, 2, kind, Path(tmp_path) / kind / verb)
+            faults = SAVE_FAULTS if verb == "save" else LOAD_FAULTS
+            out[kind, verb] = {name: max(r[name][1] for r in results) for name in faults}
+    return out
