@@ -298,4 +298,81 @@ CHOICE = [
             "Fine: 32 is divisible by 16"), 0,
            "The all-to-all hands each rank a/N heads; KV heads too.",
            (C09, "Ulysses and its head constraint")),
+    # -- added for issue 31 --------------------------------------------------------------------
+    Choice("zero-redundancy-optimizer", "zero",
+           "A common answer calls PyTorch's ZeroRedundancyOptimizer ZeRO-1. Next to ZeRO-1's "
+           "2(N-1)/N psi, what does each GPU send per step with it behind DDP?",
+           ("About 3(N-1)/N psi: DDP all-reduces the full gradients, then every GPU broadcasts its "
+            "updated part", "The same 2(N-1)/N psi: sharding the optimizer is all ZeRO-1 does",
+            "Less: only the optimizer shards travel"), 0,
+           "It shards Adam's moments as ZeRO-1 does, so memory matches; ZeRO-1 proper "
+           "reduce-scatters the gradients instead of all-reducing them, 1.5x fewer bytes.",
+           (C04, "PyTorch's `ZeroRedundancyOptimizer` is not ZeRO-1 on the wire")),
+    Choice("zero-shards-activations", "zero",
+           "ZeRO-3 on 64 GPUs: what happens to the activation memory of each GPU?",
+           ("Nothing: ZeRO shards model states only; activations grow with micro-batch and "
+            "sequence, and shrink with checkpointing or with tensor, sequence or context "
+            "parallelism", "It is divided by 64, like the parameters",
+            "It moves to the CPU with the optimizer states"), 0,
+           "Activation checkpointing keeps each block's input and recomputes the rest during "
+           "backward: one more forward for a large cut.",
+           (C04, "Activations: the memory ZeRO does not shard")),
+    Choice("tp-mlp-column-first", "tensor parallel",
+           "Why does Megatron split the MLP's first weight by columns and its second by rows?",
+           ("GeLU is elementwise, so each GPU applies it to its own columns, which are exactly "
+            "the slice the row-split second weight needs: one all-reduce, at the end",
+            "A column split needs less memory than a row split",
+            "Rows first would need no communication at all"), 0,
+           "Rows first would leave each GPU a partial sum, and GeLU of a sum is not the sum of "
+           "GeLUs: an all-reduce before GeLU as well as after.",
+           (C05, "Why the MLP goes column-first")),
+    Choice("tp-gather-logits", "tensor parallel",
+           "The output layer is split by vocabulary over t GPUs. Why not all-gather the logits "
+           "and compute the cross-entropy as usual?",
+           ("Every token would move its V logits; the vocabulary-parallel loss all-reduces three "
+            "numbers per token (max, sum of exponentials, target logit)",
+            "It would be fine: logits are small", "Softmax cannot be computed on gathered logits"),
+           0, "Three numbers per token instead of 50,257 for GPT-2's vocabulary, and no GPU ever "
+           "holds the full logits.", (C05, "The vocabulary-parallel loss")),
+    Choice("hfu-vs-mfu", "3d and scale",
+           "Megatron-LM trains GPT-3 with full activation recomputation at 140 TFLOP/s per A100. "
+           "Is that its model FLOPs utilisation?",
+           ("No: it counts the recomputed forward too (hardware FLOPs); the model's own FLOPs "
+            "are 3/4 of it", "Yes: every FLOP the GPU runs is the model's",
+            "No: it is the A100's peak rate"), 0,
+           "With recomputation a step costs 96 B s l h^2(...) instead of 72: MFU counts the 72, so "
+           "runs with and without recomputation compare fairly.",
+           (C07, "GPT-3 175B, by the numbers")),
+    Choice("failures-at-scale", "3d and scale",
+           "A job moves to 16 times more GPUs of the same kind. What happens to its mean time "
+           "between failures?",
+           ("It falls 16x: failures per day grow with the GPU count, so frequent checkpoints and "
+            "automatic restarts become routine", "It stays the same: each GPU is as reliable",
+            "It grows: more GPUs add redundancy"), 0,
+           "The failure rate per GPU-day is fixed; Young's interval sqrt(2 C M) shrinks with the "
+           "MTBF M.", (C07, "What changes on 1000 GPUs")),
+    Choice("moe-all-to-all-with-n", "moe",
+           "Expert parallelism with T tokens per GPU: the group grows from 8 to 64 GPUs. What "
+           "happens to the bytes each GPU sends per all-to-all?",
+           ("Almost nothing: (n-1)/n x T k h values, 7/8 then 63/64 of T k h",
+            "They fall as 1/n: each GPU holds fewer experts", "They grow linearly with n"), 0,
+           "Each (token, expert) row bound for another GPU crosses the wire once; what changes "
+           "with n is which links the group spans.",
+           (C10, "Dispatch and combine: two all-to-alls")),
+    Choice("moe-ep-changes-math", "moe",
+           "Does expert parallelism over n GPUs compute something different from one process "
+           "running the same MoE layer once on each GPU's tokens?",
+           ("No: each GPU routes its own tokens, so capacity, drops, outputs, losses and "
+            "gradients are the same", "Yes: tokens compete for capacity across all GPUs",
+            "Yes: a GPU only sees the outputs of its own experts"), 0,
+           "Chapter 10 checks it on 4 ranks, with no drops and with a third of the assignments "
+           "dropped.", (C10, "Expert parallelism equals one process")),
+    Choice("ring-vs-ulysses-scaling", "long context",
+           "Sequence fixed, GPUs N growing: how does each GPU's traffic per layer change under "
+           "ring attention and under Ulysses?",
+           ("Ulysses' falls about as 1/N; the ring's stays near 2 S kv whatever N",
+            "Both fall as 1/N", "Both stay constant"), 0,
+           "Ulysses' all-to-alls send (N-1)/N^2 x S (2h + 2kv); the ring passes every K/V block "
+           "once around. Ulysses also stops at N = the number of KV heads.",
+           (C09, "Ring or Ulysses: when each wins")),
 ]

@@ -383,6 +383,261 @@ def _zigzag_speedup(rng):
             "N blocks of (S/N)^2 against 2N+1 of (S/2N)^2: 4N/(2N+1).")
 
 
+# -- added for issue 31: every topic at least 15 items ---------------------------------------------
+
+def _reduce_scatter_bytes(rng):
+    n, m = rng.choice([2, 4, 8, 16, 64]), rng.choice([64, 256, 1000])
+    return (f"Ring reduce-scatter of a {m} MB gradient over {n} GPUs: how many MB does each GPU "
+            "send?", theory.ring_reduce_scatter_bytes(m, n),
+            "(N-1)/N x M: N-1 steps of one M/N chunk, half of an all-reduce; each GPU ends with "
+            "the sum of its own 1/N.")
+
+
+def _all_to_all_bytes(rng):
+    n, m = rng.choice([2, 4, 8, 16]), rng.choice([32, 128, 512])
+    return (f"All-to-all on {n} GPUs, each holding {m} MB split evenly by destination: how many "
+            "MB does each GPU send?", theory.all_to_all_bytes(m, n),
+            "(N-1)/N x M: a GPU keeps the piece addressed to itself and sends every other piece "
+            "once.")
+
+
+def _tree_root_bytes(rng):
+    n, m = rng.choice([4, 8, 16, 64]), rng.choice([1, 4, 16])
+    sent, _ = theory.tree_all_reduce_bytes(m, n, rank=0)
+    return (f"Binomial-tree all-reduce of a {m} MB tensor over {n} GPUs (reduce up the tree, "
+            "broadcast back down): how many MB does the root, rank 0, send?", sent,
+            "The root has log2 N children and sends each the whole result: log2 N x M, more than "
+            "a ring GPU's 2(N-1)/N x M. Trees save rounds, not bytes.")
+
+
+def _dp_step_bytes(rng):
+    params, n = rng.choice([25e6, 125e6, 350e6]), rng.choice([4, 8, 32])
+    return (f"DDP on {n} GPUs, {params / 1e6:g} M parameters, fp32 gradients, no accumulation: "
+            "MB each GPU sends per optimizer step?",
+            theory.ring_all_reduce_bytes(4 * params, n) / 1e6,
+            "2(N-1)/N x 4P bytes whatever the buckets: buckets decide when the bytes go, not how "
+            "many.")
+
+
+def _dp_throughput(rng):
+    micro, compute, n = rng.choice([16, 32]), rng.choice([0.1, 0.25]), rng.choice([8, 32, 128])
+    params = rng.choice([100e6, 350e6])
+    comm = theory.alpha_beta_time("ring", 4 * params, n, 1e-5, 1 / 25e9)
+    return (f"{n} GPUs, {micro} samples per GPU per step, {compute} s of compute per step, "
+            f"{params / 1e6:g} M fp32 gradients in one ring all-reduce (alpha 10 us, 25 GB/s), no "
+            "overlap: samples per second for the whole job?", n * micro / (compute + comm),
+            "N x batch / (compute + 2(N-1) alpha + 2(N-1)/N x 4P / bandwidth).")
+
+
+def _dp_fp32_states(rng):
+    params, n = rng.choice([1.3e9, 3e9, 7e9]), rng.choice([4, 8, 64])
+    states = theory.zero_model_state_bytes(params, n, 0, k=8, param_bytes=4, grad_bytes=4)
+    return (f"DDP on {n} GPUs, {params / 1e9:g} B parameters, plain fp32 Adam (fp32 weights, "
+            "gradients and two moments): GB of model states on each GPU?", states["total"] / GB,
+            "4 + 4 + 8 = 16 bytes per parameter on every GPU, whatever N: data parallelism "
+            "replicates all of it, and ZeRO is what shards it.")
+
+
+def _bf16_ring_bytes(rng):
+    params, n = rng.choice([110e6, 350e6, 1.3e9]), rng.choice([4, 8, 16])
+    return (f"{params / 1e6:g} M gradients all-reduced in bf16 over {n} GPUs by ring: MB each GPU "
+            "sends?", theory.ring_all_reduce_bytes(2 * params, n) / 1e6,
+            "2(N-1)/N x 2 bytes x P: half of fp32's traffic.")
+
+
+def _topk_kept(rng):
+    numel, ratio = rng.choice([1_000_000, 4_194_304, 25_557_032]), rng.choice([0.001, 0.003, 0.01])
+    return (f"Top-K at ratio {ratio} of a bucket of {numel:,} gradient elements: how many "
+            "coordinates does each GPU keep and send?", float(theory.topk_kept(numel, ratio)),
+            "ceil(ratio x numel), at least one; each is sent with its index.")
+
+
+def _topk_largest_n(rng):
+    ratio, numel = rng.choice([0.003, 0.007, 0.015, 0.03, 0.06]), 1_000_000
+    n = 2
+    while theory.topk_bytes_per_rank(numel, ratio, n + 1) < \
+            theory.ring_all_reduce_bytes(4 * numel, n + 1):
+        n += 1
+    return (f"Top-K at ratio {ratio} of a 1 M-element gradient (fp32 values and int32 indices, "
+            "exchanged by all-gather): the largest number of GPUs at which each GPU still sends "
+            "fewer bytes than in a dense fp32 ring all-reduce?", float(n),
+            "Top-K sends (N-1) x k x 8 bytes, the ring 2(N-1)/N x 4 numel: fewer while "
+            "N x k < numel, that is N < 1/ratio.")
+
+
+def _powersgd_layer(rng):
+    h, r = rng.choice([768, 1024, 2048]), rng.choice([1, 2, 4, 8])
+    shapes = [(3 * h, h), (3 * h,), (h, h), (h,), (4 * h, h), (4 * h,), (h, 4 * h), (h,),
+              (h,), (h,), (h,), (h,)]
+    before, after = theory.powersgd_elements(shapes, r)
+    return (f"PowerSGD rank {r} on one transformer layer of hidden {h}: weight matrices {3 * h} x "
+            f"{h}, {h} x {h}, {4 * h} x {h} and {h} x {4 * h}, plus {13 * h:,} bias and LayerNorm "
+            "elements sent uncompressed. Compression factor of the layer's gradient?",
+            before / after,
+            "Each n x m matrix sends (n + m) r; vectors go whole, and at low rank they are a "
+            "visible share of what is left.")
+
+
+def _zero3_layer_bytes(rng):
+    h, n = rng.choice([4096, 8192, 12288]), rng.choice([8, 16, 64])
+    return (f"ZeRO-3 over {n} GPUs, one transformer layer of hidden {h} (12h^2 parameters) in "
+            "bf16, one micro-batch per step: MB each GPU sends for that layer per step?",
+            theory.zero_comm_elements(12 * h * h, n, 3) * 2 / 1e6,
+            "All-gather for forward, all-gather again for backward, reduce-scatter the gradients: "
+            "3(N-1)/N x 12h^2 x 2 bytes, 1.5x what DDP sends.")
+
+
+def _zero_stage_fit(rng):
+    psi, n, memory = rng.choice([(7e9, 8, 80), (13e9, 8, 80), (7e9, 4, 40), (13e9, 16, 40),
+                                 (30e9, 16, 80), (13e9, 64, 24), (70e9, 64, 80)])
+    stage = next(s for s in (0, 1, 2, 3)
+                 if theory.zero_model_state_bytes(psi, n, s)["total"] <= memory * GB)
+    return (f"{psi / 1e9:g} B parameters, mixed-precision Adam, {n} GPUs with {memory} GB each: "
+            "the lowest ZeRO stage (0, 1, 2 or 3) whose model states fit, ignoring activations?",
+            float(stage),
+            "Per GPU: (2 + 2 + 12) psi, with 12 psi / N from stage 1, 2 psi / N more from stage 2 "
+            "and the parameters too from stage 3.")
+
+
+def _tp_over_zero3(rng):
+    b, s = rng.choice([1, 4, 8]), rng.choice([1024, 2048, 4096])
+    h, t = rng.choice([4096, 8192]), rng.choice([2, 4, 8])
+    return (f"One transformer layer, micro-batch {b}, sequence {s}, hidden {h}, {t} GPUs, one "
+            "micro-batch per step: what tensor parallelism sends per GPU, as a multiple of what "
+            "ZeRO-3 sends?", theory.tp_comm_elements_per_layer(b, s, h, t)
+            / theory.zero3_comm_elements_per_layer(h, t),
+            "8bsh(t-1)/t over 3(t-1)/t x 12h^2 = 2bs/(9h): TP's grows with the tokens, ZeRO-3's "
+            "with the parameters; equal near 4.5h tokens.")
+
+
+def _tp_all_reduce_ms(rng):
+    b, s, t = rng.choice([1, 2, 4]), rng.choice([2048, 4096]), rng.choice([4, 8])
+    h, bandwidth = rng.choice([8192, 12288]), rng.choice([150, 300])
+    seconds = theory.tp_comm_elements_per_layer(b, s, h, t) * 2 / (bandwidth * 1e9)
+    return (f"Megatron TP {t}, micro-batch {b}, sequence {s}, hidden {h}, bf16, each GPU sending "
+            f"at {bandwidth} GB/s: ms per layer spent in the TP all-reduces, forward and backward, "
+            "bandwidth term only?", seconds * 1e3,
+            "8bsh(t-1)/t elements x 2 bytes / bandwidth, on the critical path every layer; at the "
+            "25 GB/s of a fast network it would take 6-12x longer: TP stays on NVLink.")
+
+
+def _gpus_for_days(rng):
+    params, tokens = rng.choice([(13e9, 1e12), (70e9, 2e12), (175e9, 300e9)])
+    days, rate = rng.choice([30, 60, 90]), rng.choice([120e12, 150e12])
+    return (f"{params / 1e9:g} B parameters, {tokens / 1e9:g} B tokens, each GPU sustaining "
+            f"{rate / 1e12:g} TFLOP/s with activation recomputation: how many GPUs finish in "
+            f"{days} days?", theory.training_days(tokens, params, 1, rate) / days,
+            "8 T P / (n X) seconds = the days asked: n = 8 T P / (X x days x 86400).")
+
+
+def _training_compute(rng):
+    params, tokens = rng.choice([7e9, 70e9, 175e9]), rng.choice([300e9, 1e12, 2e12])
+    return (f"{params / 1e9:g} B parameters trained on {tokens / 1e9:g} B tokens, without "
+            "recomputation: total training compute in exaFLOPs?",
+            theory.training_days(tokens, params, 1, 1.0, recompute=False) * 86400 / 1e18,
+            "6 T P: per parameter and token 2 FLOPs forward and 4 backward; Megatron's "
+            "72 B s l h^2 is the same with P = 12 l h^2.")
+
+
+def _mfu(rng):
+    batch, n, rate = rng.choice([512, 1536]), rng.choice([1024, 3072]), \
+        rng.choice([120e12, 140e12, 160e12])
+    seconds = round(theory.transformer_flops(batch, 2048, 96, 12288) / (n * rate), 1)
+    return (f"GPT-3 (96 layers, h 12288, V 51200): a step of {batch} sequences of 2048 tokens "
+            f"with full recomputation takes {seconds:g} s on {n} A100s (peak 312 TFLOP/s). Model "
+            "FLOPs utilisation, in percent?",
+            100 * theory.transformer_flops(batch, 2048, 96, 12288, recompute=False)
+            / (seconds * n * 312e12),
+            "MFU counts the model's FLOPs only, 72 B s l h^2(...) with no recomputed forward, over "
+            "time x GPUs x peak: 3/4 of the hardware utilisation here.")
+
+
+def _checkpointed_activations(rng):
+    layers, h = rng.choice([(32, 4096), (80, 8192), (96, 12288)])
+    s, b = rng.choice([2048, 8192]), rng.choice([1, 4])
+    return (f"Full activation checkpointing, {layers} layers, hidden {h}, sequence {s}, "
+            f"micro-batch {b}, 16-bit activations, no tensor parallelism: GB kept between forward "
+            "and backward for all layers?",
+            theory.transformer_activation_bytes(layers, h, 32, s, b, checkpoint=True) / 1e9,
+            "Only each layer's input, 2 s b h bytes per layer; the rest is recomputed in backward, "
+            "one more forward.")
+
+
+def _moe_dispatch_one(rng):
+    n, t = rng.choice([4, 8, 16, 64]), rng.choice([4096, 8192])
+    h, k = rng.choice([2048, 4096, 7168]), rng.choice([1, 2, 6, 8])
+    return (f"Expert parallelism over {n} GPUs, {t} tokens per GPU, hidden {h}, top-{k}, bf16, "
+            "uniform routing, nothing dropped: MB each GPU sends in the dispatch all-to-all "
+            "alone?", theory.moe_all_to_all_bytes(t, h, k, n, 2)["dispatch"] / 1e6,
+            "(n-1)/n x T k h x 2 bytes: a token goes out once per chosen expert, and the 1/n of "
+            "rows for local experts stays.")
+
+
+def _moe_total_params(rng):
+    layers, e, k = rng.choice([32, 56]), rng.choice([8, 16, 64]), rng.choice([1, 2])
+    p = theory.moe_params(layers, 4096, 14336, e, k, 32000, kv_hidden=1024)
+    return (f"A Mixtral-shaped decoder (h 4096, SwiGLU experts of 14336, 8 kv heads of 128, vocab "
+            f"32000, untied embeddings) with {layers} layers, {e} experts, top-{k}: billions of "
+            "parameters in all, what memory must hold?", p["total"] / 1e9,
+            "Every expert of every layer (3 h f each), plus the shared attention, routers, norms "
+            "and both embeddings; k changes what a token uses, not what is stored.")
+
+
+def _moe_flops_fraction(rng):
+    layers, e, k = rng.choice([32, 56]), rng.choice([8, 16, 64]), rng.choice([1, 2])
+    s = rng.choice([2048, 4096, 32768])
+    sparse = theory.moe_forward_flops_per_token(layers, 4096, 14336, e, k, s, kv_hidden=1024)
+    dense = theory.moe_forward_flops_per_token(layers, 4096, 14336, e, e, s, kv_hidden=1024)
+    return (f"Mixtral-shaped layers (h 4096, SwiGLU experts of 14336, kv 1024), {layers} layers, "
+            f"{e} experts, top-{k}, sequence {s}: a token's forward FLOPs as a fraction of those "
+            f"of the dense model with the same parameters (all {e} experts run)?", sparse / dense,
+            "2 N_active + 2 l s h over 2 N_total + 2 l s h (Kaplan et al.): the parameters a token "
+            "uses set its FLOPs; attention's share grows with the sequence.")
+
+
+def _moe_dropped(rng):
+    t, e, k = rng.choice([1024, 4096]), rng.choice([8, 16]), rng.choice([1, 2])
+    cf, share = rng.choice([1.0, 1.25, 1.5]), rng.choice([0.25, 0.375, 0.5])
+    capacity = theory.expert_capacity(t, e, k, cf)
+    return (f"{t} tokens on a GPU, {e} experts, top-{k}, capacity factor {cf}; a skewed router "
+            f"sends {share:.1%} of the {t * k} (token, expert) assignments to expert 0. How many "
+            "of them does expert 0 drop?", share * t * k - capacity,
+            "Capacity ceil(T k cf / E) slots; what arrives beyond them is dropped, and a token "
+            "with every choice dropped rides the residual.")
+
+
+def _ring_over_ulysses(rng):
+    n, s = rng.choice([2, 4, 8]), rng.choice([32768, 131072])
+    h, kv = rng.choice([(4096, 4096), (4096, 1024), (8192, 1024)])
+    ring = theory.ring_attention_bytes(s, kv, n)["forward"]
+    return (f"{s:,} tokens over {n} GPUs, hidden {h}, K/V width {kv}, bf16, one layer's "
+            "forward: ring attention's bytes per GPU as a multiple of Ulysses'?",
+            ring / theory.ulysses_bytes(s, h, n, kv_hidden=kv)["forward"],
+            "2(N-1)(S/N) kv over (N-1)/N^2 x S (2h + 2kv) = N kv / (h + kv): N/2 without grouped "
+            "KV heads, and less with them.")
+
+
+def _sp_comm(rng):
+    b, s = rng.choice([1, 2]), rng.choice([4096, 8192])
+    h, t = rng.choice([4096, 8192]), rng.choice([2, 4, 8])
+    return (f"Megatron tensor + sequence parallelism of degree {t}, micro-batch {b}, sequence "
+            f"{s}, hidden {h}: million elements each GPU sends per layer, forward and backward?",
+            theory.sp_comm_elements_per_layer(b, s, h, t) / 1e6,
+            "Each of TP's four all-reduces becomes a reduce-scatter and an all-gather (the same "
+            "8bsh(t-1)/t), and backward re-gathers the input of each column-parallel layer: "
+            "10bsh(t-1)/t.")
+
+
+def _long_context_activations(rng):
+    s, h, a = rng.choice([8192, 32768, 131072]), 4096, 32
+    return (f"One layer of LLaMA-7B's shape (h {h}, {a} heads), one sequence of {s:,} tokens, "
+            "16-bit, attention scores stored (no FlashAttention), no parallelism: GB of "
+            "activations kept for backward?",
+            theory.transformer_activation_bytes(1, h, a, s) / 1e9,
+            "s b h (34 + 5 a s / h): the 5 a s^2 b scores grow with s^2 and dominate; without them "
+            "34 sbh is left, linear in s.")
+
+
 NUMERIC = [
     Numeric("ring-bytes", "collectives", _ring_bytes, unit="MB",
             zh="数据并行中，梯度同步的通信量具体是多少？"),
@@ -440,4 +695,30 @@ NUMERIC = [
     Numeric("sp-activation-saving", "long context", _sp_activation_saving, unit="MB"),
     Numeric("causal-imbalance", "long context", _causal_imbalance, unit="x"),
     Numeric("zigzag-speedup", "long context", _zigzag_speedup, unit="x"),
+    # added for issue 31
+    Numeric("reduce-scatter-bytes", "collectives", _reduce_scatter_bytes, unit="MB"),
+    Numeric("all-to-all-bytes", "collectives", _all_to_all_bytes, unit="MB"),
+    Numeric("tree-root-bytes", "collectives", _tree_root_bytes, unit="MB"),
+    Numeric("dp-step-bytes", "data parallel", _dp_step_bytes, unit="MB"),
+    Numeric("dp-throughput", "data parallel", _dp_throughput, unit="samples/s"),
+    Numeric("dp-fp32-states", "data parallel", _dp_fp32_states, unit="GB"),
+    Numeric("bf16-ring-bytes", "compression", _bf16_ring_bytes, unit="MB"),
+    Numeric("topk-kept", "compression", _topk_kept, unit="coordinates"),
+    Numeric("topk-largest-n", "compression", _topk_largest_n, unit="GPUs"),
+    Numeric("powersgd-layer", "compression", _powersgd_layer, unit="x"),
+    Numeric("zero3-layer-bytes", "zero", _zero3_layer_bytes, unit="MB"),
+    Numeric("zero-stage-fit", "zero", _zero_stage_fit, unit="stage"),
+    Numeric("tp-over-zero3", "tensor parallel", _tp_over_zero3, unit="x"),
+    Numeric("tp-all-reduce-ms", "tensor parallel", _tp_all_reduce_ms, unit="ms"),
+    Numeric("gpus-for-days", "3d and scale", _gpus_for_days, unit="GPUs"),
+    Numeric("training-compute", "3d and scale", _training_compute, unit="EFLOP"),
+    Numeric("mfu", "3d and scale", _mfu, unit="%"),
+    Numeric("checkpointed-activations", "3d and scale", _checkpointed_activations, unit="GB"),
+    Numeric("moe-dispatch-bytes", "moe", _moe_dispatch_one, unit="MB"),
+    Numeric("moe-total-params", "moe", _moe_total_params, unit="billion"),
+    Numeric("moe-flops-fraction", "moe", _moe_flops_fraction, unit="fraction"),
+    Numeric("moe-dropped", "moe", _moe_dropped, unit="assignments"),
+    Numeric("ring-over-ulysses", "long context", _ring_over_ulysses, unit="x"),
+    Numeric("sp-comm-elements", "long context", _sp_comm, unit="million"),
+    Numeric("long-context-activations", "long context", _long_context_activations, unit="GB"),
 ]

@@ -100,4 +100,14 @@ OUTLINE = [
              "ring attention: S/N per GPU, K/V round a ring, online softmax, zig-zag",
              "Ulysses: two all-to-alls, bytes fall as 1/N, N divides the KV heads"),
             evidence=("course/09_long_context.ipynb", "The interview answer, in 30 seconds")),
+    Outline("ans-moe", "moe", "What would you say in 30 seconds about mixture of experts?",
+            ("E experts replace the MLP, a router sends each token to its top k: parameters grow "
+             "with E, FLOPs per token only with k",
+             "capacity ceil(T k cf / E) per expert; overflow dropped, the residual carries it; a "
+             "balancing loss evens the load",
+             "expert parallelism: whole experts per GPU; dispatch and combine all-to-alls of "
+             "(n-1)/n T k h, twice more in backward",
+             "dense gradients averaged over every rank; an expert's summed over its replicas "
+             "and divided by dp x ep; keep the EP group inside a node"),
+            evidence=("course/10_moe.ipynb", "The interview answer, in 30 seconds")),
 ]
