@@ -1,10 +1,11 @@
-"""The interview drill: a bank of at least 80 computed, checked items, evidence that resolves,
-and a terminal session that runs from a script."""
+"""The interview drill: a bank of computed, checked items (at least 15 per topic), evidence that
+resolves, a terminal session that runs from a script, and one count of items everywhere."""
 
 from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import nbformat
@@ -12,6 +13,7 @@ import pytest
 
 from engine.__main__ import main as engine_main
 from engine.drill import BANK, TOPICS, Scores, by_topic, draw
+from engine.drill.bank import by_kind
 from engine.drill.items import Choice, Numeric, Outline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,7 +23,14 @@ def test_the_bank_has_at_least_80_items_over_every_topic():
     assert len(BANK) >= 80
     assert len({item.item_id for item in BANK}) == len(BANK)
     counts = by_topic()
-    assert set(counts) == set(TOPICS) and all(n >= 5 for n in counts.values())
+    assert set(counts) == set(TOPICS)
+
+
+@pytest.mark.parametrize("topic", TOPICS)
+def test_every_topic_has_at_least_15_items(topic):
+    """Issue 31: one sitting of a topic (ten questions) must not exhaust it."""
+    assert by_topic()[topic] >= 15, by_kind(topic)
+    assert len(draw(15, topic=topic, seed=0)) >= 15
     assert sum(isinstance(i, Numeric) for i in BANK) >= 30
     assert sum(isinstance(i, Choice) for i in BANK) >= 17 + 6  # NOTES items + documents' traps
 
@@ -118,4 +127,30 @@ def test_listing_the_bank(capsys):
     assert engine_main(["drill", "--list"]) == 0
     out = capsys.readouterr().out
     assert all(topic in out for topic in TOPICS)
+    kinds = by_kind()
+    assert sum(kinds.values()) == len(BANK) == sum(by_topic().values())
+    assert re.search(rf"in all\s+{len(BANK)} items: {kinds['numeric']} numeric, "
+                     rf"{kinds['choice']} misconceptions, {kinds['outline']} outlines\n", out)
+    for topic in TOPICS:
+        n = by_kind(topic)
+        assert re.search(rf"{topic}\s+{by_topic()[topic]} items: {n['numeric']} numeric, "
+                         rf"{n['choice']} misconception", out)
     assert engine_main([]) == 2
+
+
+def test_the_readmes_state_the_banks_counts():
+    """The counts README.md and the course map type are the bank's (python -m engine drill
+    --list prints them): one number everywhere."""
+    kinds = by_kind()
+    line = next(line for line in (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+                if "python -m engine drill`: the interview drill" in line)
+    found = re.search(r"(\d+) items \(at least (\d+) per topic.*?\): (\d+) numeric .*?, "
+                      r"(\d+) misconceptions .*?, (\d+) thirty-second outlines", line)
+    assert found, line
+    total, floor, numeric, choice, outline = (int(g) for g in found.groups())
+    assert (total, numeric, choice, outline) == \
+        (len(BANK), kinds["numeric"], kinds["choice"], kinds["outline"])
+    assert min(by_topic().values()) >= floor
+    course_map = next(line for line in (ROOT / "course" / "README.md").read_text(
+        encoding="utf-8").splitlines() if "08_interview_drill.ipynb" in line)
+    assert re.findall(r"(\d+) items", course_map) == [str(len(BANK))], course_map
