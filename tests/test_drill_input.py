@@ -190,7 +190,7 @@ def test_unreadable_letter_is_asked_again_then_every_form_is_read(tmp_path, caps
     out, total, right = _run(tmp_path, capsys, seed, ["1", "z", form.format(letter)])
     last = chr(ord("a") + len(q.options) - 1)
     assert f"could not read '1' (not a letter): answer with a letter from a to {last}, for " \
-           "example b or b)." in out
+           "example b or (b)." in out
     assert f"could not read 'z' (there is no option z; the options are a to {last}): " in out
     assert out.count("letter> ") == 3 and "score: 1/1" in out
     assert (total, right) == (1, 1)

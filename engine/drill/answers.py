@@ -145,8 +145,8 @@ def _value(node: ast.AST) -> float:
 # -- numbers with units --------------------------------------------------------------------------
 
 # Words and signs that hedge a number ("approx 1.88", "~2x", "about ~175 MB"), at the start only.
-_HEDGE = re.compile(r"^\s*(?:(?:approximately|approx\.?|about|around|roughly)(?![a-z])|~=|~|≈|≃)\s*",
-                    re.I)
+_HEDGE = re.compile(r"^\s*(?:(?:approximately|approx\.?|about|around|roughly)(?![a-z])"
+                    r"|~=|~|≈|≃)\s*", re.I)
 _THOUSANDS = re.compile(r"(?<![\d.])(\d{1,3}(?:,\d{3})+)(?![\d,])")  # 4,608 -> 4608
 _TIMES = re.compile(r"(?<=[\d.)])\s*[x×·]\s*(?=[\d.(])")  # 3 x 4 -> 3*4
 # The unit: what follows the last digit, point or closing parenthesis.

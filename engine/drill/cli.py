@@ -153,7 +153,8 @@ def main(argv=None) -> int:
                                          "~/.cache/distributed-course/drill.json)")
     parser.add_argument("--no-original", dest="original", action="store_false",
                         help="leave out the question as asked in the source interview")
-    parser.add_argument("--list", action="store_true", help="print the bank's size per topic and kind, and in all")
+    parser.add_argument("--list", action="store_true",
+                        help="print the bank's size per topic and kind, and in all")
     args = parser.parse_args(argv)
     if args.list:
         print(listing())

@@ -67,7 +67,7 @@ class Question:
             return f"answer with a number {asked.asked}, for example {answers.example(asked)}"
         if self.kind == "choice":
             last = chr(ord("a") + len(self.options) - 1)
-            return f"answer with a letter from a to {last}, for example b or b)"
+            return f"answer with a letter from a to {last}, for example b or (b)"
         return "answer y if your answer covered the outline, n if it did not"
 
     def unreadable(self, response, error: Exception | str) -> str:

@@ -495,8 +495,8 @@ def _zero_stage_fit(rng):
     return (f"{psi / 1e9:g} B parameters, mixed-precision Adam, {n} GPUs with {memory} GB each: "
             "the lowest ZeRO stage (0, 1, 2 or 3) whose model states fit, ignoring activations?",
             float(stage),
-            "Per GPU: (2 + 2 + 12) psi, with 12 psi / N from stage 1, 2 psi / N more from stage 2 "
-            "and the parameters too from stage 3.")
+            "Bytes per parameter on each GPU: 2 + 2 + 12 at stage 0, 2 + 2 + 12/N at stage 1, "
+            "2 + 14/N at stage 2, 16/N at stage 3.")
 
 
 def _tp_over_zero3(rng):
@@ -535,8 +535,8 @@ def _training_compute(rng):
     return (f"{params / 1e9:g} B parameters trained on {tokens / 1e9:g} B tokens, without "
             "recomputation: total training compute in exaFLOPs?",
             theory.training_days(tokens, params, 1, 1.0, recompute=False) * 86400 / 1e18,
-            "6 T P: per parameter and token 2 FLOPs forward and 4 backward; Megatron's "
-            "72 B s l h^2 is the same with P = 12 l h^2.")
+            "6 T P: per parameter and token 2 FLOPs forward and 4 backward; with P = 12 l h^2 "
+            "it is the leading term of Megatron's 72 B s l h^2 (...).")
 
 
 def _mfu(rng):
