@@ -11,7 +11,7 @@ ZeRO (:class:`engine.zero.ZeroOptimizer`) averages the gradients over the data-p
 at stage 1 each rank keeps 1/dp of the optimizer state (Narayanan et al., SC 2021; Rajbhandari
 et al., SC 2020).
 
-:func:`hybrid_strategy` composes these into one :class:`engine.strategy.Strategy`;
+:func:`hybrid_strategy` composes these into one :class:`engine.steps.Strategy`;
 :func:`train_3d` (chapter 07) and ``python -m engine train`` both run it through
 :func:`engine.timed_steps.run_steps`.
 """
@@ -26,8 +26,8 @@ from engine.comm import ops
 from engine.device import rank_device
 from engine.models import TinyGPT
 from engine.pp import uniform_boundaries
-from engine.strategy import (SCHEDULES, Strategy, autocast, global_batch, parameter_count,
-                             pipeline_step)
+from engine.steps import (Strategy, autocast, global_batch, parameter_count, pipeline_step,
+                          trainer_schedule)
 from engine.timed_steps import run_steps
 from engine.topology import Mesh
 from engine.tp.blocks import TensorParallelGPT, block_dense_state, gather_parameter
@@ -106,7 +106,7 @@ def hybrid_strategy(gpt: TinyGPT, mesh: Mesh, optimizer_cls, zero: int = 1,
                     schedule: str = "1f1b", micro_batches: int = 2,
                     device: torch.device = torch.device("cpu"), precision: str = "fp32",
                     **optimizer_kwargs) -> Strategy:
-    """This rank's :class:`engine.strategy.Strategy` for 3D parallelism: its
+    """This rank's :class:`engine.steps.Strategy` for 3D parallelism: its
     :class:`GPTStage` of ``gpt`` (cut on the CPU, then moved to ``device``), a
     :class:`engine.zero.ZeroOptimizer` of ``optimizer_cls`` at ZeRO stage ``zero`` over the
     data-parallel group, and a step that runs ``schedule`` over ``micro_batches`` and sums the
@@ -114,7 +114,7 @@ def hybrid_strategy(gpt: TinyGPT, mesh: Mesh, optimizer_cls, zero: int = 1,
     stage = GPTStage(gpt, mesh).to(device)
     optimizer = ZeroOptimizer(list(stage.parameters()), optimizer_cls, stage=zero,
                               group=mesh.dp_group, **optimizer_kwargs)
-    plan = SCHEDULES[schedule](mesh.pp, micro_batches)
+    plan = trainer_schedule(schedule, mesh.pp, micro_batches)
     step = pipeline_step(autocast(stage, precision), optimizer, mesh, plan,
                          before_step=lambda: stage.sync_tied_embedding(optimizer))
     return Strategy(f"3D, ZeRO-{zero}", stage, optimizer, step, parameter_count(stage), mesh,

@@ -35,6 +35,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine import theory
+from engine.hardware import GPU_SPECS, cluster_specs
+
+A100 = GPU_SPECS["NVIDIA A100-SXM4-80GB"]  # the default Cluster's GPU
 
 
 @dataclass(frozen=True)
@@ -76,16 +79,16 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class Cluster:
-    """GPUs and links. Defaults: A100 80GB, 312 TFLOP/s bf16 dense, NVLink 3 at 300 GB/s per
-    direction per GPU, one 200 Gb/s HDR InfiniBand NIC per GPU (25 GB/s); latencies are
-    typical orders of magnitude."""
+    """GPUs and links. Defaults: A100 80GB (:data:`engine.hardware.GPU_SPECS`), 312 TFLOP/s
+    bf16 dense, NVLink 3 at 300 GB/s per direction per GPU, one 200 Gb/s HDR InfiniBand NIC per
+    GPU (25 GB/s); latencies are typical orders of magnitude."""
 
     gpus: int
     gpus_per_node: int = 8
-    memory_gb: float = 80
-    peak_tflops: float = 312
-    intra_gbps: float = 300
-    inter_gbps: float = 25
+    memory_gb: float = A100.memory_gb
+    peak_tflops: float = A100.bf16_tflops
+    intra_gbps: float = A100.nvlink_gbps
+    inter_gbps: float = A100.network_gbps
     alpha_intra: float = 5e-6
     alpha_inter: float = 1e-5
 
@@ -100,11 +103,10 @@ MODELS = {
     "Mixtral 8x7B": ModelSpec("Mixtral 8x7B", 32, 4096, 32, 32000, 4096, experts=8, top_k=2,
                               ffn_hidden=14336, kv_hidden=1024),
 }
-GPUS = {
-    "A100 80GB": dict(memory_gb=80, peak_tflops=312, intra_gbps=300),
-    "H100 80GB": dict(memory_gb=80, peak_tflops=989, intra_gbps=450, inter_gbps=50),
-    "H200 141GB": dict(memory_gb=141, peak_tflops=989, intra_gbps=450, inter_gbps=50),
-}
+# the GPUs the planner offers, each a Cluster's settings from engine.hardware's table
+GPUS = {label: cluster_specs(device) for label, device in (
+    ("A100 80GB", "NVIDIA A100-SXM4-80GB"), ("H100 80GB", "NVIDIA H100 80GB HBM3"),
+    ("H200 141GB", "NVIDIA H200"))}
 
 
 @dataclass

@@ -7,7 +7,11 @@ measures, each number beside the formula it checks (:mod:`engine.train_report`).
     python -m engine train --world-size 2 --dp 2 --zero 0 --compress fp16 --impl both
     python -m engine train --ep 2 --dp 2 --model tiny-moe                  # experts on 4 ranks
 
-Every rank builds one :class:`engine.strategy.Strategy` from the configuration: the 3D
+This module is the configuration (:class:`TrainConfig`, :func:`check_config`) and the command
+line; each rank's run is :func:`engine.train_run.train_on_rank`, the report
+:mod:`engine.train_report`, the model sizes :mod:`engine.presets`.
+
+Every rank builds one :class:`engine.steps.Strategy` from the configuration: the 3D
 composition of :mod:`engine.hybrid` (a tensor-parallel pipeline stage, ZeRO-0/1/2 over dp),
 ZeRO-3, :class:`engine.dp.DataParallel` with a chapter-03 gradient compressor (``--compress``),
 the tiny MoE GPT under expert x data parallelism (``--model tiny-moe --ep E --dp D``,
@@ -32,16 +36,21 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.distributed as dist
 
-from engine.models import GPTConfig
+from engine.moe.gpt import MOE_MODELS
+from engine.moe.strategy import check_moe_config
+from engine.presets import MODELS
+from engine.steps import TRAINER_SCHEDULES, resolve_precision
+from engine.tp.blocks import check_tp_degree
+from engine.train_report import report
+from engine.train_run import resume_point, total_steps, train_on_rank
 from engine.validation import non_negative_int, one_of, positive_int, positive_number
 from engine.zero.checkpoint import CheckpointError
 
-MODELS = {
-    "tiny": GPTConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32),
-    "small": GPTConfig(vocab=256, seq_len=64, layers=4, heads=4, hidden=128),
-    "medium": GPTConfig(vocab=512, seq_len=128, layers=8, heads=8, hidden=256),
-    "tiny-moe": GPTConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32),  # MoE MLPs
-}
+# moved, kept importable from here: the presets (engine.presets) and the rank's run
+# (engine.train_run)
+__all__ = ["TrainConfig", "check_config", "parser", "parse", "resolved", "main", "run_on_gpus",
+           "MODELS", "IMPLS", "train_on_rank", "resolve_precision"]
+
 IMPLS = {"engine": ("engine",), "torch": ("torch",), "both": ("engine", "torch")}
 
 
@@ -77,6 +86,11 @@ class TrainConfig:
     def world_size(self) -> int:
         return self.dp * self.ep * self.tp * self.pp
 
+    @property
+    def implementations(self) -> tuple[str, ...]:
+        """The implementations ``--impl`` runs, in order: the engine's, PyTorch's, or both."""
+        return IMPLS[self.impl]
+
 
 def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     """Every clear error we can give before a rank starts."""
@@ -86,15 +100,13 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     if cfg.peak_tflops is not None:
         positive_number("--peak-tflops", cfg.peak_tflops)
     for name, choices in (("model", MODELS), ("zero", (0, 1, 2, 3)),
-                          ("schedule", ("1f1b", "gpipe")), ("impl", IMPLS),
+                          ("schedule", TRAINER_SCHEDULES), ("impl", IMPLS),
                           ("precision", ("auto", "fp32", "bf16"))):
         one_of(f"--{name}", getattr(cfg, name), choices)
     if world_size is not None and cfg.world_size != world_size:
         ep = (" x ep", f" x {cfg.ep}") if cfg.ep > 1 else ("", "")
         raise ValueError(f"dp{ep[0]} x tp x pp = {cfg.dp}{ep[1]} x {cfg.tp} x {cfg.pp} = "
                          f"{cfg.world_size} does not match the world size {world_size}")
-    from engine.moe.strategy import check_moe_config
-
     check_moe_config(cfg)
     if cfg.zero == 3 and (cfg.tp > 1 or cfg.pp > 1):
         raise ValueError("--zero 3 runs here with data parallelism only (--tp 1 --pp 1); "
@@ -105,8 +117,6 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     if cfg.compress is not None:
         _check_compress(cfg)
     _check_checkpointing(cfg)
-    from engine.tp.blocks import check_tp_degree
-
     model = MODELS[cfg.model]
     check_tp_degree(model, cfg.tp)
     if cfg.pp > model.layers:
@@ -133,74 +143,6 @@ def _check_compress(cfg: TrainConfig) -> None:
                          "powerSGD_hook desynchronised the ranks in this trainer (torch "
                          "2.13, Gloo); compare PowerSGD with --impl engine, or fp16/bf16 "
                          "with --impl both")
-
-
-# -- on every rank --------------------------------------------------------------------------------
-
-
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """``auto``: bf16 autocast on a GPU that has bf16, fp32 elsewhere."""
-    if precision != "auto":
-        return precision
-    return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-
-
-def train_on_rank(rank: int, world_size: int, cfg: TrainConfig, resume_from=None,
-                  progress_fd: int | None = None, name_lost_peers: bool = False) -> dict:
-    """Build each implementation's strategy, run the steps, return what the report needs.
-    ``resume_from``: the :class:`engine.train_run.ResumePoint` to start the engine's run
-    from; ``progress_fd``: where global rank 0 prints its progress (default: stdout).
-    ``name_lost_peers`` (under torchrun, where no parent watches the ranks as
-    :func:`engine.launch` does): a collective that fails because peers are gone names them
-    (:class:`engine.elastic.PeerLostError`)."""
-    if not name_lost_peers:
-        return _train_on_rank(cfg, resume_from, progress_fd)
-    from engine.elastic import Peers
-
-    peers = Peers()
-    try:
-        return _train_on_rank(cfg, resume_from, progress_fd)
-    except Exception as e:
-        lost = peers.lost(e)
-        if lost is None:
-            raise
-        raise lost from e
-
-
-def _train_on_rank(cfg: TrainConfig, resume_from, progress_fd) -> dict:
-    from engine.device import rank_device
-    from engine.strategy import build, global_batch
-    from engine.topology import Mesh
-    from engine.train_report import memory_formula, traffic_formulas
-    from engine.train_run import train
-
-    device = rank_device()
-    precision = resolve_precision(cfg.precision, device)
-    mesh = Mesh(dp=cfg.dp * cfg.ep, tp=cfg.tp, pp=cfg.pp)  # every ep rank reads its own data
-    inputs, labels = global_batch(MODELS[cfg.model], mesh, cfg.microbatches, cfg.micro_batch,
-                                  device, seed=cfg.seed + 1)
-    out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
-           "precision": precision}
-    for impl in IMPLS[cfg.impl]:
-        strategy = build(cfg, MODELS[cfg.model], impl, mesh, device, precision)
-        formulas = traffic_formulas(strategy, cfg, MODELS[cfg.model]) if impl == "engine" \
-            else {}
-        if hasattr(strategy, "moe_stats"):  # expert parallelism: its own gradient rule
-            from engine.moe.strategy import moe_traffic_formulas
-
-            formulas = moe_traffic_formulas(strategy, cfg)
-        run, first_step, losses = train(strategy, cfg, inputs, labels,
-                                        resume_from if impl == "engine" else None, progress_fd)
-        out[impl] = {"first_step": first_step, "run_losses": losses,
-            "name": strategy.name, "coords": mesh.coords, "device_type": device.type,
-            "step_s": run.step_s, "compute_s": run.compute_s, "losses": run.losses,
-            "traffic": run.traffic, "counted": run.counted, "formulas": formulas,
-            "psi": strategy.psi, "memory_formula": memory_formula(strategy, cfg),
-            "state": strategy.state_bytes(),
-            "activations": run.last.peak_activation_bytes, "events": run.last.events,
-            "cuda_allocated": run.cuda_allocated, "cuda_peak": run.cuda_peak,
-            "moe": strategy.moe_stats() if hasattr(strategy, "moe_stats") else None}
-    return out
 
 
 # -- the command ----------------------------------------------------------------------------------
@@ -251,7 +193,7 @@ def parser() -> argparse.ArgumentParser:
                    help="ZeRO stage over the data-parallel group: 0 none, 1 optimizer state, "
                         "2 + gradients, 3 + parameters (dp only); --model tiny-moe shards "
                         "nothing and takes 0 (default: %(default)s)")
-    p.add_argument("--schedule", default=d.schedule, choices=("1f1b", "gpipe"),
+    p.add_argument("--schedule", default=d.schedule, choices=TRAINER_SCHEDULES,
                    help="pipeline schedule, used when --pp > 1 (default: %(default)s)")
     p.add_argument("--microbatches", type=int, default=d.microbatches,
                    help="micro-batches per step, m (default: %(default)s)")
@@ -324,8 +266,6 @@ def parse(argv) -> tuple[TrainConfig, argparse.Namespace, set[str]]:
         action.default = argparse.SUPPRESS
     p.parse_args(argv, given)
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
-    from engine.moe.gpt import MOE_MODELS
-
     if cfg.model in MOE_MODELS and "zero" not in vars(given):
         cfg = replace(cfg, zero=0)  # the MoE strategy shards nothing (engine.moe.strategy)
     return cfg, args, set(vars(given))
@@ -373,8 +313,6 @@ def main(argv=None) -> int:
 
             die_with_agent()  # an agent that dies takes its workers along: no orphans
             check_restartable()
-        from engine.train_run import resume_point, total_steps
-
         point = resume_point(cfg)
     except (ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -397,8 +335,6 @@ def main(argv=None) -> int:
         if progress_fd is not None:
             os.close(progress_fd)
     if is_global_rank_zero():
-        from engine.train_report import report
-
         decided = {"backend": backend, "precision": results[0]["precision"]}
         report(cfg, results, resolved(cfg, args, given, world, decided))
     return 0

@@ -21,183 +21,27 @@ from __future__ import annotations
 
 import os
 import statistics
-from typing import NamedTuple
 
 from engine import theory
-from engine.pp import measured_bubble, simulate, uniform_boundaries
+from engine.hardware import PEAK_TFLOPS, peak_flops
+from engine.models import TinyGPT
+from engine.moe.gpt import MOE_MODELS, TinyMoEGPT
+from engine.moe.strategy import print_moe_load
+from engine.pp import measured_bubble, simulate
+from engine.presets import MODELS
+from engine.steps import SCHEDULES
+from engine.trace import to_chrome_trace
+from engine.train_formulas import Formula, memory_formula, model_flops, traffic_formulas
 
-# Dense peak TFLOP/s from NVIDIA's datasheets (the starred tensor-core figures are with
-# sparsity: halved here), by torch.cuda.get_device_name(): bf16 on tensor cores, and fp32
-# without TF32 (torch leaves TF32 off for matrix products by default).
-PEAK_TFLOPS = {
-    "NVIDIA H100 80GB HBM3": {"bf16": 989, "fp32": 67},  # H100 SXM5
-    "NVIDIA H100 PCIe": {"bf16": 756, "fp32": 51},
-    "NVIDIA H100 NVL": {"bf16": 835, "fp32": 60},
-    "NVIDIA H200": {"bf16": 989, "fp32": 67},  # H200 SXM
-    "NVIDIA H200 NVL": {"bf16": 835, "fp32": 60},
-    "NVIDIA A100-SXM4-80GB": {"bf16": 312, "fp32": 19.5},
-    "NVIDIA A100-SXM4-40GB": {"bf16": 312, "fp32": 19.5},
-    "NVIDIA A100 80GB PCIe": {"bf16": 312, "fp32": 19.5},
-    "NVIDIA A100-PCIE-40GB": {"bf16": 312, "fp32": 19.5},
-    "NVIDIA L40S": {"bf16": 362, "fp32": 91.6},
-    "NVIDIA A10": {"bf16": 125, "fp32": 31.2},
-    "NVIDIA L4": {"bf16": 121, "fp32": 30.3},
-}
-HEADER_BYTES = 72  # the pipeline's shape message before every tensor: 9 int64
-
-
-def peak_flops(device: str, precision: str, override_tflops: float | None = None
-               ) -> float | None:
-    """Peak FLOP/s of one ``device`` (its exact CUDA name, or "CPU") in ``precision``;
-    ``override_tflops`` wins; None where no peak is known (a CPU, an unlisted GPU)."""
-    if override_tflops:
-        return override_tflops * 1e12
-    tflops = PEAK_TFLOPS.get(device, {}).get(precision)
-    return tflops * 1e12 if tflops else None
-
-
-class Formula(NamedTuple):
-    bytes: float
-    text: str
-
-
-# -- formulas, worked out on each rank from its live strategy -----------------------------------
-
-
-def traffic_formulas(strategy, cfg, model_cfg) -> dict[str, Formula]:
-    """Bytes this rank should send in one step through each group of more than one rank, by
-    :mod:`engine.theory` (fp32 elements, 4 B). Called before the first step (a compressor's
-    state is then the one the counted step starts from)."""
-    mesh = strategy.mesh
-    out = {}
-    if mesh.dp > 1:
-        out["dp"] = _dp_formula(strategy, cfg)
-    if mesh.tp > 1:
-        out["tp"] = _tp_formula(mesh, cfg, model_cfg)
-    if mesh.pp > 1:
-        b, s, h, m = cfg.micro_batch, model_cfg.seq_len, model_cfg.hidden, cfg.microbatches
-        sends = (not mesh.is_last_stage) + (not mesh.is_first_stage)
-        out["pp"] = Formula(m * sends * (b * s * h * 4 + HEADER_BYTES),
-                            f"m x {sends} direction(s) x (bsh x 4 B + {HEADER_BYTES} B shape "
-                            "header)")
-        if mesh.is_first_stage or mesh.is_last_stage:
-            v = model_cfg.vocab // mesh.tp
-            out["embedding"] = Formula(theory.ring_all_reduce_bytes(v * h * 4, 2),
-                                       f"2(2-1)/2 x (V/t) h x 4 B, an all-reduce of the tied "
-                                       f"embedding's gradient between the first and the last "
-                                       f"stage (theory.ring_all_reduce_bytes); V/t = {v}")
-    return out
-
-
-def _dp_formula(strategy, cfg) -> Formula:
-    n, m, psi = strategy.mesh.dp, cfg.microbatches, strategy.psi
-    if cfg.compress is not None:
-        return _compressed_formula(strategy.model, n)
-    if cfg.zero == 3:
-        root = strategy.model.root
-        kept = sum(shape.numel() for shape in root.shapes.values()) if root else 0
-        return Formula(
-            m * (theory.zero_comm_elements(psi, n, 3) - (n - 1) / n * kept) * 4,
-            f"ZeRO-3: m x (N-1)/N x (3Ψ - Ψ_root) x 4 B: per micro-batch two all-gathers "
-            f"(forward, backward) and one reduce-scatter (theory.zero_comm_elements), except "
-            f"the root unit's Ψ_root = {kept:,} parameters (the tied embedding), gathered once "
-            f"and kept through backward; N = {n}, m = {m}")
-    if cfg.zero == 2:
-        tied = _tied_bucket(strategy)
-        return Formula(m * theory.ring_reduce_scatter_bytes(psi * 4, n) +
-                       theory.ring_all_gather_bytes((psi + tied) * 4, n),
-                       f"ZeRO-2: (m+1)(N-1)/N x Ψ x 4 B: a reduce-scatter in each of the m = "
-                       f"{m} backwards (no whole gradient is kept to accumulate into), one "
-                       f"all-gather after the step; N = {n}" + (
-                           f"; + (N-1)/N x {tied:,} x 4 B on the first and last stage: the "
-                           "tied embedding's bucket, its gradient gathered to be summed over "
-                           "the two stages" if tied else ""))
-    return Formula(theory.zero_comm_elements(psi, n, cfg.zero) * 4,
-                   f"ZeRO-{cfg.zero}: 2(N-1)/N x Ψ x 4 B (theory.zero_comm_elements), once per "
-                   f"step (gradients accumulate over the m micro-batches); N = {n}")
-
-
-def _tied_bucket(strategy) -> int:
-    """Elements of the ZeRO-2 bucket holding the tied embedding, on a first or last pipeline
-    stage (:meth:`engine.hybrid.GPTStage.sync_tied_embedding` gathers it); else 0."""
-    mesh, weight = strategy.mesh, getattr(strategy.model, "tok", None)
-    if mesh.pp == 1 or weight is None or not (mesh.is_first_stage or mesh.is_last_stage):
-        return 0
-    return strategy.optimizer.launcher.bucket_of[weight.weight].padded
-
-
-def _tp_formula(mesh, cfg, model_cfg) -> Formula:
-    """Megatron's four all-reduces per layer, plus the embedding's (first stage), the output
-    layer's and the vocab-parallel loss's three of one number per token (last stage)."""
-    b, s, h, m, t = cfg.micro_batch, model_cfg.seq_len, model_cfg.hidden, cfg.microbatches, \
-        mesh.tp
-    first, last = mesh.is_first_stage, mesh.is_last_stage
-    starts = uniform_boundaries(model_cfg.layers, mesh.pp) + [model_cfg.layers]
-    layers = starts[mesh.coords.pp + 1] - starts[mesh.coords.pp]
-    per_mb = layers * theory.tp_comm_elements_per_layer(b, s, h, t) + \
-        (first + last) * theory.ring_all_reduce_bytes(b * s * h, t) + \
-        last * 3 * theory.ring_all_reduce_bytes(b * s, t)
-    parts = [f"8bsh(t-1)/t x {layers} layers"] + \
-        (["2bsh(t-1)/t embedding"] if first else []) + \
-        (["2bsh(t-1)/t output layer", "3 x 2bs(t-1)/t loss"] if last else [])
-    return Formula(m * per_mb * 4, f"m x ({' + '.join(parts)}) x 4 B "
-                                   "(theory.tp_comm_elements_per_layer, ring_all_reduce_bytes); "
-                                   f"b = {b}, s = {s}, h = {h}, t = {t}")
-
-
-def _compressed_formula(model, n: int) -> Formula:
-    """The data-parallel bytes of :class:`engine.dp.DataParallel` with its compressor, one
-    reduction per step (gradients accumulate under ``no_sync``)."""
-    from engine.compress.cast import BF16, FP16
-    from engine.compress.powersgd import PowerSGD
-    from engine.compress.topk import TopK
-
-    c, sizes = model.compressor, [b.buffer.numel() for b in model.buckets]
-    psi = sum(sizes)
-    if c is None:
-        return Formula(theory.ring_all_reduce_bytes(psi * 4, n),
-                       f"2(N-1)/N x Ψ x 4 B (theory.ring_all_reduce_bytes), N = {n}")
-    if isinstance(c, (FP16, BF16)):
-        return Formula(theory.ring_all_reduce_bytes(psi * 2, n),
-                       f"2(N-1)/N x Ψ x 2 B, 16-bit (theory.ring_all_reduce_bytes), N = {n}")
-    if isinstance(c, TopK):  # Random-K too: the same k per bucket
-        return Formula(sum(theory.topk_bytes_per_rank(size, c.ratio, n) for size in sizes),
-                       f"per bucket (N-1) x k x (4 B value + 4 B index), k = ceil({c.ratio} x "
-                       f"bucket) (theory.topk_bytes_per_rank), N = {n}")
-    if isinstance(c, PowerSGD) and c.iter >= c.start_iter:
-        shapes = [p.shape for b in model.buckets for p in b.params]
-        _, sent = theory.powersgd_elements(shapes, c.rank, c.min_compression_rate)
-        return Formula(theory.ring_all_reduce_bytes(sent * 4, n),
-                       f"2(N-1)/N x 4 B x (sum of (n+m)r over compressed matrices + the rest) "
-                       f"(theory.powersgd_elements), r = {c.rank}: {sent:,} elements")
-    if isinstance(c, PowerSGD):
-        return Formula(theory.ring_all_reduce_bytes(psi * 4, n),
-                       f"2(N-1)/N x Ψ x 4 B: PowerSGD averages plainly until step "
-                       f"{c.start_iter}")
-    return Formula(float("nan"), f"no formula for {c!r}")
-
-
-def memory_formula(strategy, cfg) -> dict[str, float] | None:
-    """ZeRO's per-rank model states for fp32 AdamW (4 + 4 + 8 B per parameter; Rajbhandari et
-    al., SC 2020, section 5.1) for this rank's ``psi`` parameters over dp."""
-    if not strategy.engine:
-        return None
-    stage = 0 if cfg.compress is not None else cfg.zero
-    return theory.zero_model_state_bytes(strategy.psi, strategy.mesh.dp, stage, k=8,
-                                         param_bytes=4, grad_bytes=4)
-
-
-# -- the report ---------------------------------------------------------------------------------
+# the formulas and the peaks, re-exported where the report's callers found them
+__all__ = ["report", "Formula", "traffic_formulas", "memory_formula", "peak_flops",
+           "PEAK_TFLOPS"]
 
 
 def report(cfg, results: list[dict], chosen: dict[str, str]) -> dict:
     """Print the report from every rank's results (rank order); return its numbers.
     ``chosen``: the resolved configuration, option -> value text, with "(default)" where the
     learner did not choose it."""
-    from engine.models import TinyGPT
-    from engine.moe.gpt import MOE_MODELS, TinyMoEGPT
-    from engine.train import MODELS
-
     model_cfg = MODELS[cfg.model]
     first = results[0]
     sequences = cfg.dp * cfg.ep * cfg.microbatches * cfg.micro_batch  # every ep rank: own data
@@ -221,8 +65,6 @@ def report(cfg, results: list[dict], chosen: dict[str, str]) -> dict:
         summary["ratio"] = summary["engine"]["tokens_per_s"] / summary["torch"]["tokens_per_s"]
         print(f"engine / torch tokens/s: {summary['ratio']:.2f}x")
     if cfg.trace and "engine" in first:
-        from engine.trace import to_chrome_trace
-
         to_chrome_trace([e for r in results for e in r["engine"]["events"]], cfg.trace)
         print(f"Chrome trace of the last step: {cfg.trace}")
     return summary
@@ -233,13 +75,8 @@ def _implementation(impl, cfg, model_cfg, results, tokens, sequences) -> dict:
     step_s = runs[0]["step_s"]
     median = statistics.median(step_s)
     peak = peak_flops(results[0]["device"], results[0]["precision"], cfg.peak_tflops)
-    flops = theory.transformer_flops(sequences, model_cfg.seq_len, model_cfg.layers,
-                                     model_cfg.hidden, model_cfg.vocab, recompute=False)
-    if runs[0].get("moe"):  # k experts of 4h per token, not one MLP: 3 passes of 4 h f each
-        from engine.moe.gpt import MOE_MODELS
-
-        h, extra = model_cfg.hidden, MOE_MODELS[cfg.model]["top_k"] - 1
-        flops += 12 * extra * h * 4 * h * sequences * model_cfg.seq_len * model_cfg.layers
+    top_k = MOE_MODELS[cfg.model]["top_k"] if runs[0].get("moe") else 1
+    flops = model_flops(model_cfg, sequences, top_k)
     mfu = flops / (median * len(results) * peak) if peak else None
     first = runs[0].get("first_step", 0)  # > 0: resumed; the steps before, from the checkpoint
     losses = runs[0].get("run_losses", [])[:first] + _losses(runs, cfg)
@@ -261,8 +98,6 @@ def _implementation(impl, cfg, model_cfg, results, tokens, sequences) -> dict:
         _traffic_table(runs, results[0]["precision"])
         _memory_table(runs, cfg)
         if runs[0].get("moe"):
-            from engine.moe.strategy import print_moe_load
-
             print_moe_load(runs, cfg, model_cfg)
         if cfg.pp > 1:
             _pipeline_line(runs, cfg)
@@ -341,8 +176,6 @@ def _memory_table(runs, cfg) -> None:
 
 
 def _pipeline_line(runs, cfg) -> None:
-    from engine.strategy import SCHEDULES
-
     first = [r for r in runs if r["coords"].dp == 0 and r["coords"].tp == 0]
     events = [e for r in first for e in r["events"]]
     times = {kind: [statistics.fmean([e.seconds for e in r["events"]

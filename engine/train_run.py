@@ -1,4 +1,6 @@
-"""One ``engine train`` run on one rank: from step 0 or from a checkpoint, through the timed
+"""One ``engine train`` run on one rank: :func:`train_on_rank` builds each implementation's
+strategy (:func:`engine.strategy.build`), works out the formulas the report prints
+(:mod:`engine.train_formulas`) and runs it from step 0 or from a checkpoint, through the timed
 steps (:func:`engine.timed_steps.run_steps`), with what a real run does after each step:
 
 * the loss of the step, averaged over the global batch (one all-reduce of two numbers), and a
@@ -29,8 +31,17 @@ import torch.distributed as dist
 
 from engine import checkpoints
 from engine.comm import ops
-from engine.elastic import kill_point
+from engine.device import rank_device
+from engine.elastic import Peers, kill_point
+from engine.moe.gpt import MOE_MODELS
+from engine.moe.strategy import moe_traffic_formulas
+from engine.presets import MODELS
+from engine.reshard import reshard
+from engine.steps import global_batch, resolve_precision
+from engine.strategy import build
 from engine.timed_steps import StepsRun, run_steps
+from engine.topology import Mesh
+from engine.train_formulas import memory_formula, traffic_formulas
 
 # what a checkpoint must agree with the run on: always, and (without --reshard) the layout
 SAME_TRAINING = ("model", "seed", "lr", "precision")
@@ -94,8 +105,6 @@ def resume_point(cfg) -> ResumePoint | None:
 
 
 def _is_moe(model: str | None) -> bool:
-    from engine.moe.gpt import MOE_MODELS
-
     return model in MOE_MODELS
 
 
@@ -117,6 +126,57 @@ def _global_batch(config: dict) -> int:
 # -- on every rank ------------------------------------------------------------------------------
 
 
+def train_on_rank(rank: int, world_size: int, cfg, resume_from: ResumePoint | None = None,
+                  progress_fd: int | None = None, name_lost_peers: bool = False) -> dict:
+    """Build each implementation's strategy, run the steps, return what the report needs.
+    ``cfg``: an :class:`engine.train.TrainConfig`; ``resume_from``: the
+    :class:`ResumePoint` to start the engine's run from; ``progress_fd``: where global rank 0
+    prints its progress (default: stdout). ``name_lost_peers`` (under torchrun, where no
+    parent watches the ranks as :func:`engine.launch` does): a collective that fails because
+    peers are gone names them (:class:`engine.elastic.PeerLostError`)."""
+    if not name_lost_peers:
+        return run_implementations(cfg, resume_from, progress_fd)
+    peers = Peers()
+    try:
+        return run_implementations(cfg, resume_from, progress_fd)
+    except Exception as e:
+        lost = peers.lost(e)
+        if lost is None:
+            raise
+        raise lost from e
+
+
+def run_implementations(cfg, resume_from: ResumePoint | None, progress_fd: int | None
+                        ) -> dict:
+    """Each of ``cfg.implementations`` in turn on this rank's device, on the same global
+    batch: its strategy, formulas and measurements (:func:`train_on_rank`)."""
+    device = rank_device()
+    precision = resolve_precision(cfg.precision, device)
+    mesh = Mesh(dp=cfg.dp * cfg.ep, tp=cfg.tp, pp=cfg.pp)  # every ep rank reads its own data
+    inputs, labels = global_batch(MODELS[cfg.model], mesh, cfg.microbatches, cfg.micro_batch,
+                                  device, seed=cfg.seed + 1)
+    out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+           "precision": precision}
+    for impl in cfg.implementations:
+        strategy = build(cfg, MODELS[cfg.model], impl, mesh, device, precision)
+        formulas = traffic_formulas(strategy, cfg, MODELS[cfg.model]) if impl == "engine" \
+            else {}
+        if hasattr(strategy, "moe_stats"):  # expert parallelism: its own gradient rule
+            formulas = moe_traffic_formulas(strategy, cfg)
+        run, first_step, losses = train(strategy, cfg, inputs, labels,
+                                        resume_from if impl == "engine" else None, progress_fd)
+        out[impl] = {"first_step": first_step, "run_losses": losses,
+            "name": strategy.name, "coords": mesh.coords, "device_type": device.type,
+            "step_s": run.step_s, "compute_s": run.compute_s, "losses": run.losses,
+            "traffic": run.traffic, "counted": run.counted, "formulas": formulas,
+            "psi": strategy.psi, "memory_formula": memory_formula(strategy, cfg),
+            "state": strategy.state_bytes(),
+            "activations": run.last.peak_activation_bytes, "events": run.last.events,
+            "cuda_allocated": run.cuda_allocated, "cuda_peak": run.cuda_peak,
+            "moe": strategy.moe_stats() if hasattr(strategy, "moe_stats") else None}
+    return out
+
+
 def start(strategy, cfg, point: ResumePoint | None) -> tuple[int, list[float]]:
     """Load ``point`` into ``strategy`` (re-cut if it must be); the steps done and their
     losses. Every rank checks it got the same point as the others."""
@@ -128,10 +188,7 @@ def start(strategy, cfg, point: ResumePoint | None) -> tuple[int, list[float]]:
     if point is None:
         return 0, []
     if point.reshard:
-        from engine.reshard import dense_gpt, load_resharded
-        from engine.train import MODELS
-
-        load_resharded(dense_gpt(point.path, MODELS[cfg.model]), strategy)
+        reshard(point.path, MODELS[cfg.model], strategy)
     else:
         checkpoints.load(point.path, strategy)
     return point.step, list(point.losses)

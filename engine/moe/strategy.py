@@ -1,5 +1,5 @@
 """``python -m engine train --ep 2 --dp 2 --model tiny-moe``: the tiny MoE GPT under expert x
-data parallelism, as one :class:`engine.strategy.Strategy` per rank.
+data parallelism, as one :class:`engine.steps.Strategy` per rank.
 
 Every rank reads its own slice of the global batch (the trainer's mesh is data-parallel over
 all ``dp x ep`` ranks), holds the dense weights and, in each MoE layer, the experts of its
@@ -18,13 +18,12 @@ from dataclasses import dataclass, field
 import torch
 
 from engine import theory
-from engine.memory import ActivationTracker
 from engine.moe.gpt import MOE_MODELS, TinyMoEGPT, expert_parallel, expert_parameters
 from engine.moe.layer import single_rank_group
 from engine.moe.mesh import ExpertMesh, check_layout, reduce_gradients
 from engine.pp import PipelineRun
-from engine.strategy import Strategy, autocast, lm_loss, parameter_count
-from engine.trace import Clock, TraceEvent
+from engine.steps import Strategy, accumulate_micro_batches, autocast, lm_loss, parameter_count
+from engine.train_formulas import Formula
 
 
 def check_moe_config(cfg) -> None:
@@ -74,32 +73,32 @@ def moe_strategy(cfg, model_cfg, mesh, device, precision) -> MoEStrategy:
 
 
 def _step(strategy: MoEStrategy, forward, experts: ExpertMesh):
+    """Accumulate the micro-batches (router losses included, :func:`engine.steps.
+    accumulate_micro_batches`), recording each one's expert loads and drop rates; then the
+    gradient rule once, then AdamW."""
     model, optimizer, mesh = strategy.model, strategy.optimizer, strategy.mesh
     params = list(model.parameters())
 
+    def losses(x, y):
+        loss = lm_loss(forward(x), y, mesh.tp_group)
+        return loss, loss + model.router_losses()
+
     def step(inputs, labels) -> PipelineRun:
         optimizer.zero_grad()
-        m, clock = len(inputs), Clock(params[0].device)
-        marks, losses, peak, load, drops = [], [], 0, 0, []
-        for mb, (x, y) in enumerate(zip(inputs, labels, strict=True)):
-            start = clock.mark()
-            with ActivationTracker(exclude=params) as acts:
-                loss = lm_loss(forward(x), y, mesh.tp_group)
-                total = (loss + model.router_losses()) / m
-            total.backward()
-            marks.append((mb, start, clock.mark()))
-            peak = max(peak, acts.bytes)
-            losses.append(loss.detach() / m)
+        load, drops = 0, []
+
+        def record():
+            nonlocal load
             load += sum(sum(layer.stats.processed) for layer in model.moe_layers())
-            drops += [layer.stats.drop_rate for layer in model.moe_layers()]
+            drops.extend(layer.stats.drop_rate for layer in model.moe_layers())
+
+        run = accumulate_micro_batches(losses, inputs, labels, params, mesh.rank,
+                                       after_each=record)
         reduce_gradients(model, experts)
         optimizer.step()
         strategy.loads.append(load)
         strategy.drop_rates.append(statistics.fmean(drops))
-        events = [TraceEvent(f"FB{mb}", mesh.rank, clock.seconds(s), clock.seconds(e),
-                             lane="compute", args={"kind": "FB", "mb": mb, "chunk": 0})
-                  for mb, s, e in marks]
-        return PipelineRun(sum(loss.item() for loss in losses), events, peak, {0: peak}, 1)
+        return run
 
     return step
 
@@ -111,8 +110,6 @@ def moe_traffic_formulas(strategy: MoEStrategy, cfg) -> dict:
     """The gradient all-reduces of one step, by :mod:`engine.theory` (4-byte elements). The
     all-to-alls depend on where the router sends tokens: the report shows them counted, with
     the uniform-routing formula for scale."""
-    from engine.train_report import Formula
-
     n_dense, n_expert = cfg.dp * cfg.ep, cfg.dp
     expert = sum(p.numel() for p in expert_parameters(strategy.model))
     dense = strategy.psi - expert

@@ -23,6 +23,8 @@ from engine.comm import ops
 from engine.pp.schedules import messages
 
 _MAX_DIMS = 8
+# bytes of the shape message sent before every tensor: its rank and up to 8 sizes, in int64
+SHAPE_HEADER_BYTES = (_MAX_DIMS + 1) * 8
 
 
 class Link:
