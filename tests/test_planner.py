@@ -49,3 +49,19 @@ def test_memory_and_time_follow_the_formulas():
 def test_bad_cluster_is_a_clear_error():
     with pytest.raises(ValueError, match="need gpus >= 1 and global_batch >= 1"):
         plan(MODELS["LLaMA 7B"], Cluster(0), 8)
+
+
+def test_the_planner_and_the_trainers_report_read_one_gpu_table():
+    """engine.hardware holds the peaks and links once: the planner's GPUs and its default
+    cluster, and the report's MFU peaks, are rows of it."""
+    from engine.hardware import GPU_SPECS, peak_flops
+    from engine.planner import GPUS
+
+    for label, device in (("A100 80GB", "NVIDIA A100-SXM4-80GB"),
+                          ("H100 80GB", "NVIDIA H100 80GB HBM3"), ("H200 141GB", "NVIDIA H200")):
+        assert GPUS[label]["peak_tflops"] * 1e12 == peak_flops(device, "bf16")
+        assert GPUS[label]["memory_gb"] == GPU_SPECS[device].memory_gb
+    default = Cluster(8)
+    assert (default.memory_gb, default.peak_tflops, default.intra_gbps, default.inter_gbps) == \
+        (80, 312, 300, 25)
+    assert Cluster(8, **GPUS["A100 80GB"]) == default
