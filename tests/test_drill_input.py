@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from engine.__main__ import main as engine_main
-from engine.drill import BANK, draw
+from engine.drill import BANK, Scores, draw
 from engine.drill.answers import (UNITS, Unreadable, evaluate, example, read_letter,
                                   read_number, read_yes_no, show, unit)
 from engine.drill.items import Numeric
@@ -413,7 +413,6 @@ def test_a_chapter_drill_shows_an_outline_only_with_the_answer(tmp_path, capsys,
 
 
 def test_answering_a_drill_again_replaces_its_score(tmp_path, capsys):
-    from engine.drill import Scores
     from engine.grading.drill import drill, drills
 
     scores = str(tmp_path / "scores.json")
@@ -433,9 +432,7 @@ def test_a_sitting_repeated_does_not_inflate_the_score(tmp_path, capsys):
     assert (total, right) == (1, 1) and "score: 1/1" in out
 
 
-def test_a_score_file_of_the_old_format_loads_as_a_baseline(tmp_path, capsys):
-    from engine.drill import Scores
-
+def test_a_score_file_of_the_old_format_loads_as_a_baseline(tmp_path):
     path = tmp_path / "scores.json"
     path.write_text(json.dumps({"collectives": {"right": 3, "total": 5},
                                 "zero": {"right": 0, "total": 2}, "junk": 7}))
@@ -453,3 +450,28 @@ def test_a_score_file_of_the_old_format_loads_as_a_baseline(tmp_path, capsys):
     for broken in ("[1, 2]", "{\"zero\": {\"right\": \"x\", \"total\": -1}}", "not json"):
         path.write_text(broken)
         assert Scores(path).data == {}
+
+
+def test_the_notebook_widget_shows_an_outline_only_after_the_answer(tmp_path):
+    pytest.importorskip("ipywidgets")
+    import html
+
+    from engine.viz.drill import drill_widget, question_text
+
+    path = tmp_path / "drill.json"
+    seed, q = _first("outline")
+    assert not any(point in question_text(q) for point in q.outline)
+    body, answer, buttons, result = drill_widget(count=1, seed=seed, scores_path=path).children
+    check, _ = buttons.children
+    assert check.description == "Show outline" and q.text in html.unescape(body.value)
+    assert not any(point in html.unescape(body.value) for point in q.outline)
+    answer.value = "my 30-second answer"
+    check.click()  # the learner answered: now the outline, and the y/n question
+    assert all(point in html.unescape(body.value) for point in q.outline)
+    assert check.description == "Check" and answer.value == "" and not path.exists()
+    answer.value = "maybe"
+    check.click()
+    assert "could not read 'maybe' (not y or n)" in html.unescape(result.value)
+    answer.value = "y"
+    check.click()
+    assert "right" in result.value and Scores(path).data[q.topic] == {"right": 1, "total": 1}
