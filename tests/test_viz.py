@@ -116,6 +116,7 @@ def test_planner_table_figure_and_explorer():
 
 
 def test_drill_widget_checks_an_answer_and_saves_the_score(tmp_path):
+    import html
     import json
 
     from engine.drill import draw
@@ -126,6 +127,10 @@ def test_drill_widget_checks_an_answer_and_saves_the_score(tmp_path):
     body, answer, buttons, result = box.children
     check, nxt = buttons.children
     q = draw(2, seed=5)[0]
+    if q.kind == "outline":  # "Show outline": the outline comes once the learner has answered
+        assert q.outline[0] not in body.value
+        check.click()
+        assert q.outline[0] in html.unescape(body.value)
     answer.value = str(q.answer) if q.kind == "numeric" else (
         chr(97 + q.answer) if q.kind == "choice" else "y")
     check.click()
