@@ -14,15 +14,16 @@ Nothing here asks CUDA anything on the Gloo path: a process that has called
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
+from engine.launch.env import LaunchEnv
+
 
 def local_rank() -> int:
-    """This process's index among the ranks on its machine (``LOCAL_RANK``, else 0)."""
-    return int(os.environ.get("LOCAL_RANK", "0"))
+    """This process's index among the ranks on its machine (``LOCAL_RANK``, else 0; read by
+    :class:`engine.launch.env.LaunchEnv`)."""
+    return LaunchEnv.read().local_rank
 
 
 def local_gpu(index: int | None = None) -> torch.device:

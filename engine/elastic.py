@@ -13,7 +13,8 @@ one fails. A restarted ``engine train --resume`` continues from the newest compl
 * :class:`Peers`: where every rank runs (host, pid), gathered once at the start. When a
   collective fails because a peer vanished, Gloo says only "Connection closed by peer
   [address]:port"; :meth:`Peers.lost` names the ranks whose processes are gone (those on this
-  host, checked by pid) or else the hosts the error points at.
+  host, checked by pid) or else the hosts the error points at. It tells such an error from
+  any other as the launcher does (:func:`engine.launch.errors.says_peer_is_missing`).
 * :func:`check_restartable`: a torchrun whose restarted workers could not connect (they
   would share the previous attempt's rendezvous store) is refused on its first attempt.
 * :func:`kill_point`: **for labs and tests only**, ``engine train --kill-at-step K
@@ -32,12 +33,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from engine.launch import _die_with_parent
-
-# What Gloo and the store say when the process at the other end of a connection is gone, or
-# never answered within the process group's timeout.
-_PEER_LOSS = ("connection closed by peer", "connection reset by peer", "broken pipe",
-              "timed out", "timeout")
+from engine.launch import LaunchEnv, die_with_parent, says_peer_is_missing
 
 
 class PeerLostError(RuntimeError):
@@ -51,7 +47,7 @@ class PeerLostError(RuntimeError):
 
 def restart_count() -> int:
     """How many times torchrun has restarted this worker group (0 outside torchrun)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return LaunchEnv.read().restart_count
 
 
 def check_restartable() -> None:
@@ -62,8 +58,9 @@ def check_restartable() -> None:
     workers' addresses and fails ("Gloo connectFullMesh failed ... Connection refused";
     measured with torch 2.13; pytorch/pytorch#135712 describes the same for NCCL).
     ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives every attempt a fresh store."""
-    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
-    if restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+    env = LaunchEnv.read()
+    restarts = env.max_restarts
+    if restarts > 0 and env.agent_store_shared:
         raise ValueError(
             f"torchrun --max-restarts {restarts} with the rendezvous store shared with the "
             "workers: a restarted worker would read the previous attempt's addresses from it "
@@ -74,7 +71,7 @@ def check_restartable() -> None:
 def die_with_agent() -> None:
     """Be killed (SIGKILL) when the process that started this one dies: the torchrun agent."""
     parent = os.getppid()
-    _die_with_parent()
+    die_with_parent()
     if os.getppid() != parent:  # the agent died before we asked
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -103,7 +100,7 @@ class Peers:
         """A :class:`PeerLostError` naming the lost ranks, if ``error`` is a collective that
         failed for want of a peer; None for any other error."""
         text = str(error)
-        if not any(m in text.lower() for m in _PEER_LOSS):
+        if not says_peer_is_missing(text):  # the launcher's own reading of such errors
             return None
         gone = self.gone()
         for _ in range(20):  # a killed peer's sockets close a moment before its process ends

@@ -34,8 +34,8 @@ import sys
 from dataclasses import dataclass, fields, replace
 
 import torch
-import torch.distributed as dist
 
+from engine.launch import resolve_backend
 from engine.moe.gpt import MOE_MODELS
 from engine.moe.strategy import check_moe_config
 from engine.presets import MODELS
@@ -271,16 +271,6 @@ def parse(argv) -> tuple[TrainConfig, argparse.Namespace, set[str]]:
     return cfg, args, set(vars(given))
 
 
-def resolve_backend(requested: str, world_size: int) -> str:
-    """``auto``: NCCL when there is a GPU for every rank on this machine (under torchrun,
-    ``LOCAL_WORLD_SIZE``: the same on every process), else Gloo."""
-    if requested != "auto":
-        return requested
-    here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return "nccl" if gpus >= here and dist.is_nccl_available() else "gloo"
-
-
 def resolved(cfg: TrainConfig, args: argparse.Namespace, given: set[str], world: int,
              decided: dict[str, str]) -> dict[str, str]:
     """Each option and its value, marked "(default)" where the learner did not choose it;
@@ -300,15 +290,19 @@ def resolved(cfg: TrainConfig, args: argparse.Namespace, given: set[str], world:
 
 
 def main(argv=None) -> int:
-    from engine.launch import _under_torchrun, is_global_rank_zero, launch
+    from engine.launch import LaunchEnv, is_global_rank_zero, launch
 
+    env = LaunchEnv.read()
     try:
         cfg, args, given = parse(argv)
-        world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else \
-            (args.world_size or cfg.world_size)
+        world = env.world_size if env.under_torchrun else (args.world_size or cfg.world_size)
         check_config(cfg, world)
-        backend = resolve_backend(args.backend, world)
-        if _under_torchrun():
+        # auto: NCCL when there is a GPU for every rank on this machine (under torchrun,
+        # LOCAL_WORLD_SIZE: the same on every process), else Gloo
+        here, named = (env.local_world_size, "LOCAL_WORLD_SIZE") if env.under_torchrun else \
+            (world, "world_size")
+        backend = resolve_backend(args.backend, here, named, prefer_nccl=True)
+        if env.under_torchrun:
             from engine.elastic import check_restartable, die_with_agent
 
             die_with_agent()  # an agent that dies takes its workers along: no orphans
@@ -324,12 +318,12 @@ def main(argv=None) -> int:
     if is_global_rank_zero():
         print(f"training on {world} rank(s), {backend}...", flush=True)
     progress_fd, run = _progress_fd(backend), launch
-    if _under_torchrun():  # torchrun's summary then shows the worker's error, not a link
+    if env.under_torchrun:  # torchrun's summary then shows the worker's error, not a link
         from torch.distributed.elastic.multiprocessing.errors import record
 
         run = record(launch)
     try:
-        results = run(train_on_rank, world, cfg, point, progress_fd, _under_torchrun(),
+        results = run(train_on_rank, world, cfg, point, progress_fd, env.under_torchrun,
                       backend=backend, timeout=cfg.timeout)
     finally:
         if progress_fd is not None:
@@ -344,10 +338,10 @@ def _progress_fd(backend: str) -> int | None:
     """The terminal this command runs in, for forked ranks (their own output is captured and
     printed after the run): a live progress bar. None elsewhere (torchrun's workers print to
     it directly; a notebook or a pipe gets one line per step, after the run)."""
-    from engine.launch import _under_torchrun
+    from engine.launch import LaunchEnv
 
     try:
-        live = backend == "gloo" and not _under_torchrun() and sys.stdout.isatty()
+        live = backend == "gloo" and not LaunchEnv.read().under_torchrun and sys.stdout.isatty()
         return os.dup(sys.stdout.fileno()) if live else None
     except (AttributeError, OSError, ValueError):  # a notebook's stdout has no descriptor
         return None

@@ -360,3 +360,83 @@ def test_the_first_fork_brings_dynamo_along():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout
     assert out.strip() == "[True, True] True"
+
+
+def test_the_launch_environment_is_one_frozen_record():
+    """RANK, WORLD_SIZE, LOCAL_* and torchelastic's variables, read in one place."""
+    import dataclasses
+
+    from engine.launch import LaunchEnv
+
+    env = LaunchEnv.read(dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
+                              MASTER_ADDR="node0", MASTER_PORT="29500",
+                              TORCHELASTIC_RESTART_COUNT="1", TORCHELASTIC_MAX_RESTARTS="2",
+                              TORCHELASTIC_USE_AGENT_STORE="True"))
+    assert env == LaunchEnv(rank=3, world_size=4, local_rank=1, local_world_size=2,
+                            under_torchrun=True, master_addr="node0", master_port=29500,
+                            restart_count=1, max_restarts=2, agent_store_shared=True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        env.rank = 0
+    assert LaunchEnv.read({}) == LaunchEnv()  # no launch: rank 0 of 1, not under torchrun
+    # LOCAL_WORLD_SIZE unset: every rank on this machine, the same on every process
+    assert LaunchEnv.read(dict(RANK="1", WORLD_SIZE="4", LOCAL_RANK="1")).local_world_size == 4
+    with pytest.raises(ValueError, match="LOCAL_RANK must be an int, got 'x'"):
+        LaunchEnv.read(dict(LOCAL_RANK="x"))
+
+
+def test_only_the_launch_environment_reads_the_rank_variables():
+    """No other engine module reads RANK, WORLD_SIZE, LOCAL_* or TORCHELASTIC_* itself."""
+    import ast
+    from pathlib import Path
+
+    def reads_them(source: str) -> bool:  # uses os.environ and names one of the variables
+        nodes = list(ast.walk(ast.parse(source)))
+        return any(isinstance(n, ast.Attribute) and n.attr == "environ" for n in nodes) and any(
+            isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and n.value.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "TORCHELASTIC_"))
+            for n in nodes)
+
+    root = Path(__file__).resolve().parent.parent / "engine"
+    readers = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py")
+                     if reads_them(p.read_text()))
+    assert readers == ["launch/env.py"]
+
+
+def test_one_resolve_backend_with_nccl_preferred_only_when_asked(monkeypatch):
+    """``engine train``'s auto (prefer_nccl) takes the GPUs when there is one per local rank;
+    the launcher's auto stays on Gloo and asks CUDA nothing. engine.train uses the same one."""
+    from engine.launch import resolve_backend
+    from engine.train import resolve_backend as train_resolve_backend
+
+    assert train_resolve_backend is resolve_backend
+    asked = _pretend_gpus(monkeypatch, 2)
+    assert resolve_backend("auto", 8) == "gloo" and asked == []
+    assert resolve_backend("auto", 2, prefer_nccl=True) == "nccl"
+    assert resolve_backend("auto", 3, prefer_nccl=True) == "gloo"
+    assert resolve_backend("gloo", 2, prefer_nccl=True) == "gloo"
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE=3 but only 2 GPU"):
+        resolve_backend("nccl", 3, "LOCAL_WORLD_SIZE", prefer_nccl=True)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
+    assert resolve_backend("auto", 1, prefer_nccl=True) == "gloo"
+
+
+def test_engine_launch_is_the_function_and_the_package():
+    """``engine.launch(fn, n)`` is the function; ``engine.launch`` the package still answers
+    ``from engine.launch import ...`` and ``unittest.mock.patch("engine.launch.X")``."""
+    code = textwrap.dedent("""
+        import sys
+        from unittest import mock
+        import engine
+        import engine.launch
+        from engine.launch import LaunchError, launch, supervisor
+        assert engine.launch is launch and callable(engine.launch)
+        package = sys.modules["engine.launch"]
+        with mock.patch("engine.launch.is_global_rank_zero", lambda: "patched"):
+            assert package.is_global_rank_zero() == "patched"
+        with mock.patch("engine.launch.supervisor.DEADLINE_GRACE_S", 9.0):
+            assert supervisor.DEADLINE_GRACE_S == 9.0
+        print(engine.launch(lambda r, ws: r, 2, quiet=True, timeout=60))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert out.strip() == "[0, 1]"
