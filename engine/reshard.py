@@ -36,8 +36,12 @@ import torch
 from engine.models import GPTConfig, TinyGPT
 from engine.pp import uniform_boundaries
 from engine.tp.layout import TP_SPLIT, dense_block_name, join  # noqa: F401 - TP_SPLIT kept here
-from engine.zero.checkpoint import (CheckpointError, DenseOptimizerState, consolidate,
-                                    consolidate_optimizer, load_dense, read_manifest)
+from engine.checkpoint.consolidate import (DenseOptimizerState, consolidate,
+                                           consolidate_optimizer)
+from engine.checkpoint.files import CheckpointError
+from engine.checkpoint.protocol import load_files
+from engine.checkpoint.sharded import read_manifest
+from engine.zero.recut import load_dense
 
 _BLOCK = re.compile(r"blocks\.(\d+)\.(.*)")
 
@@ -132,6 +136,15 @@ def _joined(pieces: dict[str, list], cfg: GPTConfig, directory) -> dict[str, tor
         raise CheckpointError(f"{directory} holds {extra[:3]}, which a {cfg.layers}-block GPT "
                               "does not have: a checkpoint of another model")
     return {name: whole[name] for name in expected}
+
+
+def reshard(directory, cfg: GPTConfig, strategy) -> None:
+    """Join the checkpoint in ``directory`` (:func:`dense_gpt`), then cut this rank's part of
+    ``strategy`` from it (:func:`load_resharded`), as the two steps of the checkpoint load
+    protocol (:func:`engine.checkpoint.protocol.load_files`): an error on any rank, in either,
+    is raised on every rank, naming it. Call on every rank."""
+    load_files(directory, lambda: dense_gpt(directory, cfg),
+               lambda dense: load_resharded(dense, strategy))
 
 
 def load_resharded(dense: DenseGPT, strategy) -> None:
