@@ -143,3 +143,60 @@ def test_no_private_name_is_imported_across_modules():
                        for name in MODULES for module, imported in _imported(name)
                        if imported.startswith("_") and not imported.startswith("__"))
     assert not offenders, "\n".join(offenders)
+
+
+# The layers of engine/, bottom first: a module may import its own layer and the layers below,
+# never one above. README.md's Layout section draws the same table. A module belongs to the
+# layer of the longest prefix that names it; a new module must be placed here.
+LAYERS = (
+    ("foundations", ("engine.validation", "engine.theory", "engine.hardware", "engine.clock",
+                     "engine.attention", "engine.memory", "engine.grad_buckets", "engine.models",
+                     "engine.presets", "engine.topology", "engine.planner", "engine.checkpoint",
+                     "engine.rank_checkpoint", "engine.launch.env")),
+    ("processes", ("engine.device", "engine.launch", "engine.elastic")),
+    ("communication", ("engine.comm", "engine.trace")),
+    ("strategies", ("engine.dp", "engine.compress", "engine.zero", "engine.fsdp2", "engine.tp",
+                    "engine.pp", "engine.cp", "engine.moe", "engine.reshard",
+                    "engine.checkpoints")),
+    ("training", ("engine.steps", "engine.timed_steps", "engine.train_formulas", "engine.hybrid",
+                  "engine.moe.strategy", "engine.strategy", "engine.compose", "engine.train_report",
+                  "engine.train_run", "engine.train", "engine.parity", "engine.__main__")),
+    ("teaching", ("engine.drill", "engine.viz", "engine.grading")),
+)
+
+
+def layer_of(module: str) -> int | None:
+    best = None
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                if best is None or len(prefix) > best[1]:
+                    best = (index, len(prefix))
+    return None if best is None else best[0]
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for module, targets in sorted(graph.items()):
+        if module == "engine":
+            continue  # the package root re-exports launch for engine.launch(fn, n)
+        mine = layer_of(module)
+        if mine is None:
+            found.append(f"{module} is in no layer: add it to LAYERS (and README's Layout)")
+            continue
+        found += [f"{module} ({LAYERS[mine][0]}) imports {target} "
+                  f"({LAYERS[layer_of(target)][0]}), a layer above it"
+                  for target in sorted(targets) if (layer_of(target) or 0) > mine]
+    return found
+
+
+def test_the_layering_check_can_fail():
+    graph = {"engine.comm.ring": {"engine.train"}, "engine.newthing": set()}
+    assert layering_violations(graph) == [
+        "engine.comm.ring (communication) imports engine.train (training), a layer above it",
+        "engine.newthing is in no layer: add it to LAYERS (and README's Layout)"]
+
+
+def test_each_module_imports_only_its_own_layer_and_those_below():
+    violations = layering_violations(import_graph())
+    assert not violations, "\n".join(violations)
