@@ -48,28 +48,31 @@ The layers, each its own module, each importing only those above it in this list
 * :mod:`~engine.launch.torchrun`: the torchrun path, ``fn`` in this process.
 * :mod:`~engine.launch.supervisor`: the parent's side of a local launch.
 * :mod:`~engine.launch.entry`: :func:`launch` itself, which picks the path.
+
+``engine.launch`` the attribute is the function (``engine/__init__`` binds it, so
+``engine.launch(fn, n)`` works), while ``from engine.launch import X`` and
+``unittest.mock.patch("engine.launch.X")`` reach this package. Import a layer by
+``from engine.launch import supervisor`` (``import engine.launch.supervisor as m`` finds the
+function first and fails, as ``import engine.launch as m`` always gave the function).
 """
 
-from engine.launch.backend import BACKENDS, init_process_group, resolve_backend
+from engine.launch.backend import BACKENDS, resolve_backend
 from engine.launch.entry import DEFAULT_TIMEOUT_S, launch
 from engine.launch.env import LaunchEnv, is_global_rank_zero
 from engine.launch.errors import (
-    Failure,
     LaunchError,
     RankDiedError,
     RankError,
     RankTimeoutError,
-    is_symptom,
     says_peer_is_missing,
 )
-from engine.launch.rank import die_with_parent, to_cpu
+from engine.launch.rank import die_with_parent
 from engine.launch.supervisor import DEADLINE_GRACE_S
 
 _DEADLINE_GRACE_S = DEADLINE_GRACE_S  # the name this constant had before launch was a package
 
 __all__ = [
-    "BACKENDS", "DEADLINE_GRACE_S", "DEFAULT_TIMEOUT_S", "Failure", "LaunchEnv", "LaunchError",
-    "RankDiedError", "RankError", "RankTimeoutError", "die_with_parent", "init_process_group",
-    "is_global_rank_zero", "is_symptom", "launch", "resolve_backend", "says_peer_is_missing",
-    "to_cpu",
+    "BACKENDS", "DEADLINE_GRACE_S", "DEFAULT_TIMEOUT_S", "LaunchEnv", "LaunchError",
+    "RankDiedError", "RankError", "RankTimeoutError", "die_with_parent", "is_global_rank_zero",
+    "launch", "resolve_backend", "says_peer_is_missing",
 ]
