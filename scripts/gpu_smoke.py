@@ -125,7 +125,7 @@ def nccl_1() -> None:
 
 
 def _backend(rank, world_size):
-    t = torch.ones(1)
+    t = torch.ones(1, device=rank_device())  # NCCL moves only tensors on the rank's GPU
     dist.all_reduce(t)
     return dist.get_backend(), float(t)
 

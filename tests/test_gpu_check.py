@@ -309,3 +309,30 @@ def test_smoke_torchrun_on_a_machine_with_too_few_gpus():
     results = [line for line in done.stdout.splitlines() if line.startswith("RESULT: ")]
     assert len(results) == 1  # printed by global rank 0 only
     assert "default -> Gloo on every rank; NCCL refused on every rank" in results[0]
+
+
+def _load_smoke():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_smoke", SMOKE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _smoke_backend_under_nccl_rules(rank, world_size):
+    from engine.comm.nccl_rules import nccl_rules
+
+    with nccl_rules("cpu"):  # a tensor made without a device is refused, as NCCL would
+        try:
+            return _load_smoke()._backend(rank, world_size)
+        except ValueError as e:
+            return str(e)
+
+
+def test_smoke_torchrun_check_hands_nccl_a_tensor_on_the_ranks_device():
+    """gpu_smoke's torchrun check all-reduces on NCCL where there are GPUs enough: its tensor
+    must be on the rank's GPU (engine.device.rank_device), not where torch.ones puts it."""
+    from tests.helpers import run_ranks
+
+    assert run_ranks(_smoke_backend_under_nccl_rules, 2) == [("gloo", 2.0)] * 2
