@@ -118,6 +118,72 @@ def test_no_meter_open_records_nothing_and_costs_nothing():
     assert run_ranks(rank_fn, 2) == [(0, 2.0), (0, 2.0)]
 
 
+class _SaysCuda(torch.Tensor):
+    """A CPU tensor that tells the engine's wrappers (engine/comm) it is on CUDA, so that they
+    take the path where they would mark the GPU's stream (CUDA events), on a machine without
+    a GPU; to torch itself it is the CPU tensor it is."""
+
+    @property
+    def is_cuda(self):
+        import sys
+
+        return "engine/comm/" in sys._getframe(1).f_code.co_filename
+
+
+def _every_op(rank, world_size, make):
+    peer = 1 - rank
+    t = make(torch.ones(8))
+    ops.all_reduce(t)
+    ops.all_reduce(t, async_op=True).wait()
+    ops.broadcast(t, 0)
+    ops.reduce(t, 0)
+    ops.reduce_scatter_tensor(make(torch.empty(4)), t)
+    ops.all_gather_into_tensor(t, make(torch.ones(4)))
+    ops.all_to_all_single(make(torch.empty(8)), t)
+    ops.all_gather_into_tensor(t, make(torch.ones(4)), async_op=True).wait()
+    ops.barrier()
+    for send_first in (rank == 0, rank == 1):
+        ops.send(t, peer) if send_first else ops.recv(t, peer)
+    (ops.isend(t, peer) if rank == 0 else ops.irecv(t, peer)).wait()
+    for work in ops.batch_isend_irecv([ops.send_op(t, peer), ops.recv_op(make(torch.empty(8)),
+                                                                          peer)]):
+        work.wait()
+
+
+def _what_is_made(rank, world_size):
+    from engine.comm import collectives, meter, p2p
+
+    made = dict(events=0, records=0, gpu_marks=0, cuda_events=0)
+
+    def counting(key, fn):
+        def counted(*args, **kwargs):
+            made[key] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    for module in (collectives, p2p):
+        module.CommEvent = counting("events", module.CommEvent)
+        module.record = counting("records", module.record)
+    meter.OPEN.gpu_mark = counting("gpu_marks", meter.OPEN.gpu_mark)
+    torch.cuda.Event = counting("cuda_events", torch.cuda.Event)
+    make = lambda t: t.as_subclass(_SaysCuda)  # noqa: E731
+    _every_op(rank, world_size, make)
+    unmetered = dict(made)
+    with CommMeter(count="model") as open_meter:
+        _every_op(rank, world_size, make)
+    return unmetered, made, len(open_meter.events)
+
+
+def test_with_no_meter_open_no_event_and_no_cuda_event_is_made():
+    """Every collective and point-to-point op of ops, on a tensor that says it is on CUDA:
+    with no meter open nothing is built or recorded and no CUDA event is made; with a meter
+    open the same ops make their events and mark the stream (the path is reached)."""
+    for unmetered, made, events in run_ranks(_what_is_made, 2):
+        assert unmetered == dict(events=0, records=0, gpu_marks=0, cuda_events=0)
+        assert made["events"] == made["records"] == events == 14
+        assert made["gpu_marks"] == 2 * 8  # each collective's start and end on the stream
+
+
 def test_unknown_wire_model_is_a_clear_error():
     with pytest.raises(ValueError, match="no wire model for op 'all_to_all'"):
         theory.collective_wire_bytes("all_to_all", 100, 4, 0)

@@ -116,3 +116,46 @@ def test_ring_steps_post_send_and_receive_together_as_nccl_needs(world_size):
     for ring_calls, after_all_to_all in run_ranks(_p2p_calls, world_size, 10):
         assert ring_calls == {"batched": 2 * (world_size - 1), "unbatched": 0}
         assert after_all_to_all == {"batched": 3 * (world_size - 1), "unbatched": 0}
+
+
+def _stack_walks(rank, world_size, where):
+    """How many times the rules walked the stack (``caller()``, ``inspect.stack``) for a few
+    valid ops, and for one refused op (an any-source receive) where the rules are on."""
+    import contextlib
+    import inspect
+
+    import torch.distributed as dist
+
+    import engine.device
+    from engine.comm import nccl_rules as rules
+
+    walks = []
+    caller, stack = rules.caller, inspect.stack
+    rules.caller = lambda: walks.append("caller") or caller()
+    inspect.stack = lambda *a, **k: walks.append("inspect.stack") or stack(*a, **k)
+    if where == "on nccl":  # the backend reported as NCCL, the rank's GPU as the CPU
+        dist.get_backend = lambda group=None: "nccl"
+        engine.device.local_gpu = lambda index=None: torch.device("cpu")
+    rules_on = nccl_rules("cpu") if where == "inside nccl_rules()" else contextlib.nullcontext()
+    with rules_on:
+        t = torch.ones(8, device="cpu")
+        ops.all_reduce(t)
+        ops.broadcast(t, 0)
+        (ops.isend(t, 1) if rank == 0 else ops.irecv(t, 0)).wait()
+        for work in ops.batch_isend_irecv([ops.send_op(t, 1 - rank),
+                                           ops.recv_op(torch.empty(8, device="cpu"), 1 - rank)]):
+            work.wait()
+        valid = list(walks)
+        if where != "off":
+            with pytest.raises(ValueError, match="any source"):
+                ops.recv(t, None)
+    return valid, walks[len(valid):]
+
+
+@pytest.mark.parametrize("where, refused", [("off", []), ("on nccl", ["caller"]),
+                                            ("inside nccl_rules()", ["caller"])])
+def test_the_rules_walk_the_stack_only_to_name_a_refused_op(where, refused):
+    """Off (Gloo, outside ``nccl_rules()``) the rules cost no stack walk; on NCCL or inside
+    ``nccl_rules()`` a valid op costs none either, and a refused one walks once, to say where
+    it was issued."""
+    assert run_ranks(_stack_walks, 2, where) == [([], refused)] * 2

@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from engine import theory
 from engine.comm import counted, nccl_rules
-from engine.comm.meter import OPEN, CommEvent, collecting_messages, counting_wire, record
+from engine.comm.meter import (OPEN, CommEvent, collecting_messages, counting_wire, record,
+                               recording)
 from engine.comm.p2p import MeteredWork, group_ranks, mark_gpu_end, nbytes, staged
 
 ReduceOp = dist.ReduceOp
@@ -68,10 +69,18 @@ def _collective(
     Inside ``CommMeter(count="wire")``, ``counted()`` runs the engine's point-to-point version
     and the event holds the bytes of its messages. Otherwise ``run(async_op)`` runs the built-in
     (``after`` copies a host-staged result back) and the event holds the wire model's bytes
-    (``modeled_bytes``, or :func:`engine.theory.collective_wire_bytes`).
+    (``modeled_bytes``, or :func:`engine.theory.collective_wire_bytes`). With no meter open
+    nothing is recorded: no event, no CUDA event, only the built-in.
     """
     if dist.get_rank(group) < 0:  # not a member: torch makes this a no-op, and so do we
         return run(async_op)
+    if not recording():
+        work = run(async_op)
+        if async_op:
+            return MeteredWork(work, [], has_future=False, after=after)
+        if after is not None:
+            after()
+        return None
     ranks = group_ranks(group)
     me = ranks.index(dist.get_rank())
     if counted is not None and counting_wire():
