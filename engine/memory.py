@@ -189,6 +189,16 @@ def count_state_bytes(held: StateTensors) -> StateBytes:
                       offloaded=unique_storage_bytes(held.offloaded))
 
 
+# Autograd nodes whose output holds its input's values: views (the same storage) and casts
+# (``.to(dtype)``, autocast's copy of a weight). A saved tensor reached from a parameter through
+# these only is that parameter, in another dtype or shape, not an activation.
+CAST_AND_VIEW_NODES = frozenset({
+    "ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
+    "UnsafeViewBackward0", "ReshapeAliasBackward0", "ExpandBackward0", "AliasBackward0",
+    "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2",
+    "SliceBackward0", "SelectBackward0", "AsStridedBackward0"})
+
+
 class ActivationTracker:
     """Count the bytes autograd saves for backward while the context is open.
 
@@ -199,21 +209,40 @@ class ActivationTracker:
         with ActivationTracker(exclude=model.parameters()) as acts:
             loss = model(x).sum()
         acts.bytes  # activation memory held until backward
+
+    Under autocast (bf16, the GPU default) a layer saves a low-precision copy of its weight, not
+    the weight: a copy of an excluded parameter (reached from it through casts and views only,
+    :data:`CAST_AND_VIEW_NODES`) is not an activation either. Its bytes, memory held until
+    backward all the same, are in ``cast_bytes``. (A parameter that does not require grad has
+    no such link: its copy is counted as an activation.)
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()):
-        self._seen = {k for k in (_storage_key(t) for t in exclude) if k is not None}
+        self._parameters = {k for k in (_storage_key(t) for t in exclude) if k is not None}
+        self._seen = set(self._parameters)
         self.bytes = 0
         self.count = 0
+        self.cast_bytes = 0  # copies of excluded parameters kept for backward (autocast's)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
         if key is not None and key not in self._seen:
             self._seen.add(key)
-            self.bytes += t.untyped_storage().nbytes()
-            self.count += 1
+            if self._is_parameter_copy(t):
+                self.cast_bytes += t.untyped_storage().nbytes()
+            else:
+                self.bytes += t.untyped_storage().nbytes()
+                self.count += 1
         return t
+
+    def _is_parameter_copy(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` comes from an excluded parameter through casts and views only."""
+        node = t.grad_fn
+        while node is not None and node.name() in CAST_AND_VIEW_NODES:
+            node = node.next_functions[0][0]
+        leaf = getattr(node, "variable", None)  # an AccumulateGrad node holds its parameter
+        return leaf is not None and _storage_key(leaf) in self._parameters
 
     def __enter__(self) -> "ActivationTracker":
         self._hooks.__enter__()

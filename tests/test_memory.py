@@ -77,6 +77,38 @@ def test_activation_tracker_counts_saved_tensors_once_and_skips_parameters():
     z.sum().backward()  # the graph still works with the hooks applied
 
 
+def _tracked(module, inputs, precision):
+    with ActivationTracker(exclude=module.parameters()) as acts:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            out = module(*inputs)
+    out.float().sum().backward()  # the graph still works with the hooks applied
+    return acts
+
+
+def test_autocasts_copies_of_the_weights_are_not_activations():
+    """A Linear(256, 256) on 4 rows: in fp32 autograd keeps the input (4,096 B); under bf16
+    autocast it keeps the input's bf16 copy (2,048 B) and the weight's bf16 copy, which is the
+    parameter in another dtype (131,072 B, in cast_bytes), not an activation. Before, the
+    tracker counted 133,120 B of activations in bf16."""
+    linear = torch.nn.Linear(256, 256)
+    x = torch.randn(4, 256, requires_grad=True)
+    fp32, bf16 = (_tracked(linear, [x], precision) for precision in ("fp32", "bf16"))
+    assert (fp32.bytes, fp32.count, fp32.cast_bytes) == (4 * 256 * 4, 1, 0)
+    assert (bf16.bytes, bf16.count, bf16.cast_bytes) == (4 * 256 * 2, 1, 256 * 256 * 2)
+
+
+def test_a_gpt_under_autocast_casts_each_matmul_weight_once():
+    cfg = GPTConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32)
+    model = TinyGPT(cfg, seed=0)
+    tokens = torch.randint(0, cfg.vocab, (3, cfg.seq_len))
+    fp32, bf16 = (_tracked(model, [tokens], precision) for precision in ("fp32", "bf16"))
+    matmul_weights = [p for name, p in model.named_parameters()  # the head is tok, tied
+                      if p.dim() == 2 and not name.startswith("pos.")]
+    assert bf16.cast_bytes == sum(2 * p.numel() for p in matmul_weights)
+    assert fp32.cast_bytes == 0 and bf16.bytes < fp32.bytes
+    assert bf16.count == fp32.count  # the same tensors saved, some in bf16
+
+
 @pytest.mark.gpu
 def test_cuda_reports_allocator_numbers():
     model = MLP((16, 8)).cuda()
