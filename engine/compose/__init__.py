@@ -1,0 +1,20 @@
+"""The composed engine: one model, parallelised by functions, trained by one loop.
+
+torchtitan, Megatron-Core and picotron are each one system: a mesh of named dimensions
+(:class:`engine.topology.Mesh`), functions that parallelise one model definition, one training
+loop. This package is that system for the engine, built from the per-concept layers a learner
+reads (:mod:`engine.tp`, :mod:`engine.cp`, :mod:`engine.moe`, :mod:`engine.dp`,
+:mod:`engine.zero`), bottom up:
+
+* :mod:`~engine.compose.plan`: :class:`Plan`, the degrees and choices of one layout, checked
+  against the model and the batch before any rank starts;
+* :mod:`~engine.compose.model`: :class:`GPT`, the one GPT definition (grouped-query attention,
+  dense or MoE feed-forward layers, tied or untied embeddings);
+* :mod:`~engine.compose.data`: the global batch of step k, the same sequences whatever the
+  layout (``varlen``: packed documents, padding, a loss mask), and each rank's slice of it;
+* :mod:`~engine.compose.loss`: the loss normalised by the global count of tokens;
+* :mod:`~engine.compose.parallelize`: ``parallelize(model, mesh, plan)`` in a fixed order;
+* :mod:`~engine.compose.state`: the whole parameters back from any layout, for comparing;
+* :mod:`~engine.compose.loop`: the one training step and loop, with hooks;
+* :mod:`~engine.compose.parity`: the parity matrix, every layout against one process.
+"""

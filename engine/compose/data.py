@@ -1,0 +1,93 @@
+"""The global batch of step k, the same sequences whatever the layout, and each rank's slice.
+
+Every rank draws the *whole* global batch of the step from the step's seed (a few thousand
+token ids: cheap) and keeps its part: rows ``[d B/dp, (d+1) B/dp)`` for its data-parallel
+index ``d``, cut into ``micro_batches`` micro-batches; along the sequence, the tokens of its
+context-parallel index in the plan's layout (:func:`engine.cp.layout.shard_indices`), with
+their positions. So one process, given the same step, sees exactly the union of what every
+layout's ranks see, and the number of tokens that count in the loss is known to every rank
+before the first forward (:mod:`engine.compose.loss`).
+
+``varlen=True``: each row packs documents of random length (2 to ``S/2 + 1`` tokens) one after
+another until the next does not fit; the rest of the row is padding (id 0), and the loss
+``mask`` is 0 on every target that is padding. Rows, and so micro-batches and ranks, then
+hold different numbers of tokens that count: the case where a per-micro-batch mean goes
+wrong. (Attention stays causal over the packed row; the mask removes padding from the loss.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.cp.layout import shard_indices
+
+PAD = 0
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Token ids, next-token targets and the loss mask (1: counts), each ``[rows, tokens]``,
+    and the tokens' ``positions`` in their sequence (``[tokens]``)."""
+
+    ids: torch.Tensor
+    targets: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+
+    @property
+    def tokens(self) -> int:
+        """How many targets count in the loss."""
+        return int(self.mask.sum().item())
+
+    def to(self, device) -> "Batch":
+        return Batch(*(t.to(device) for t in (self.ids, self.targets, self.mask,
+                                              self.positions)))
+
+
+def packed_rows(rows: int, seq_len: int, vocab: int, g: torch.Generator) -> torch.Tensor:
+    """``[rows, seq_len + 1]`` streams of documents of random length, padded with ``PAD``."""
+    stream = torch.randint(1, vocab, (rows, seq_len + 1), generator=g)
+    for row in stream:
+        used = 0
+        while True:
+            length = int(torch.randint(2, seq_len // 2 + 2, (1,), generator=g))
+            if used + length > seq_len + 1:
+                break
+            used += length
+        row[used:] = PAD
+    return stream
+
+
+def global_batch(step: int, rows: int, seq_len: int, vocab: int, seed: int = 1,
+                 varlen: bool = False) -> Batch:
+    """The whole global batch of ``step``: ``rows`` sequences of ``seq_len`` tokens."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    if varlen:
+        stream = packed_rows(rows, seq_len, vocab, g)
+        mask = (stream[:, 1:] != PAD).float()
+    else:
+        stream = torch.randint(vocab, (rows, seq_len + 1), generator=g)
+        mask = torch.ones(rows, seq_len)
+    return Batch(stream[:, :-1].contiguous(), stream[:, 1:].contiguous(), mask,
+                 torch.arange(seq_len))
+
+
+def rank_slice(batch: Batch, dp: int, dp_index: int, cp: int = 1, cp_index: int = 0,
+               cp_layout: str = "zigzag", micro_batches: int = 1) -> list[Batch]:
+    """This rank's micro-batches of ``batch``: its data-parallel rows, cut into
+    ``micro_batches``, each holding its context-parallel tokens in ``cp_layout``."""
+    rows = batch.ids.shape[0]
+    if rows % (dp * micro_batches):
+        raise ValueError(f"a global batch of {rows} rows does not split into dp x "
+                         f"micro_batches = {dp} x {micro_batches} equal parts")
+    per = rows // dp
+    mine = slice(dp_index * per, (dp_index + 1) * per)
+    tokens = shard_indices(batch.ids.shape[1], cp, cp_index, cp_layout)
+    ids, targets, mask = (t[mine][:, tokens] for t in (batch.ids, batch.targets, batch.mask))
+    positions = batch.positions[tokens]
+    return [Batch(i, t, m, positions) for i, t, m in zip(ids.chunk(micro_batches),
+                                                         targets.chunk(micro_batches),
+                                                         mask.chunk(micro_batches),
+                                                         strict=True)]

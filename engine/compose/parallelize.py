@@ -1,0 +1,166 @@
+"""``parallelize(model, mesh, plan)``: one :class:`engine.compose.model.GPT` turned into this
+rank's part of a parallel layout, by functions applied in a fixed order.
+
+The order is torchtitan's (``parallelize_llama``: TP, then activation checkpointing and
+compile, then FSDP): each step changes modules the next one wraps, never the other way round.
+
+1. **Tensor parallelism** (Shoeybi et al. 2019), :func:`apply_tensor_parallel`: the embedding
+   becomes vocab-parallel, the output layer column-parallel over the vocabulary (tied: the
+   same slice), each attention's fused ``[q | k | v]`` column-parallel by heads (rank r: its
+   ``1/t`` of the query heads and of the KV heads) and its output row-parallel, each MLP
+   column- then row-parallel. With sequence parallelism (Korthikanti et al. 2023) the
+   LayerNorms become :class:`engine.tp.layers.SequenceParallelLayerNorm` and the positions
+   are scattered with the tokens.
+2. **Context parallelism**, :func:`apply_context_parallel`: each attention's ``core`` becomes
+   ring attention (Liu et al. 2023; zig-zag or contiguous layout) or Ulysses (Jacobs et al.
+   2023) over ``mesh.cp_group``. Nothing else changes: every other layer works token by token,
+   and the data layer gives each rank its tokens and their positions.
+3. *(phase 2)* **expert parallelism**: ``MoE.from_dense(moe, mesh.ep_group)`` per layer, the
+   experts' gradients reduced over ``mesh.expert_dp_group``;
+4. *(phase 2)* **the pipeline split** and its schedule over ``mesh.pp_group``;
+5. **the data-parallel wrapper** over ``mesh.dp_cp_group`` (every rank that holds the same
+   dense parameters and saw other tokens), :func:`apply_data_parallel`: ZeRO-0 is
+   :class:`engine.dp.DataParallel`, ZeRO-1/2 :class:`engine.zero.ZeroOptimizer`, ZeRO-3
+   :class:`engine.zero.ZeroDataParallel` (FSDP; over a tensor-parallel model: the 2D layout).
+   Each averages over the group; :mod:`engine.compose.loss` scales the loss to match.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from engine.compose.model import GPT
+from engine.compose.plan import Plan
+from engine.cp.ring import ring_attention
+from engine.cp.ulysses import ulysses_attention
+from engine.dp import DataParallel
+from engine.topology import Mesh
+from engine.tp.layers import (ColumnParallelLinear, RowParallelLinear,
+                              SequenceParallelLayerNorm, VocabParallelEmbedding)
+from engine.zero import ZeroDataParallel, ZeroOptimizer
+
+PHASE_2 = {"ep": "expert parallelism", "pp": "pipeline parallelism"}
+
+
+@dataclass
+class Parallel:
+    """This rank's parallelised model: ``model`` (parameters named as the dense GPT's),
+    ``module`` (what the loop calls: ``model`` or its data-parallel wrapper), the
+    ``optimizer``, ``no_sync`` (keeps a backward's gradients local), the ``tp_group`` the
+    logits are split over (``None``: whole) and ``replicas`` (ranks the wrapper averages
+    gradients over)."""
+
+    model: GPT
+    module: nn.Module
+    optimizer: Any
+    mesh: Mesh
+    plan: Plan
+    no_sync: Callable[[], Any]
+    tp_group: Any
+    replicas: int
+
+
+def qkv_heads_slice(whole: torch.Tensor, sizes: list[int], t: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s rows of a fused ``[q | k | v]`` weight or bias (``sizes``: the rows of
+    q, k and v): its ``1/t`` of the query heads, of the key heads and of the value heads."""
+    return torch.cat([part.chunk(t, dim=0)[rank] for part in whole.split(sizes, dim=0)])
+
+
+def parallel_qkv(attn: nn.Module, group, rank: int, t: int, sp: bool) -> ColumnParallelLinear:
+    dense, d = attn.qkv, attn.head_dim
+    sizes = [attn.heads * d, attn.kv_heads * d, attn.kv_heads * d]
+    qkv = ColumnParallelLinear(dense.in_features, dense.out_features, dense.bias is not None,
+                               gather_output=False, group=group, device=dense.weight.device,
+                               dtype=dense.weight.dtype, sequence_parallel=sp)
+    with torch.no_grad():
+        qkv.weight.copy_(qkv_heads_slice(dense.weight, sizes, t, rank))
+        if dense.bias is not None:
+            qkv.bias.copy_(qkv_heads_slice(dense.bias, sizes, t, rank))
+    return qkv
+
+
+def apply_tensor_parallel(model: GPT, mesh: Mesh, sequence_parallel: bool = False) -> None:
+    """Step 1, in place: every layer that tensor parallelism splits, split over
+    ``mesh.tp_group`` (module docstring)."""
+    group, t, rank, sp = mesh.tp_group, mesh.tp, mesh.coords.tp, sequence_parallel
+    tied = model.head.weight is model.tok.weight
+    model.tok = VocabParallelEmbedding.from_dense(model.tok, group, sp)
+    model.head = ColumnParallelLinear.from_dense(model.head, group, gather_output=False,
+                                                 sequence_parallel=sp)
+    if tied:
+        model.head.weight = model.tok.weight  # rank r's vocabulary rows, for both
+    for block in model.blocks:
+        attn = block.attn
+        attn.qkv = parallel_qkv(attn, group, rank, t, sp)
+        attn.proj = RowParallelLinear.from_dense(attn.proj, group, input_is_parallel=True,
+                                                 sequence_parallel=sp)
+        attn.heads, attn.kv_heads = attn.heads // t, attn.kv_heads // t
+        if block.moe is None:
+            block.fc = ColumnParallelLinear.from_dense(block.fc, group, gather_output=False,
+                                                       sequence_parallel=sp)
+            block.out = RowParallelLinear.from_dense(block.out, group, input_is_parallel=True,
+                                                     sequence_parallel=sp)
+        if sp:
+            block.ln1, block.ln2 = (SequenceParallelLayerNorm.from_dense(ln, group)
+                                    for ln in (block.ln1, block.ln2))
+    if sp:
+        model.ln_f = SequenceParallelLayerNorm.from_dense(model.ln_f, group)
+        model.sp_group = group
+
+
+def apply_context_parallel(model: GPT, mesh: Mesh, method: str = "ring-zigzag") -> None:
+    """Step 2, in place: every attention spans the tokens of ``mesh.cp_group``."""
+    if method == "ulysses":
+        core = functools.partial(ulysses_attention, group=mesh.cp_group, causal=True)
+    else:
+        layout = "zigzag" if method == "ring-zigzag" else "contiguous"
+        core = functools.partial(ring_attention, group=mesh.cp_group, causal=True,
+                                 layout=layout)
+    for block in model.blocks:
+        block.attn.core = core
+
+
+def apply_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls, **kwargs
+                        ) -> tuple[nn.Module, Any, Callable[[], Any]]:
+    """Step 5: ``(module, optimizer, no_sync)`` for ZeRO stage ``zero`` over
+    ``mesh.dp_cp_group``."""
+    group = mesh.dp_cp_group
+    if zero == 0:
+        module = DataParallel(model, group=group)
+        return module, optimizer_cls(model.parameters(), **kwargs), module.no_sync
+    if zero in (1, 2):
+        optimizer = ZeroOptimizer(list(model.parameters()), optimizer_cls, stage=zero,
+                                  group=group, **kwargs)
+        return model, optimizer, contextlib.nullcontext
+    module = ZeroDataParallel(model, optimizer_cls, group=group, **kwargs)
+    return module, module.optimizer, contextlib.nullcontext
+
+
+def parallelize(model: GPT, mesh: Mesh, plan: Plan, optimizer_cls=torch.optim.AdamW,
+                **optimizer_kwargs) -> Parallel:
+    """This rank's :class:`Parallel` of ``model`` (built whole, from the same seed, on every
+    rank; changed in place) for ``plan`` on ``mesh``, with ``optimizer_cls(**kwargs)``."""
+    for dim, what in PHASE_2.items():
+        if getattr(plan, dim) > 1:
+            raise ValueError(f"{dim} = {getattr(plan, dim)}: {what} is not composed yet "
+                             f"(phase 2 of issue 29); use {dim} = 1")
+    if plan.compress is not None:
+        raise ValueError(f"compress={plan.compress!r} is not composed yet (phase 2 of issue "
+                         "29)")
+    if (mesh.dp, mesh.cp, mesh.tp, mesh.pp, mesh.ep) != (plan.dp, plan.cp, plan.tp, plan.pp,
+                                                         plan.ep):
+        raise ValueError(f"the plan {plan.name!r} does not match {mesh!r}")
+    if plan.tp > 1:
+        apply_tensor_parallel(model, mesh, plan.sequence_parallel)
+    if plan.cp > 1:
+        apply_context_parallel(model, mesh, plan.cp_method)
+    module, optimizer, no_sync = apply_data_parallel(model, mesh, plan.zero, optimizer_cls,
+                                                     **optimizer_kwargs)
+    return Parallel(model, module, optimizer, mesh, plan, no_sync,
+                    mesh.tp_group if plan.tp > 1 else None, mesh.dp_cp_size)

@@ -1,0 +1,112 @@
+"""``Plan``: the degrees and choices of one parallel layout, checked before any rank starts.
+
+A plan names how many ranks each dimension of :class:`engine.topology.Mesh` gets (``dp``,
+``cp``, ``ep``, ``tp``, ``pp``: world = dp x cp x tp x pp, ``ep`` borrowed from dp x cp), and
+how each dimension runs: sequence parallelism with tensor parallelism (Korthikanti et al.
+2023), ring attention in either layout or Ulysses for context parallelism, the pipeline
+schedule, the ZeRO stage of the data-parallel wrapper (0: DDP; 1, 2: sharded optimizer; 3:
+sharded parameters, FSDP), gradient compression. :meth:`Plan.check` raises a ValueError naming
+the value and what was expected for anything the model or the batch cannot carry: a degree
+that does not divide the heads, the KV heads, the experts, the layers or the sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.topology import check_mesh
+from engine.validation import one_of, positive_int
+
+CP_METHODS = ("ring-zigzag", "ring-contiguous", "ulysses")
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def check_divides(what: str, degree: int, name: str, value: int) -> None:
+    """A ValueError unless ``degree`` (the ``what``) divides ``value`` (``name``)."""
+    if value % degree:
+        raise ValueError(f"{what} = {degree} must divide {name} = {value} "
+                         f"({value} % {degree} = {value % degree})")
+
+
+@dataclass(frozen=True)
+class Plan:
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    tp: int = 1
+    pp: int = 1
+    sequence_parallel: bool = False
+    cp_method: str = "ring-zigzag"
+    schedule: str = "1f1b"
+    zero: int = 0
+    compress: str | None = None
+    micro_batches: int = 1
+
+    def __post_init__(self):
+        check_mesh(self.world, dp=self.dp, cp=self.cp, ep=self.ep, tp=self.tp, pp=self.pp)
+        one_of("cp_method", self.cp_method, CP_METHODS)
+        one_of("zero", self.zero, ZERO_STAGES)
+        positive_int("micro_batches", self.micro_batches)
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel=True splits the sequence over the tensor-"
+                             "parallel ranks: it needs tp > 1, got tp = 1")
+        if self.compress is not None and self.zero:
+            raise ValueError(f"compress={self.compress!r} compresses DDP's all-reduce: it needs "
+                             f"zero = 0, got zero = {self.zero}")
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def cp_layout(self) -> str:
+        """The token layout over the context-parallel ranks (Ulysses: contiguous)."""
+        return "zigzag" if self.cp_method == "ring-zigzag" else "contiguous"
+
+    @property
+    def name(self) -> str:
+        """``dp2xtp2 zero3``-style: the degrees above 1, then the choices that differ."""
+        dims = [f"{d}{getattr(self, d)}" for d in ("dp", "cp", "ep", "tp", "pp")
+                if getattr(self, d) > 1]
+        text = "x".join(dims) or "1"
+        if self.sequence_parallel:
+            text += " sp"
+        if self.cp > 1:
+            text += f" {self.cp_method}"
+        if self.pp > 1:
+            text += f" {self.schedule}"
+        if self.zero:
+            text += f" zero{self.zero}"
+        if self.compress:
+            text += f" {self.compress}"
+        return text
+
+    def check(self, cfg, rows: int, varlen: bool = False) -> None:
+        """Refuse, naming the value, what ``cfg`` (an :class:`engine.compose.model.ModelConfig`)
+        or a global batch of ``rows`` sequences cannot carry under this plan."""
+        positive_int("rows", rows)
+        for name, value in (("heads", cfg.heads), ("KV heads", cfg.kv_heads_or_heads),
+                            ("vocab", cfg.vocab), ("ffn_hidden", cfg.ffn)):
+            check_divides("tp", self.tp, name, value)
+        pieces = self.cp * (2 if self.cp_layout == "zigzag" else 1)
+        if cfg.seq_len % pieces:
+            raise ValueError(f"cp = {self.cp} with {self.cp_method} cuts the sequence into "
+                             f"{pieces} equal chunks: {pieces} must divide seq_len = "
+                             f"{cfg.seq_len}")
+        if self.cp_method == "ulysses":
+            per = " per tensor-parallel rank" if self.tp > 1 else ""
+            for name, value in (("heads", cfg.heads), ("KV heads", cfg.kv_heads_or_heads)):
+                check_divides("cp (Ulysses gives each rank whole heads)", self.cp,
+                              name + per, value // self.tp)
+        if self.sequence_parallel:
+            check_divides("tp (sequence parallelism)", self.tp,
+                          "the tokens per context-parallel rank", cfg.seq_len // self.cp)
+        if cfg.num_experts:
+            check_divides("ep", self.ep, "num_experts", cfg.num_experts)
+        elif self.ep > 1:
+            raise ValueError(f"ep = {self.ep} spreads experts, but the model is dense "
+                             "(num_experts = 0)")
+        if self.pp > cfg.layers:
+            raise ValueError(f"pp = {self.pp} pipeline stages need at least {self.pp} "
+                             f"layers, the model has {cfg.layers}")
+        check_divides("dp x micro_batches", self.dp * self.micro_batches, "rows", rows)

@@ -1,0 +1,62 @@
+"""The whole parameters of a parallelised GPT, from any layout, named as the dense GPT's: what
+the parity matrix compares with one process.
+
+ZeRO-3 first: each unit's shards are all-gathered over the data-parallel group (the
+parameters themselves are empty between uses). Then tensor parallelism: each split parameter
+is all-gathered over ``mesh.tp_group`` and joined on the dimension :data:`TP_SPLIT` names (the
+fused ``[q | k | v]`` by heads: rank r holds its query, key and value heads side by side). Call
+on every rank (collective).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from engine.comm import ops
+from engine.compose.parallelize import Parallel
+from engine.tp.blocks import gather_dim
+from engine.zero import ZeroDataParallel
+
+QKV = "qkv"
+TP_SPLIT = {"tok.weight": 0, "head.weight": 0, "attn.qkv.weight": QKV, "attn.qkv.bias": QKV,
+            "attn.proj.weight": 1, "fc.weight": 0, "fc.bias": 0, "out.weight": 1}
+_IN_BLOCK = re.compile(r"blocks\.\d+\.(.*)")
+
+
+def local_tensors(par: Parallel) -> dict[int, torch.Tensor]:
+    """``id(parameter) -> this rank's tensor of it`` (ZeRO-3: gathered over its group)."""
+    if not isinstance(par.module, ZeroDataParallel):
+        return {id(p): p.detach() for p in par.model.parameters()}
+    found = {}
+    for unit in par.module.all_units:
+        full = torch.empty(unit.padded, dtype=unit.shard.dtype, device=unit.shard.device)
+        ops.all_gather_into_tensor(full, unit.shard.detach().contiguous(), group=par.module.group)
+        for p in unit.params:
+            found[id(p)] = unit.view_of(p, full)
+    return found
+
+
+def join_tp(name: str, local: torch.Tensor, par: Parallel) -> torch.Tensor:
+    match = _IN_BLOCK.fullmatch(name)
+    split = TP_SPLIT.get(match.group(1) if match else name)
+    if par.tp_group is None or split is None:
+        return local.clone()
+    if split != QKV:
+        return gather_dim(local, split, par.tp_group)
+    t = par.mesh.tp
+    slices = gather_dim(local, 0, par.tp_group).chunk(t, dim=0)
+    cfg = par.model.cfg
+    d = cfg.head_dim
+    sizes = [cfg.heads // t * d, cfg.kv_heads_or_heads // t * d,
+             cfg.kv_heads_or_heads // t * d]
+    parts = [s.split(sizes, dim=0) for s in slices]  # per rank: its q, k, v
+    return torch.cat([torch.cat([p[j] for p in parts]) for j in range(3)])
+
+
+def dense_state(par: Parallel) -> dict[str, torch.Tensor]:
+    """Every parameter, whole, named as :class:`engine.compose.model.GPT` names it."""
+    tensors = local_tensors(par)
+    return {name: join_tp(name, tensors[id(p)], par)
+            for name, p in par.model.named_parameters(remove_duplicate=False)}
