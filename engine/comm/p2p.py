@@ -61,7 +61,7 @@ class MeteredWork:
         self._work, self._events = work, list(events)
         self._waited, self._result = False, None
         self._after = after  # copies a host-staged result back (see the module docstring)
-        if has_future:
+        if has_future and self._events:  # nothing to stamp when no meter is open
             try:
                 work.get_future().then(self._stamp)
             except RuntimeError:  # "Work::getFuture not implemented"
