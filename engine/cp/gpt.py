@@ -26,6 +26,7 @@ from torch import nn
 from engine.cp.layout import shard_indices
 from engine.cp.ring import ring_attention
 from engine.cp.ulysses import ulysses_attention
+from engine.topology import Mesh
 from engine.validation import one_of
 
 ATTENTIONS = ("ring", "ulysses")
@@ -95,9 +96,4 @@ def context_parallel_group(cp: int):
     world = dist.get_world_size()
     if world % cp:
         raise ValueError(f"cp = {cp} must divide the world size {world}")
-    mine = None
-    for start in range(0, world, cp):
-        group = dist.new_group(list(range(start, start + cp)))
-        if start <= dist.get_rank() < start + cp:
-            mine = group
-    return mine
+    return Mesh(dp=world // cp, cp=cp).cp_group  # a view of the one mesh

@@ -28,7 +28,7 @@ from torch import nn
 
 from engine.comm import ops
 from engine.moe.gpt import expert_parameters
-from engine.topology import new_groups
+from engine.topology import Mesh
 from engine.validation import positive_int
 
 
@@ -54,10 +54,9 @@ class ExpertMesh:
         self.ep, self.dp = ep, dp
         self.rank = dist.get_rank()
         self.dp_index, self.ep_index = divmod(self.rank, ep)
-        self.ep_group = new_groups([[d * ep + e for e in range(ep)] for d in range(dp)],
-                                   self.rank)
-        self.expert_dp_group = new_groups([[d * ep + e for d in range(dp)] for e in range(ep)],
-                                          self.rank)
+        # a view of the one mesh: ep borrows its ranks from the dp x ep data-parallel ranks
+        self.mesh = Mesh(dp=dp * ep, ep=ep)
+        self.ep_group, self.expert_dp_group = self.mesh.ep_group, self.mesh.expert_dp_group
         self.dense_group = None  # the default group: every rank
 
     def __repr__(self) -> str:
