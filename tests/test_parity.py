@@ -11,9 +11,10 @@ import pytest
 from engine.compose.parity import ROWS_PHASE_1, TOLERANCE, run_row, table
 
 EXPECTED = [
-    "dp2", "tp2", "tp2 sp", "dp2xtp2", "dp2 zero1", "dp2 zero2", "dp2 zero3", "dp2xtp2 zero3",
-    "cp2 ring-zigzag", "cp2 ring-contiguous", "cp2 ulysses", "dp2xcp2 ring-zigzag",
-    "cp2xtp2 ring-zigzag",
+    "dp2", "tp2", "tp2 sp", "dp2xtp2", "dp2 zero1", "dp2 zero2", "dp2 zero3", "dp2xtp2 zero1",
+    "dp2xtp2 zero2", "dp2xtp2 zero3", "cp2 ring-zigzag", "cp2 ring-contiguous", "cp2 ulysses",
+    "dp2xcp2 ring-zigzag", "dp2xcp2 ring-zigzag zero3", "cp2xtp2 ring-zigzag",
+    "cp2xtp2 sp ring-zigzag", "dp2xcp2xtp2 ring-zigzag",
 ]
 EXPECTED = [*EXPECTED, *(f"{name} varlen" for name in EXPECTED), "dp2xtp2 untied",
             "tp2 sp untied varlen"]
