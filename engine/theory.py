@@ -577,3 +577,49 @@ def moe_forward_flops_per_token(layers: int, hidden: int, ffn_hidden: int, num_e
     counts = moe_params(layers, hidden, ffn_hidden, num_experts, top_k, vocab=0,
                         kv_hidden=kv_hidden, gated_ffn=gated_ffn)
     return 2 * counts["active"] + 2 * layers * seq_len * hidden
+
+
+# -- chapter 11: training across slow links and failures --------------------------------------
+
+def diloco_syncs(steps: int, sync_every: int, fragments: int = 1) -> list[int]:
+    """How many syncs each fragment starts in ``steps`` inner steps of streaming DiLoCo
+    (Douillard et al., 2025, section 2.2): fragment ``p`` syncs at the steps
+    ``t ≡ (p+1)·H/F (mod H)``, ``1 <= t <= steps``; ``F = 1`` is DiLoCo's every ``H`` steps
+    (Douillard et al., 2023, Algorithm 1)."""
+    positive_int("sync_every", sync_every)
+    positive_int("fragments", fragments)
+    stagger = sync_every // fragments
+    counts = []
+    for p in range(fragments):
+        first = (p + 1) * stagger  # the first step t >= 1 with t ≡ offset (mod H)
+        counts.append(0 if steps < first else (steps - first) // sync_every + 1)
+    return counts
+
+
+def diloco_bytes(numel: int, steps: int, sync_every: int, n: int, dtype_bytes: float = 4,
+                 fragments: int = 1) -> float:
+    """Bytes each replica sends in ``steps`` inner steps of (streaming) DiLoCo: every sync of a
+    fragment of ``numel / F`` elements is one ring all-reduce of its pseudo-gradient,
+    ``2(n-1)/n · numel/F · dtype_bytes`` (Douillard et al., 2023, Algorithm 1; 2025 for the
+    fragments). Data parallelism sends ``2(n-1)/n · numel · 4`` every step: DiLoCo cuts it by
+    ``H`` (and by 2 more with a bf16 outer all-reduce)."""
+    return sum(diloco_syncs(steps, sync_every, fragments)) * \
+        diloco_peak_sync_bytes(numel, n, dtype_bytes, fragments)
+
+
+def diloco_peak_sync_bytes(numel: int, n: int, dtype_bytes: float = 4,
+                           fragments: int = 1) -> float:
+    """Bytes one replica sends in one sync: ``2(n-1)/n · numel/F · dtype_bytes``. Streaming
+    DiLoCo's point (Douillard et al., 2025, section 2.2): the peak bandwidth falls by ``F``."""
+    positive_int("fragments", fragments)
+    return ring_all_reduce_bytes(numel / fragments * dtype_bytes, n)
+
+
+def hsdp_replica_bytes(numel: int, shard: int, replicas: int, dtype_bytes: float = 4) -> float:
+    """Bytes each rank sends across the replica dimension per step in HSDP (hybrid sharding:
+    ZeRO-3 inside a group of ``shard`` ranks, replicated over ``replicas`` groups; Zhao et al.,
+    "PyTorch FSDP", VLDB 2023, section 3.2.3): each rank all-reduces only its reduce-scattered
+    shard, ``2(R-1)/R · numel/S · dtype_bytes``, the ``S``-th of what data parallelism sends
+    across the same links (``2(R-1)/R · numel · dtype_bytes``)."""
+    positive_int("shard", shard)
+    return ring_all_reduce_bytes(numel / shard * dtype_bytes, replicas)

@@ -157,7 +157,7 @@ LAYERS = (
     ("communication", ("engine.comm", "engine.trace")),
     ("strategies", ("engine.dp", "engine.compress", "engine.zero", "engine.fsdp2", "engine.tp",
                     "engine.pp", "engine.cp", "engine.moe", "engine.reshard",
-                    "engine.checkpoints")),
+                    "engine.checkpoints", "engine.diloco", "engine.ft", "engine.straggler")),
     ("training", ("engine.steps", "engine.timed_steps", "engine.train_formulas", "engine.hybrid",
                   "engine.moe.strategy", "engine.strategy", "engine.compose", "engine.train_report",
                   "engine.train_run", "engine.train", "engine.parity", "engine.__main__")),
