@@ -35,9 +35,11 @@ def traffic_formulas(strategy, cfg, model_cfg) -> dict[str, Formula]:
     if mesh.pp > 1:
         b, s, h, m = cfg.micro_batch, model_cfg.seq_len, model_cfg.hidden, cfg.microbatches
         sends = (not mesh.is_last_stage) + (not mesh.is_first_stage)
-        out["pp"] = Formula(m * sends * (b * s * h * 4 + SHAPE_HEADER_BYTES),
-                            f"m x {sends} direction(s) x (bsh x 4 B + {SHAPE_HEADER_BYTES} B "
-                            "shape header)")
+        headers = 0 if mesh.is_last_stage else SHAPE_HEADER_BYTES
+        out["pp"] = Formula(m * sends * b * s * h * 4 + headers,
+                            f"m x {sends} direction(s) x bsh x 4 B" + (
+                                f" + one {SHAPE_HEADER_BYTES} B shape header (the activations' "
+                                "shape travels once per step)" if headers else ""))
         if mesh.is_first_stage or mesh.is_last_stage:
             v = model_cfg.vocab // mesh.tp
             out["embedding"] = Formula(theory.ring_all_reduce_bytes(v * h * 4, 2),

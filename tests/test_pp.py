@@ -11,6 +11,7 @@ from engine import theory
 from engine.pp import (Action, balanced_boundaries, gpipe, interleaved_1f1b, measured_bubble,
                        one_f_one_b, run_pipeline, simulate, split_model, uniform_boundaries,
                        validate, virtual_stages)
+from engine.comm.nccl_rules import nccl_rules
 from engine.pp.experiments import schedule_by_name
 from engine.pp.reference import torch_order
 from tests.helpers import BEYOND_CPU, DEVICE_WORLD_SIZES, rank_device, run_ranks
@@ -160,8 +161,14 @@ def _data(m, rows=4):
 
 def _train(rank, p, kind, m, v, steps, device="cpu"):
     """``steps`` training steps of schedule ``kind`` (``schedule_by_name``: ``v`` counts for
-    the interleaved one) against one process; (first gradients' and last parameters' largest
+    the interleaved one) against one process, under NCCL's rules (``nccl_rules``: what would
+    fail or hang on NCCL is refused); (first gradients' and last parameters' largest
     difference, the last run)."""
+    with nccl_rules(rank_device(device)):
+        return _train_under_rules(rank, p, kind, m, v, steps, device)
+
+
+def _train_under_rules(rank, p, kind, m, v, steps, device):
     schedule, placement, v = schedule_by_name(kind, p, m, v)
     on = rank_device(device)
     xs, ys = ([t.to(on) for t in ts] for ts in _data(m))
@@ -257,7 +264,8 @@ def _against_torch(rank, p, m, which):
     else:
         schedule.step()
     ours_schedule = gpipe(p, m) if which == "gpipe" else one_f_one_b(p, m)
-    run_pipeline([ours], ours_schedule, xs, ys, stage=rank)
+    with nccl_rules("cpu"):
+        run_pipeline([ours], ours_schedule, xs, ys, stage=rank)
     grad_diff = max((a.grad - b.grad).abs().max().item()
                     for a, b in zip(piece.parameters(), ours.parameters()))
     return order == ours_schedule[rank], grad_diff

@@ -32,11 +32,11 @@ def _rank_lines(out: str, heading: str) -> list[str]:
 
 def test_the_report_of_a_dp2_tp2_run_teaches(capsys):
     assert engine_main(["train", "--world-size", "4", "--dp", "2", "--tp", "2",
-                        "--steps", "3"]) == 0
+                        "--steps", "4"]) == 0
     out = capsys.readouterr().out
     # the resolved configuration: chosen values plain, the others marked; no schedule at pp 1
     config = next(line for line in out.splitlines() if line.startswith("configuration:"))
-    assert "--dp 2 " in config and "--tp 2 " in config and "--steps 3 " in config
+    assert "--dp 2 " in config and "--tp 2 " in config and "--steps 4 " in config
     assert "--pp 1 (default)" in config and "--zero 1 (default)" in config
     assert "--precision auto -> fp32 (default)" in config
     assert "--backend auto -> gloo (default)" in config
@@ -95,8 +95,9 @@ def test_pipeline_report_explains_the_bubble_and_writes_a_trace(capsys, tmp_path
         r"measured stage times\) vs 33.3% \(formula", line).groups())
     assert 0 < simulated < 100 and 0 < measured < 100
     assert "the formula assumes equal stages and free hand-offs" in line
-    for line in _rank_lines(out, "bytes sent per step"):  # 2 micro-batches of 4 x 16 x 32
-        assert re.search(r"pp 16,528 B = 16,528 B; embedding 8,192 B = 8,192 B", line)
+    lines = _rank_lines(out, "bytes sent per step")  # 2 micro-batches of 4 x 16 x 32 (fp32)
+    for line, pp in zip(lines, ["16,456", "16,384"], strict=True):  # + rank 0's 72 B header
+        assert re.search(rf"pp {pp} B = {pp} B; embedding 8,192 B = 8,192 B", line)
     events = json.loads(trace.read_text())["traceEvents"]
     assert sum(e.get("ph") == "X" for e in events) == 2 * 2 * 2  # 2 ranks x (2 F + 2 B)
 

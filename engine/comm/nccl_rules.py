@@ -8,6 +8,12 @@ Gloo can break on the first GPU run:
    the device the rank's communicator was built for (:func:`engine.device.rank_device`).
 2. **A receive from any source** (``recv(t, src=None)``): NCCL has none.
 3. **Tags.** NCCL ignores them: messages between two ranks match in the order they were sent.
+4. **A blocking receive behind an unbatched send to the same peer.** NCCL runs the unbatched
+   sends and receives between two ranks on one stream: ``isend`` to a peer then a blocking
+   ``recv`` from it, on both ranks, hangs once the message outgrows NCCL's buffers (about
+   1-4 MiB), each send waiting for a receive queued behind the other's send. Post the two
+   together in one ``batch_isend_irecv`` (:mod:`engine.pp.link` does), or wait for the send
+   first. :func:`unbatched_send` notes each ``ops.isend`` until it is waited on.
 
 Every wrapper in :mod:`engine.comm.ops` checks these rules whenever the group runs on NCCL, and
 also inside ``with nccl_rules():`` on any backend, where ``torch.distributed``'s own collectives
@@ -83,6 +89,7 @@ class nccl_rules(TorchFunctionMode):
         _ACTIVE.remove(self)
         if not _ACTIVE:
             _check_torch_distributed(False)
+            _UNBATCHED.clear()
         return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -163,6 +170,15 @@ def check(op: str, tensors, group=None, src: int | None | str = "given", tag: in
         raise ValueError(f"{_op(op)} with tag={tag}, at {caller()}: NCCL ignores tags and "
                          "matches the messages between two ranks in the order they were sent; "
                          "send them in the order the receiver posts its receives, with tag 0")
+    if isinstance(src, int) and op.endswith("recv") and not op.endswith("irecv"):
+        behind = _UNBATCHED.get(src)
+        if behind:
+            raise ValueError(f"{_op(op)} from rank {src}, a blocking receive, at {caller()}, while "
+                             f"an unbatched send to rank {src} is still pending (posted at "
+                             f"{behind[0].where}): on NCCL both share one stream, and beyond "
+                             "NCCL's buffers (about 1-4 MiB) each rank's send waits for a "
+                             "receive queued behind its peer's send, a deadlock; post the send "
+                             "and the receive together with ops.batch_isend_irecv")
     for t in tensors:
         if t.device != device and not (t.device.type == device.type == "cpu"):
             raise ValueError(f"{_op(op)} got a tensor on {t.device}, at {caller()}, but this rank "
@@ -173,3 +189,37 @@ def check(op: str, tensors, group=None, src: int | None | str = "given", tag: in
             raise ValueError(f"{_op(op)} got a tensor made without a device at {made_at}, "
                              f"handed over at {caller()}: on a GPU it would be on the CPU, which "
                              "NCCL refuses; create it with device=engine.device.rank_device()")
+
+
+# -- rule 4: a blocking receive behind an unbatched send to the same peer -------------------
+
+_UNBATCHED: dict[int, list["UnbatchedSend"]] = {}  # global rank -> sends to it not waited on
+
+
+class UnbatchedSend:
+    """The work of an unbatched send to global rank ``peer`` (posted at ``where``), noted as
+    pending until it is waited on (rule 4); everything else goes to the work itself."""
+
+    __slots__ = ("work", "peer", "where")
+
+    def __init__(self, work, peer: int, where: str):
+        self.work, self.peer, self.where = work, peer, where
+
+    def wait(self, *args, **kwargs):
+        pending = _UNBATCHED.get(self.peer, [])
+        if self in pending:
+            pending.remove(self)
+        return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+def unbatched_send(work, peer: int, group=None):
+    """``work`` (an ``ops.isend`` to global rank ``peer``), noted for rule 4 while the rules
+    apply (inside ``nccl_rules()`` or on NCCL); otherwise ``work`` itself."""
+    if not _ACTIVE and _backend(group) != "nccl":
+        return work
+    noted = UnbatchedSend(work, peer, caller())
+    _UNBATCHED.setdefault(peer, []).append(noted)
+    return noted

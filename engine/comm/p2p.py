@@ -197,7 +197,8 @@ def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> MeteredWo
     events = _p2p_events("isend", tensor, dst, group, time.perf_counter())
     wire = _host_copy(tensor) if stages_through_host(tensor, group) else tensor
     pg, peer = process_group_and_rank(group, dst)
-    return MeteredWork(pg.send([_real(wire)], peer, tag), events, has_future=False)
+    return nccl_rules.unbatched_send(
+        MeteredWork(pg.send([_real(wire)], peer, tag), events, has_future=False), dst, group)
 
 
 def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> MeteredWork:

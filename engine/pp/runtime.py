@@ -13,8 +13,9 @@ chunk ``c`` is virtual stage :func:`engine.pp.actions.virtual_stage` ``(s, c, p,
   gradients they need (:mod:`engine.pp.weight_grad`), and the rest of the graph is freed.
 * ``W(mb, c)``: those weight gradients, ``dW = dYᵀ X``.
 
-Messages go through :class:`engine.pp.link.Link` (no tags: received in the order they were
-sent, as NCCL needs); what the rank holds is counted by
+Messages go through :class:`engine.pp.link.Link`: each action's sends posted in one batch with
+a receive (no deadlock on NCCL), no tags (received in the order they were sent, as NCCL
+needs), no host sync per message; what the rank holds is counted by
 :class:`engine.pp.stage_memory.StageMemory`, fed once per action. Gradients accumulate across micro-batches in ``param.grad``; scaling
 each loss by ``1/m`` makes the sum the full batch's mean gradient.
 """
@@ -97,7 +98,8 @@ class PipelineRun:
     ``activation_bytes`` of one micro-batch's forward per chunk, ``peak_in_flight`` micro-batch
     chunks between F and B; with W also ``weight_stash_bytes`` (per chunk, what one micro-batch
     holds between B and W), ``peak_grad_stash_bytes`` (the most output-gradient bytes held for
-    W at once) and ``peak_held`` (micro-batch chunks between F and W)."""
+    W at once) and ``peak_held`` (micro-batch chunks between F and W). ``p2p_log``: the
+    point-to-point batches posted and waited on (:attr:`engine.pp.link.Link.log`)."""
 
     loss: float | None
     events: list[TraceEvent] = field(default_factory=list)
@@ -107,6 +109,7 @@ class PipelineRun:
     weight_stash_bytes: dict[int, int] = field(default_factory=dict)
     peak_grad_stash_bytes: int = 0
     peak_held: int = 0
+    p2p_log: list = field(default_factory=list)
 
 
 def _check_stage(stage, p: int, group) -> tuple[int, ...]:
@@ -160,9 +163,9 @@ def run_pipeline(chunks: list[nn.Module], schedule, inputs: list[torch.Tensor],
     params = [q for c in chunks for q in c.parameters()]
     stored, waiting, marks = {}, {}, []
     memory = StageMemory()
-    total_loss = 0.0
+    total_loss = 0.0  # a tensor once the last stage adds its first loss
 
-    for kind, mb, c in schedule[stage]:
+    for kind, mb, c in link.actions():  # each after the batch that brings its input
         vs = mine[c]
         if kind == "F":
             if vs == 0:  # its own copy: a view would pin (and count) the whole batch
@@ -179,8 +182,8 @@ def run_pipeline(chunks: list[nn.Module], schedule, inputs: list[torch.Tensor],
             end = clock.mark()
             stored[mb, c] = (x, out, stash)
             memory.forward(mb, c, acts.bytes)
-            if vs == last:
-                total_loss += out.item()
+            if vs == last:  # summed on the device: one host sync, at the end
+                total_loss = total_loss + out.detach().double()
             else:
                 link.send(out, ("act", mb, vs), rank_of(vs + 1, p, placement))
         elif kind == "B":
@@ -201,12 +204,12 @@ def run_pipeline(chunks: list[nn.Module], schedule, inputs: list[torch.Tensor],
             end = clock.mark()
             memory.weight_grad(mb, c)
         marks.append((kind, mb, c, start, end))
-    link.finish()
     events = [TraceEvent(f"{kind}{mb}", stage, clock.seconds(start), clock.seconds(end),
                          lane="compute", args={"kind": kind, "mb": mb, "chunk": c})
               for kind, mb, c, start, end in marks]
     holds_last = rank_of(last, p, placement) == stage
-    return PipelineRun(total_loss if holds_last else None, events, **memory.counts())
+    loss = float(total_loss) if holds_last else None
+    return PipelineRun(loss, events, p2p_log=link.log, **memory.counts())
 
 
 def measured_idle(events: list[TraceEvent]) -> dict[int, float]:

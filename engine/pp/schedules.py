@@ -135,7 +135,7 @@ def validate(schedule: dict[int, list[Action]], blocking_sends: bool = False,
         raise ValueError(f"deadlock: stages wait forever at {stuck}{hint}")
 
 
-def _needs(action: Action, vs: int, last: int):
+def needs(action: Action, vs: int, last: int):
     """The message ``action`` on virtual stage ``vs`` waits for (None: none)."""
     if action.kind == "F":
         return None if vs == 0 else ("act", action.mb, vs - 1)
@@ -144,7 +144,7 @@ def _needs(action: Action, vs: int, last: int):
     return None  # W: this stage's own B, checked by the order
 
 
-def _produces(action: Action, vs: int, last: int):
+def produces(action: Action, vs: int, last: int):
     """The message ``action`` on virtual stage ``vs`` sends (None: none)."""
     if action.kind == "F":
         return None if vs == last else ("act", action.mb, vs)
@@ -162,7 +162,7 @@ def messages(schedule: dict[int, list[Action]], placement: str = "interleaved"):
     out = []
     for s, actions in schedule.items():
         for a in actions:
-            msg = _produces(a, virtual_stage(s, a.chunk, p, placement), last)
+            msg = produces(a, virtual_stage(s, a.chunk, p, placement), last)
             if msg is not None:
                 to = msg[2] + (1 if msg[0] == "act" else -1)
                 out.append((s, rank_of(to, p, placement), msg))
@@ -189,12 +189,12 @@ def _run_blocking(schedule, p, v, blocking_sends, placement) -> dict:
                 continue
             a = actions[position[s]]
             vs = virtual_stage(s, a.chunk, p, placement)
-            need = _needs(a, vs, last)
+            need = needs(a, vs, last)
             if need is not None:
                 if need not in sent:
                     continue
                 received.add(need)
-            out = _produces(a, vs, last)
+            out = produces(a, vs, last)
             if out is not None:
                 sent.add(out)
                 to = out[2] + (1 if out[0] == "act" else -1)
