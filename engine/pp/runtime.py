@@ -13,11 +13,12 @@ chunk ``c`` is virtual stage :func:`engine.pp.actions.virtual_stage` ``(s, c, p,
   gradients they need (:mod:`engine.pp.weight_grad`), and the rest of the graph is freed.
 * ``W(mb, c)``: those weight gradients, ``dW = dYᵀ X``.
 
-Messages go through :class:`engine.pp.link.Link`: each action's sends posted in one batch with
-a receive (no deadlock on NCCL), no tags (received in the order they were sent, as NCCL
-needs), no host sync per message; what the rank holds is counted by
-:class:`engine.pp.stage_memory.StageMemory`, fed once per action. Gradients accumulate across micro-batches in ``param.grad``; scaling
-each loss by ``1/m`` makes the sum the full batch's mean gradient.
+Messages go through :class:`engine.pp.link.Link`: batches of sends and receives planned in
+rounds that match across ranks (no deadlock on NCCL), no tags (received in the order they were
+sent, as NCCL needs), no host sync per message; what the rank holds is counted by
+:class:`engine.pp.stage_memory.StageMemory`, fed once per action. Gradients accumulate across
+micro-batches in ``param.grad``; scaling each loss by ``1/m`` makes the sum the full batch's
+mean gradient.
 """
 
 from __future__ import annotations
