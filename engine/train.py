@@ -1,7 +1,7 @@
 """``python -m engine train``: train the GPT on a dp x tp x pp mesh and report what a lab
 measures, each number beside the formula it checks (:mod:`engine.train_report`).
 
-    python -m engine train --world-size 4 --dp 2 --tp 2 --steps 3          # CPU ranks, Gloo
+    python -m engine train --world-size 4 --dp 2 --tp 2 --steps 4          # CPU ranks, Gloo
     torchrun --nproc-per-node 8 -m engine train --dp 2 --tp 4 --pp 1        # one GPU node
     python -m engine train --world-size 2 --dp 2 --impl both               # vs torch DDP
     python -m engine train --world-size 2 --dp 2 --zero 0 --compress fp16 --impl both
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -41,6 +42,8 @@ from engine.moe.strategy import check_moe_config
 from engine.presets import MODELS
 from engine.steps import TRAINER_SCHEDULES, resolve_precision
 from engine.tp.blocks import check_tp_degree
+from engine.train_endings import INTERRUPTED_EXIT, interrupted, lost_peer, read_step, \
+    tell_torchrun
 from engine.train_report import report
 from engine.train_run import resume_point, total_steps, train_on_rank
 from engine.validation import non_negative_int, one_of, positive_int, positive_number
@@ -65,7 +68,7 @@ class TrainConfig:
     microbatches: int = 2
     micro_batch: int = 4
     model: str = "tiny"
-    steps: int = 3
+    steps: int = 4
     lr: float = 1e-2
     impl: str = "engine"
     precision: str = "auto"
@@ -205,7 +208,9 @@ def parser() -> argparse.ArgumentParser:
                                                  for k, m in MODELS.items())
                    + " (default: %(default)s)")
     p.add_argument("--steps", type=int, default=d.steps,
-                   help="timed steps, after one warm-up step (default: %(default)s)")
+                   help="optimizer steps in all, numbered 1 to K as the checkpoints are; "
+                        "the first of each launch is its warm-up: it trains, but is not "
+                        "timed (default: %(default)s)")
     p.add_argument("--lr", type=float, default=d.lr,
                    help="AdamW learning rate (default: %(default)s)")
     p.add_argument("--impl", default=d.impl, choices=tuple(IMPLS),
@@ -290,8 +295,12 @@ def resolved(cfg: TrainConfig, args: argparse.Namespace, given: set[str], world:
 
 
 def main(argv=None) -> int:
+    """``python -m engine train ARGV``; its exit code. Every way it can end prints one line
+    that says what to do next (:mod:`engine.train_endings`)."""
+    from engine.elastic import PeerLostError
     from engine.launch import LaunchEnv, is_global_rank_zero, launch
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     env = LaunchEnv.read()
     try:
         cfg, args, given = parse(argv)
@@ -310,10 +319,13 @@ def main(argv=None) -> int:
         point = resume_point(cfg)
     except (ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
+        tell_torchrun(f"error: {e}")
         return 2
     if point is not None and point.step == total_steps(cfg):
         if is_global_rank_zero():
-            print(f"{point.path} holds all {point.step} steps of this run: nothing to do")
+            print(f"{point.path} holds all {point.step} steps of this run: nothing to do "
+                  f"(raise --steps to train on from it, or --save an empty directory to "
+                  "start over)")
         return 0
     if is_global_rank_zero():
         print(f"training on {world} rank(s), {backend}...", flush=True)
@@ -322,12 +334,23 @@ def main(argv=None) -> int:
         from torch.distributed.elastic.multiprocessing.errors import record
 
         run = record(launch)
+    handle, step_file = tempfile.mkstemp(prefix="engine-train-step-")
+    os.close(handle)
     try:
         results = run(train_on_rank, world, cfg, point, progress_fd, env.under_torchrun,
-                      backend=backend, timeout=cfg.timeout)
+                      step_file, backend=backend, timeout=cfg.timeout, deadline=False)
+    except KeyboardInterrupt:
+        if is_global_rank_zero():
+            print(("\n" if sys.stderr.isatty() else "")
+                  + interrupted(cfg, argv, read_step(step_file), env.under_torchrun),
+                  file=sys.stderr, flush=True)
+        return INTERRUPTED_EXIT
+    except PeerLostError as e:  # under torchrun: the survivors say which peers are gone
+        return lost_peer(e, env.rank)
     finally:
         if progress_fd is not None:
             os.close(progress_fd)
+        os.unlink(step_file)
     if is_global_rank_zero():
         decided = {"backend": backend, "precision": results[0]["precision"]}
         report(cfg, results, resolved(cfg, args, given, world, decided))
@@ -335,13 +358,16 @@ def main(argv=None) -> int:
 
 
 def _progress_fd(backend: str) -> int | None:
-    """The terminal this command runs in, for forked ranks (their own output is captured and
-    printed after the run): a live progress bar. None elsewhere (torchrun's workers print to
-    it directly; a notebook or a pipe gets one line per step, after the run)."""
+    """This command's own stdout (a terminal, a pipe, a file), for forked ranks: rank 0 prints
+    its progress there as it goes (a terminal gets a bar rewritten in place). None where the
+    ranks' output must go through Python's ``sys.stdout`` (a notebook, pytest's capture: one
+    line per step, printed after the run) or where they print directly (torchrun's
+    workers; spawned NCCL ranks, which inherit no descriptor)."""
     from engine.launch import LaunchEnv
 
     try:
-        live = backend == "gloo" and not LaunchEnv.read().under_torchrun and sys.stdout.isatty()
+        live = backend == "gloo" and not LaunchEnv.read().under_torchrun and \
+            sys.stdout is sys.__stdout__
         return os.dup(sys.stdout.fileno()) if live else None
     except (AttributeError, OSError, ValueError):  # a notebook's stdout has no descriptor
         return None

@@ -131,9 +131,14 @@ def _traffic_table(runs, precision: str) -> None:
              if any(r["traffic"].get(k) or k in r["formulas"] for r in runs)]
     if not kinds:
         return
-    how = "counted on the wire" if all(r["counted"] for r in runs) else \
-        "built-in collectives modeled"
-    print(f"  bytes sent per step by each rank, by group, {how} in the warm-up step (the "
+    counted = all(r["counted"] for r in runs)
+    first = runs[0].get("first_step", 0)  # > 0: this launch resumed from a checkpoint
+    timed = len(runs[0]["step_s"])
+    counted_in = "the warm-up step" if len(runs[0]["losses"]) > timed else "the first step"
+    if first:
+        counted_in = f"step {first + 1}, this launch's first"
+    how = "counted on the wire" if counted else "built-in collectives modeled"
+    print(f"  bytes sent per step by each rank, by group, {how} in {counted_in} (the "
           "formula after '='" + ("; it counts 4-byte elements, and bf16 autocast sends some "
                                  "activations in 2" if precision == "bf16" else "") + "):")
     texts: dict[tuple[str, str], list[int]] = {}
@@ -152,6 +157,15 @@ def _traffic_table(runs, precision: str) -> None:
         which = "" if len(ranks) == len(runs) else \
             f" (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
         print(f"    {kind}{which}: {text}")
+    if not counted:
+        print("    modeled, not counted: " + (
+            f"this launch resumed after step {first}, and only a run's first step counts "
+            "bytes on the wire; the engine's counted collectives add in another order than "
+            "the built-in ones, and a resumed run must compute bit for bit what the "
+            "uninterrupted one did. Modeled bytes are the bandwidth-optimal ring's "
+            "(engine.theory.collective_wire_bytes); the run from step 1 counts them"
+            if first else "some collectives ran on the built-in backend, their bytes "
+            "modeled by the bandwidth-optimal ring (engine.theory.collective_wire_bytes)"))
 
 
 def _memory_table(runs, cfg) -> None:

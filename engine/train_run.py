@@ -9,9 +9,11 @@ steps (:func:`engine.timed_steps.run_steps`), with what a real run does after ea
 * for labs and tests only, the kill of one rank at a chosen step (:func:`engine.elastic.
   kill_point`).
 
-A run has ``--steps + 1`` optimizer steps: one untimed warm-up, then the timed ones. A run
-resumed after ``k`` steps runs the other ``steps + 1 - k`` (the first of them untimed), on the
-same fixed global batch, so it computes exactly what the uninterrupted run computes from step
+A run has ``--steps`` optimizer steps, numbered 1 to ``--steps`` and named so in its
+checkpoints (``step-00000004`` after step 4). The first step of each launch is its warm-up:
+it trains like every other, but is not timed (it counts the bytes instead). A run resumed
+after ``k`` steps runs the other ``steps - k`` (the first of them the warm-up), on the same
+fixed global batch, so it computes exactly what the uninterrupted run computes from step
 ``k`` on: the loss curve and the final parameters are bit-identical on the CPU.
 
 Which checkpoint to resume from, and whether it fits this run, is decided before any rank
@@ -60,7 +62,8 @@ class ResumePoint:
 
 
 def total_steps(cfg) -> int:
-    return cfg.steps + 1  # the warm-up step trains too
+    """The optimizer steps of the whole run: ``--steps``, the warm-up among them."""
+    return cfg.steps
 
 
 def resume_point(cfg) -> ResumePoint | None:
@@ -87,7 +90,7 @@ def resume_point(cfg) -> ResumePoint | None:
                              "--lr and --precision (or --save a new directory)")
     if saved["step"] > total_steps(cfg):
         raise ValueError(f"--resume: {path} holds {saved['step']} steps, more than this run's "
-                         f"{total_steps(cfg)} (--steps {cfg.steps} + 1 warm-up)")
+                         f"{total_steps(cfg)} (--steps {cfg.steps})")
     changed = [name for name in SAME_LAYOUT if config.get(name) != getattr(cfg, name, None)]
     if changed and not cfg.reshard:
         raise ValueError(f"--resume: {path} was saved at {_layout(config)}, this run asks for "
@@ -127,18 +130,21 @@ def _global_batch(config: dict) -> int:
 
 
 def train_on_rank(rank: int, world_size: int, cfg, resume_from: ResumePoint | None = None,
-                  progress_fd: int | None = None, name_lost_peers: bool = False) -> dict:
+                  progress_fd: int | None = None, name_lost_peers: bool = False,
+                  step_file: str | None = None) -> dict:
     """Build each implementation's strategy, run the steps, return what the report needs.
     ``cfg``: an :class:`engine.train.TrainConfig`; ``resume_from``: the
     :class:`ResumePoint` to start the engine's run from; ``progress_fd``: where global rank 0
     prints its progress (default: stdout). ``name_lost_peers`` (under torchrun, where no
     parent watches the ranks as :func:`engine.launch` does): a collective that fails because
-    peers are gone names them (:class:`engine.elastic.PeerLostError`)."""
+    peers are gone names them (:class:`engine.elastic.PeerLostError`). ``step_file``: where
+    global rank 0 keeps the number of the last step done, for the launcher's ending on
+    Ctrl-C (:mod:`engine.train_endings`)."""
     if not name_lost_peers:
-        return run_implementations(cfg, resume_from, progress_fd)
+        return run_implementations(cfg, resume_from, progress_fd, step_file)
     peers = Peers()
     try:
-        return run_implementations(cfg, resume_from, progress_fd)
+        return run_implementations(cfg, resume_from, progress_fd, step_file)
     except Exception as e:
         lost = peers.lost(e)
         if lost is None:
@@ -146,8 +152,8 @@ def train_on_rank(rank: int, world_size: int, cfg, resume_from: ResumePoint | No
         raise lost from e
 
 
-def run_implementations(cfg, resume_from: ResumePoint | None, progress_fd: int | None
-                        ) -> dict:
+def run_implementations(cfg, resume_from: ResumePoint | None, progress_fd: int | None,
+                        step_file: str | None = None) -> dict:
     """Each of ``cfg.implementations`` in turn on this rank's device, on the same global
     batch: its strategy, formulas and measurements (:func:`train_on_rank`)."""
     device = rank_device()
@@ -164,7 +170,8 @@ def run_implementations(cfg, resume_from: ResumePoint | None, progress_fd: int |
         if hasattr(strategy, "moe_stats"):  # expert parallelism: its own gradient rule
             formulas = moe_traffic_formulas(strategy, cfg)
         run, first_step, losses = train(strategy, cfg, inputs, labels,
-                                        resume_from if impl == "engine" else None, progress_fd)
+                                        resume_from if impl == "engine" else None, progress_fd,
+                                        step_file)
         out[impl] = {"first_step": first_step, "run_losses": losses,
             "name": strategy.name, "coords": mesh.coords, "device_type": device.type,
             "step_s": run.step_s, "compute_s": run.compute_s, "losses": run.losses,
@@ -195,7 +202,8 @@ def start(strategy, cfg, point: ResumePoint | None) -> tuple[int, list[float]]:
 
 
 def train(strategy, cfg, inputs, labels, point: ResumePoint | None = None,
-          progress_fd: int | None = None) -> tuple[StepsRun, int, list[float]]:
+          progress_fd: int | None = None, step_file: str | None = None
+          ) -> tuple[StepsRun, int, list[float]]:
     """Run ``strategy`` to the last step; return the timed run, the step it started from and
     the loss of every step of the run (those before it from the checkpoint)."""
     if cfg.save is not None and not strategy.checkpointable:
@@ -204,7 +212,9 @@ def train(strategy, cfg, inputs, labels, point: ResumePoint | None = None,
     first, losses = start(strategy, cfg, point)
     loaded_s = time.perf_counter() - loading
     total = total_steps(cfg)
-    bar = Progress(total, progress_fd) if dist.get_rank() == 0 else None
+    remaining = total - first
+    warmup = 1 if remaining > 1 else 0
+    bar = Progress(total, progress_fd, step_file) if dist.get_rank() == 0 else None
     if bar and first:
         bar.note(f"resumed from {point.path} after step {first}"
                  + (" (re-cut for this layout)" if point.reshard else "")
@@ -218,12 +228,10 @@ def train(strategy, cfg, inputs, labels, point: ResumePoint | None = None,
         if save:
             checkpoints.save(cfg.save, done, strategy, trainer_record(cfg, losses), cfg.keep)
         if bar:
-            bar.update(done, losses[-1], saved=save)
+            bar.update(done, losses[-1], saved=save, warmup=warmup == 1 and step == first)
         kill_point(done, cfg.kill_at_step, dist.get_world_size() - 1 if cfg.kill_rank is None
                    else cfg.kill_rank)
 
-    remaining = total - first
-    warmup = 1 if remaining > 1 else 0
     run = run_steps(strategy, inputs, labels, remaining - warmup, warmup, first_step=first,
                     after_step=after_step)
     if bar:
@@ -252,23 +260,28 @@ def trainer_record(cfg, losses: list[float]) -> dict:
 class Progress:
     """One line per step (``step 3/6 [#####-----] loss 4.0122  45 ms``), rewritten in place on
     a terminal. ``fd``: where to write (a forked rank's stdout is captured; the launching
-    terminal's is passed down), else this process's stdout."""
+    terminal's is passed down), else this process's stdout. ``step_file``: rewritten after
+    each step with the number of steps done (how far a run got when it is interrupted)."""
 
     WIDTH = 20
 
-    def __init__(self, total: int, fd: int | None):
-        self.total, self.last = total, time.perf_counter()
+    def __init__(self, total: int, fd: int | None, step_file: str | None = None):
+        self.total, self.last, self.step_file = total, time.perf_counter(), step_file
         self.out = os.fdopen(fd, "w", closefd=False) if fd is not None else sys.stdout
         self.tty = self.out.isatty()
 
     def note(self, text: str) -> None:
         print(text, file=self.out, flush=True)
 
-    def update(self, done: int, loss: float, saved: bool) -> None:
+    def update(self, done: int, loss: float, saved: bool, warmup: bool = False) -> None:
+        if self.step_file is not None:
+            with open(self.step_file, "w") as f:
+                f.write(str(done))
         now = time.perf_counter()
         filled = round(self.WIDTH * done / self.total)
         line = (f"step {done}/{self.total} [{'#' * filled}{'-' * (self.WIDTH - filled)}] "
                 f"loss {loss:.4f}  {(now - self.last) * 1e3:.0f} ms"
+                + ("  (warm-up, not timed)" if warmup else "")
                 + ("  (checkpoint saved)" if saved else ""))
         self.last = now
         print(("\r" + line) if self.tty else line, end="" if self.tty else "\n",

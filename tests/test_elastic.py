@@ -16,7 +16,7 @@ from tests.helpers import descendants, is_running
 from tests.test_resume import assert_same_checkpoint
 from tests.torchrun_agents import agent_pids, start_agent, stop
 
-TRAIN = ["--dp", "2", "--tp", "2", "--steps", "6"]  # 7 steps in all
+TRAIN = ["--dp", "2", "--tp", "2", "--steps", "7"]  # 7 steps in all
 AGENT_TIMEOUT_S = 120  # a guard against a hang; the run takes ~20 s on 2 idle cores
 
 

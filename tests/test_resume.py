@@ -25,7 +25,7 @@ LAYOUTS = {
     "PP": ["--pp", "2"],
     "3D": ["--dp", "2", "--tp", "2", "--pp", "2"],
 }
-STEPS = ["--steps", "4"]  # a warm-up step and 4 timed ones: 5 optimizer steps
+STEPS = ["--steps", "5"]  # 5 optimizer steps: a warm-up step and 4 timed ones
 
 
 def train(*args: str) -> int:
@@ -77,7 +77,7 @@ def test_a_resumed_launch_meters_without_changing_a_bit(tmp_path, capsys):
     assert train("--dp", "4", "--zero", "2", "--save", str(tmp_path / "whole")) == 0
     assert "counted on the wire" in capsys.readouterr().out
     assert train("--dp", "4", "--zero", "2", "--save", str(tmp_path / "part"),
-                 "--steps", "1") == 0
+                 "--steps", "2") == 0
     capsys.readouterr()
     assert train("--dp", "4", "--zero", "2", "--save", str(tmp_path / "part"), "--resume") == 0
     assert "built-in collectives modeled" in capsys.readouterr().out
@@ -131,7 +131,7 @@ def test_bad_checkpoint_options_are_refused_before_any_rank_starts(args, message
 
 def test_resuming_another_run_is_refused_before_any_rank_starts(tmp_path, capsys):
     directory = str(tmp_path)
-    assert train("--dp", "2", "--save", directory, "--steps", "1") == 0
+    assert train("--dp", "2", "--save", directory, "--steps", "2") == 0
     capsys.readouterr()
     refusals = [
         ([], "already holds checkpoints (the newest: step-00000002); pass --resume"),
@@ -162,7 +162,7 @@ def _corrupt(path) -> None:
 
 def test_a_missing_or_corrupted_shard_is_named(tmp_path, capsys):
     directory = str(tmp_path)
-    assert train("--dp", "2", "--save", directory, "--steps", "1") == 0
+    assert train("--dp", "2", "--save", directory, "--steps", "2") == 0
     shard = step_dir(tmp_path, 2) / "rank1-of2.pt"
     _corrupt(shard)
     with pytest.raises(LaunchError, match=r"rank \d raised CheckpointError: .*rank1-of2.pt is "
@@ -225,7 +225,7 @@ def test_moe_killed_and_resumed_equals_uninterrupted(tmp_path, capsys):
 
 def test_a_missing_or_corrupted_moe_rank_file_is_named(tmp_path, capsys):
     directory = str(tmp_path)
-    assert train(*MOE, "--save", directory, "--steps", "1") == 0
+    assert train(*MOE, "--save", directory, "--steps", "2") == 0
     rank_file = step_dir(tmp_path, 2) / "rank2-of4.pt"
     _corrupt(rank_file)
     with pytest.raises(LaunchError, match=r"CheckpointError: .*rank2-of4.pt is corrupted: its "
@@ -241,7 +241,7 @@ def test_a_missing_or_corrupted_moe_rank_file_is_named(tmp_path, capsys):
 def test_resharding_an_moe_checkpoint_is_refused_before_any_rank_starts(tmp_path, capsys):
     directory = str(tmp_path)
     # ep 1: the MoE model still trains under the MoE strategy and saves per-rank checkpoints
-    assert train("--model", "tiny-moe", "--dp", "2", "--save", directory, "--steps", "1") == 0
+    assert train("--model", "tiny-moe", "--dp", "2", "--save", directory, "--steps", "2") == 0
     capsys.readouterr()
     assert engine_main(["train", "--steps", "4", "--model", "tiny-moe", "--dp", "4",
                         "--microbatches", "1", "--save", directory, "--resume",

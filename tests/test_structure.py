@@ -160,7 +160,8 @@ LAYERS = (
                     "engine.checkpoints", "engine.diloco", "engine.ft", "engine.straggler")),
     ("training", ("engine.steps", "engine.timed_steps", "engine.train_formulas", "engine.hybrid",
                   "engine.moe.strategy", "engine.strategy", "engine.compose", "engine.train_report",
-                  "engine.train_run", "engine.train", "engine.parity", "engine.__main__")),
+                  "engine.train_run", "engine.train_endings", "engine.train", "engine.parity",
+                  "engine.__main__")),
     ("teaching", ("engine.drill", "engine.viz", "engine.grading")),
 )
 

@@ -28,6 +28,7 @@ def launch(
     timeout: float = DEFAULT_TIMEOUT_S,
     start_method: str | None = None,
     quiet: bool = False,
+    deadline: bool = True,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return results in rank order.
 
@@ -43,6 +44,11 @@ def launch(
         start_method: ``"fork"`` or ``"spawn"``; by default fork for Gloo and spawn for NCCL.
             Gloo ranks that use CUDA need spawn once this process has touched CUDA.
         quiet: do not print the ranks' captured output (it is still on a raised error).
+        deadline: stop the ranks as stuck once ``timeout`` (plus a few seconds) has passed
+            since the launch began, wherever they are (a lesson's launch, the default).
+            False for a long run (``engine train``): it ends when its ranks return, and a
+            rank waiting for a lost or stuck peer still fails after ``timeout`` in that
+            collective.
 
     Returns:
         ``[result_of_rank_0, result_of_rank_1, ...]``. CUDA tensors come back on the CPU.
@@ -68,7 +74,7 @@ def launch(
         _check_picklable(fn, args)
     else:
         _preimport()
-    return Launch(fn, world_size, args, backend, timeout, start_method, quiet).run()
+    return Launch(fn, world_size, args, backend, timeout, start_method, quiet, deadline).run()
 
 
 def _preimport() -> None:

@@ -41,6 +41,7 @@ class LaunchEnv:
     restart_count: int = 0  # how many times torchrun restarted the workers (elastic)
     max_restarts: int = 0  # torchrun --max-restarts
     agent_store_shared: bool = False  # the workers share torchrun's rendezvous store
+    error_file: str | None = None  # where torchrun's agent reads a failed worker's error
 
     @classmethod
     def read(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv:
@@ -59,6 +60,7 @@ class LaunchEnv:
             restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
             max_restarts=_int(env, "TORCHELASTIC_MAX_RESTARTS", 0),
             agent_store_shared=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            error_file=env.get("TORCHELASTIC_ERROR_FILE") or None,
         )
 
     def export(self) -> None:

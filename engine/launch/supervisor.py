@@ -16,6 +16,7 @@ Each launch keeps its bookkeeping in its own :class:`Launch`; the module holds n
 from __future__ import annotations
 
 import contextlib
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -49,8 +50,8 @@ class Launch:
     results in rank order, or raises the :class:`LaunchError` that names the rank at fault."""
 
     def __init__(self, fn: Callable[..., Any], world_size: int, args: tuple, backend: str,
-                 timeout: float, start_method: str, quiet: bool):
-        self.fn, self.n, self.args = fn, world_size, args
+                 timeout: float, start_method: str, quiet: bool, deadline: bool = True):
+        self.fn, self.n, self.args, self.deadline = fn, world_size, args, deadline
         self.backend, self.timeout, self.quiet = backend, float(timeout), quiet
         self.ctx = mp.get_context(start_method)
         self.tmpdir = tempfile.mkdtemp(prefix="engine-launch-")
@@ -110,7 +111,8 @@ class Launch:
     def _supervise(self) -> list[Any]:
         # The process group times out first, so ranks blocked in a collective report a timeout
         # and the parent can tell them apart from the rank that never came (see _failure_error).
-        deadline = time.monotonic() + self.timeout + DEADLINE_GRACE_S
+        deadline = time.monotonic() + self.timeout + DEADLINE_GRACE_S if self.deadline else \
+            math.inf  # a long run: only its collectives' timeout bounds a wait
         results: dict[int, Any] = {}
         failures: list[Failure] = []
         waiting = set(range(self.n))  # ranks whose message (result or error) has not come yet

@@ -1,0 +1,105 @@
+"""How ``python -m engine train`` ends when it does not train to its last step: one line that
+says what happened and what to do next, instead of a traceback.
+
+* **Ctrl-C** (:func:`interrupted`): ``stopped by Ctrl-C after step 7 of 100; the newest
+  complete checkpoint: DIR/step-00000005; resume with: python -m engine train ... --resume``,
+  exit code 130 (a shell's for SIGINT). The step comes from the file global rank 0 rewrites
+  after each step (:class:`engine.train_run.Progress`).
+* **A lost peer** under torchrun (:func:`lost_peer`): each surviving rank prints the one
+  :class:`engine.elastic.PeerLostError` line, which names the ranks that are gone, and the
+  log file where it wrote the full traceback; torchrun's failure summary shows the same line.
+* **A refused start** (``--save DIR`` already holds checkpoints, a bad flag) and **nothing to
+  do** (``--resume`` from a checkpoint that holds every step): one line on the console, and
+  under torchrun in the agent's failure summary too (:func:`tell_torchrun`).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import tempfile
+import time
+import traceback
+
+from engine import checkpoints
+from engine.launch import LaunchEnv
+
+INTERRUPTED_EXIT = 130  # what a shell reports for a process ended by SIGINT
+# flags a resumed run drops: the lab's kill would strike again outside torchrun
+ONE_SHOT_FLAGS = ("--kill-at-step", "--kill-rank")
+
+
+def read_step(step_file: str | None) -> int | None:
+    """The last step global rank 0 finished, from its step file (None: none yet)."""
+    if step_file is None:
+        return None
+    try:
+        with open(step_file) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def resume_command(argv: list[str], under_torchrun: bool) -> str:
+    """The command that continues this run from its newest checkpoint."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg in ONE_SHOT_FLAGS:
+            skip = True
+            continue
+        if arg.split("=", 1)[0] not in ONE_SHOT_FLAGS:
+            kept.append(arg)
+    if "--resume" not in kept:
+        kept.append("--resume")
+    if under_torchrun:
+        return "the same torchrun command, with: -m engine train " + shlex.join(kept)
+    return "python -m engine train " + shlex.join(kept)
+
+
+def interrupted(cfg, argv: list[str], step: int | None, under_torchrun: bool = False) -> str:
+    """The line printed on Ctrl-C: the step reached, the newest complete checkpoint, and the
+    command that resumes (or, without ``--save``, that nothing can be resumed)."""
+    where = f"after step {step} of {cfg.steps}" if step else \
+        f"before its first step (of {cfg.steps})"
+    if cfg.save is None:
+        return (f"stopped by Ctrl-C {where}; no checkpoint (this run had no --save DIR), so "
+                "a new run starts at step 1")
+    newest = checkpoints.latest(cfg.save)
+    if newest is None:
+        return (f"stopped by Ctrl-C {where}; no complete checkpoint in {cfg.save} yet; "
+                f"start again with: {resume_command(argv, under_torchrun)}")
+    return (f"stopped by Ctrl-C {where}; the newest complete checkpoint: {newest}; resume "
+            f"with: {resume_command(argv, under_torchrun)}")
+
+
+def lost_peer(error: BaseException, rank: int) -> int:
+    """Print ``error`` (a :class:`~engine.elastic.PeerLostError`) as one line on stderr and
+    write its full traceback to a log file the line names; tell torchrun the same line.
+    Returns the exit code, 1."""
+    with tempfile.NamedTemporaryFile("w", prefix=f"engine-train-rank{rank}-", suffix=".log",
+                                     delete=False) as log:
+        log.write("".join(traceback.format_exception(error)))
+    line = f"rank {rank}: {type(error).__name__}: {error} (full traceback: {log.name})"
+    print(line, file=sys.stderr, flush=True)
+    tell_torchrun(line)
+    return 1
+
+
+def tell_torchrun(line: str) -> None:
+    """Under torchrun, make the agent's failure summary show ``line`` for this worker (it
+    reads the worker's error file), instead of a link to the docs."""
+    path = LaunchEnv.read().error_file
+    if path is None:
+        return
+    message = {"message": line, "extraInfo": {"py_callstack": line,
+                                              "timestamp": str(int(time.time()))}}
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": message}, f)
+    except OSError:
+        pass  # the summary then shows torchrun's own text; the console has the line
