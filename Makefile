@@ -42,8 +42,10 @@ course: setup
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# make grade ARGS="--root students/alice --only ch09 --junit alice.xml": any option of
+# python -m engine.grading (later options win over the default --junit)
 grade: setup
-	$(BIN)/python -m engine.grading --junit grade-report.xml
+	$(BIN)/python -m engine.grading --junit grade-report.xml $(ARGS)
 
 book: setup
 	$(BIN)/python scripts/build_book.py

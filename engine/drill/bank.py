@@ -9,6 +9,7 @@ answering an item again replaces its result instead of adding one.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -51,11 +52,20 @@ def _kind(item) -> str:
     return {"Numeric": "numeric", "Choice": "choice", "Outline": "outline"}[type(item).__name__]
 
 
-def scores_path(path: str | Path | None = None) -> Path:
+def scores_path(path: str | Path | None = None, root: str | Path | None = None) -> Path:
     """Where the learner's scores live: ``path``, else ``$DRILL_SCORES``, else
-    ``~/.cache/distributed-course/drill.json``. The grader keeps its attempts beside it."""
+    ``~/.cache/distributed-course/drill.json``. The grader keeps its attempts beside it.
+
+    With ``root`` (a course folder graded by ``python -m engine.grading --root``, a student's
+    submission), that root's own file: ``roots/<folder>-<hash of its path>/drill.json`` beside
+    the learner's, so two roots never share scores or hints."""
     default = Path.home() / ".cache" / "distributed-course" / "drill.json"
-    return Path(path or os.environ.get("DRILL_SCORES") or default)
+    mine = Path(path or os.environ.get("DRILL_SCORES") or default)
+    if path or root is None:
+        return mine
+    folder = Path(root).resolve()
+    key = hashlib.sha1(str(folder).encode()).hexdigest()[:10]
+    return mine.parent / "roots" / f"{folder.name}-{key}" / "drill.json"
 
 
 class Scores:

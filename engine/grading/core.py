@@ -41,6 +41,9 @@ class CheckFailed(AssertionError):
 
 
 HINT_LEVELS = ("the idea", "the API to use", "the shape of the code")
+# How to ask for the next hint: in a notebook, and from the terminal (python -m engine.grading)
+HINT_IN_NOTEBOOK = 'check("{name}", hint={level})'
+HINT_IN_TERMINAL = "python -m engine.grading --only {name} --hint {level}"
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import traceback
 from pathlib import Path
 from types import TracebackType
 
-from engine.grading.core import HINT_LEVELS, Frame, Report
+from engine.grading.core import HINT_IN_NOTEBOOK, HINT_LEVELS, Frame, Report
 
 _ENGINE = Path(__file__).resolve().parents[1]
 _LIBRARY = {Path(p).resolve() for key in ("stdlib", "platstdlib", "purelib", "platlib")
@@ -83,10 +83,12 @@ def _ranks(ranks: set[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}: "
 
 
-def format_report(report: Report, color: bool = True, hint_level: int = 0) -> str:
+def format_report(report: Report, color: bool = True, hint_level: int = 0,
+                  hint_command: str = HINT_IN_NOTEBOOK) -> str:
     """PASS/FAIL and the score; each distinct failure once, with the checks and ranks it hit,
     the learner's lines that led to it, the inputs, and the end of what the ranks printed;
-    then the exercise's hints from level 1 to ``hint_level``."""
+    then the exercise's hints from level 1 to ``hint_level`` and how to ask for the next one
+    (``hint_command``: :data:`engine.grading.core.HINT_IN_NOTEBOOK` or ``HINT_IN_TERMINAL``)."""
     g, r, d, x = (_GREEN, _RED, _DIM, _RESET) if color else ("", "", "", "")
     got, total = report.score
     head = f"{report.exercise.name}: {got}/{total} checks passed"
@@ -113,17 +115,17 @@ def format_report(report: Report, color: bool = True, hint_level: int = 0) -> st
         if output:
             lines.append(f"      {d}the ranks printed (last lines):{x}")
             lines += [f"      {d}| {line}{x}" for line in output.splitlines()]
-    lines += hint_lines(report, hint_level)
+    lines += hint_lines(report, hint_level, hint_command)
     return "\n".join(lines)
 
 
-def hint_lines(report: Report, level: int) -> list[str]:
+def hint_lines(report: Report, level: int, hint_command: str = HINT_IN_NOTEBOOK) -> list[str]:
     """Hints 1 to ``level``, each with what it gives, and how to ask for the next one."""
     exercise, lines = report.exercise, []
     for i, (what, text) in enumerate(zip(HINT_LEVELS, exercise.hints[:level]), 1):
         lines += textwrap.wrap(text, 96, initial_indent=f"  hint {i} ({what}): ",
                                subsequent_indent="      ")
     if 0 < level < len(HINT_LEVELS) and not report.passed:
-        lines.append(f"  (next: check(\"{exercise.name}\", hint={level + 1}) for "
-                     f"{HINT_LEVELS[level]})")
+        ask = hint_command.format(name=exercise.name, level=level + 1)
+        lines.append(f"  (next: {ask} for {HINT_LEVELS[level]})")
     return lines

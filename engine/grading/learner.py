@@ -3,6 +3,9 @@
 The grader reads the files the learner edits, by path, from the course checkout: the folder
 that holds ``course/``, ``exercises/`` and ``solutions/``, found from the working directory
 upwards (a notebook runs in ``course/``, ``make grade`` at the top), else beside the engine.
+A root given explicitly (``--root students/alice``) needs only ``exercises/``: what else it
+lacks (the reference ``solutions/``, the notebooks' titles) comes from the installed course,
+:func:`installed_course`.
 ``exercises`` and ``solutions`` are deliberately not installed as packages: an installed copy
 would be graded instead of the file being edited, and such generic top-level names collide
 with other projects'.
@@ -38,14 +41,22 @@ def _is_course_root(folder: Path) -> bool:
     return all((folder / marker).is_dir() for marker in _MARKERS)
 
 
+def installed_course() -> Path | None:
+    """The course checkout the engine was installed from (the folder beside ``engine/``), or
+    None when the engine was installed without one."""
+    beside_engine = Path(__file__).resolve().parents[2]
+    return beside_engine if _is_course_root(beside_engine) else None
+
+
 def course_root(root: str | Path | None = None) -> Path:
-    """The course checkout: ``root`` if given, else the first folder from the working directory
-    upwards that holds ``course/``, ``exercises/`` and ``solutions/``, else the engine's own."""
+    """The course checkout: ``root`` if given (a folder holding ``exercises/`` is enough: a
+    student's submission), else the first folder from the working directory upwards that holds
+    ``course/``, ``exercises/`` and ``solutions/``, else the engine's own."""
     if root is not None:
         folder = Path(root).resolve()
-        if not _is_course_root(folder):
-            raise ValueError(f"root must be a course folder holding {', '.join(_MARKERS)}/, "
-                             f"got {str(folder)!r}")
+        if not (folder / "exercises").is_dir():
+            raise ValueError(f"root must be a course folder holding exercises/ (a student's "
+                             f"submission needs nothing else), got {str(folder)!r}")
         return folder
     here = Path.cwd().resolve()
     beside_engine = Path(__file__).resolve().parents[2]
@@ -59,9 +70,15 @@ def course_root(root: str | Path | None = None) -> Path:
 
 def exercise_path(exercise: Exercise, source: str = "exercises",
                   root: str | Path | None = None) -> Path:
+    """``<root>/<source>/<module>.py``; the reference solutions of a root that holds none (a
+    student's submission) are the installed course's."""
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
-    return course_root(root) / source / f"{exercise.module}.py"
+    folder = course_root(root)
+    installed = installed_course()
+    if not (folder / source).is_dir() and installed is not None:
+        folder = installed
+    return folder / source / f"{exercise.module}.py"
 
 
 def load_impl(exercise: Exercise, source: str = "exercises",

@@ -2,7 +2,9 @@
 
 Per exercise, ``exercises.json`` (in the folder of the drill's ``drill.json``, so
 ``$DRILL_SCORES`` moves both) holds the attempts whose code ran and failed, the hint level
-reached and the last verdict. :meth:`Attempts.record` decides which hints a report shows:
+reached and the last verdict. Both are kept per course folder: the learner's checkout uses the
+learner's files, a student's submission graded with ``--root`` its own
+(:func:`root_scores_path`), so one student's attempts never raise another's hints. :meth:`Attempts.record` decides which hints a report shows:
 
 * none while the exercise is still "not implemented" or its file does not load;
 * then one more level per failed attempt: 1 the idea, 2 the API to use, 3 the shape of the
@@ -20,9 +22,11 @@ from pathlib import Path
 
 from engine.drill.bank import Scores, scores_path
 from engine.grading.chapters import drills, registry
-from engine.grading.core import (BLOCKED, ERROR, HINT_LEVELS, NOT_IMPLEMENTED, NOT_LOADED,
+from engine.grading.core import (BLOCKED, ERROR, HINT_IN_NOTEBOOK, HINT_LEVELS,
+                                 NOT_IMPLEMENTED, NOT_LOADED,
                                  NOT_STARTED, PASSED, STUCK, WRONG, Exercise, Report)
 from engine.grading.drill import CHAPTER_TOPICS
+from engine.grading.learner import course_root, installed_course
 
 ATTEMPTS_FILE = "exercises.json"
 DRILL_ENOUGH = 5  # questions answered on a topic before its score says much
@@ -41,6 +45,20 @@ def verdict(report: Report) -> str:
 def attempts_path(scores: str | Path | None = None) -> Path:
     """``exercises.json`` beside the drill's scores (see :func:`engine.drill.bank.scores_path`)."""
     return scores_path(scores).parent / ATTEMPTS_FILE
+
+
+def root_scores_path(root: str | Path | None) -> Path:
+    """Where the drill's scores (and, beside them, the attempts) of course folder ``root`` are
+    kept: the learner's own file for their checkout (``root`` None, or the folder the notebooks
+    find), a file of its own for any other root (a student's submission graded with
+    ``--root``; :func:`engine.drill.bank.scores_path`)."""
+    if root is None:
+        return scores_path()
+    try:
+        own = course_root()
+    except FileNotFoundError:
+        own = None
+    return scores_path() if Path(root).resolve() == own else scores_path(root=root)
 
 
 def check_hint_level(hint) -> int:
@@ -85,16 +103,19 @@ class Attempts:
         self.path.write_text(json.dumps(self.data, indent=1, sort_keys=True))
 
 
-def _next_for_exercise(exercise: Exercise, entry: dict, last: str) -> str:
+def _next_for_exercise(exercise: Exercise, entry: dict, last: str,
+                       hint_command: str = HINT_IN_NOTEBOOK) -> str:
     name, file = exercise.name, f"exercises/{exercise.module}.py"
     if last in ("", NOT_IMPLEMENTED):
         return f"write {name} in {file}"
     if last == NOT_LOADED:
-        return f"make {file} load: check(\"{name}\") shows the line"
+        shows = ("check(\"{name}\")" if hint_command == HINT_IN_NOTEBOOK
+                 else "the report above").format(name=name)
+        return f"make {file} load: {shows} shows the line"
     more = min(entry["hint_level"] + 1, len(HINT_LEVELS))
     tries = entry["attempts"]
     return (f"fix {name} ({tries} failed tr{'y' if tries == 1 else 'ies'}): "
-            f"check(\"{name}\", hint={more})")
+            + hint_command.format(name=name, level=more))
 
 
 def _drill_cell(chapter: str, scores: Scores) -> tuple[str, str]:
@@ -114,20 +135,28 @@ def _drill_cell(chapter: str, scores: Scores) -> tuple[str, str]:
 
 
 def progress_table(exercises: dict[str, Exercise], last: dict[str, str], attempts: Attempts,
-                   scores: Scores, titles: dict[str, str] | None = None) -> str:
+                   scores: Scores, titles: dict[str, str] | None = None,
+                   only: list[str] | None = None, hint_command: str = HINT_IN_NOTEBOOK) -> str:
     """Per chapter: exercises passed, the drill's score on its topics, the next thing to do;
     then the first chapter's next step. ``last`` maps exercise names to their verdicts (from
-    this grading run, or the saved ones)."""
+    this grading run, or the saved ones). With ``only`` (the exercises graded by an ``--only``
+    run) just their chapters are shown, and each chapter's next step is one of them if any is
+    not passed yet."""
     titles = titles or {}
     chapters = sorted({e.chapter for e in exercises.values()} | set(CHAPTER_TOPICS))
+    if only is not None:
+        chapters = [c for c in chapters if any(n.split(".")[0] == c for n in only)]
+    focus = set(only or ())
     rows = [("chapter", "exercises", "drill (right/asked)", "next")]
     first_step = ""
     for chapter in chapters:
         mine = [e for e in exercises.values() if e.chapter == chapter]
         passed = sum(last.get(e.name) == PASSED for e in mine)
         drill_score, drill_step = _drill_cell(chapter, scores)
-        todo = next((e for e in mine if last.get(e.name) != PASSED), None)
-        step = (_next_for_exercise(todo, attempts.entry(todo.name), last.get(todo.name, ""))
+        todo = next((e for e in sorted(mine, key=lambda e: e.name not in focus)
+                     if last.get(e.name) != PASSED), None)
+        step = (_next_for_exercise(todo, attempts.entry(todo.name), last.get(todo.name, ""),
+                                   hint_command)
                 if todo else drill_step) or "done"
         first_step = first_step or (step if step != "done" else "")
         name = f"{chapter} {titles.get(chapter, '')}".strip()
@@ -137,15 +166,22 @@ def progress_table(exercises: dict[str, Exercise], last: dict[str, str], attempt
              for row in rows]
     lines.insert(1, "-" * len(lines[0]))
     lines.append("")
-    lines.append(f"next: {first_step}" if first_step else "next: every exercise passed and "
-                 "every drill done; try python -m engine drill for a mixed sitting")
+    done = ("every exercise graded passed and its chapters' drills done" if only is not None
+            else "every exercise passed and every drill done")
+    lines.append(f"next: {first_step}" if first_step else
+                 f"next: {done}; try python -m engine drill for a mixed sitting")
     return "\n".join(lines)
 
 
 def chapter_titles(root: Path | None) -> dict[str, str]:
-    """``{"ch01": "collectives", ...}`` from the notebooks' names in ``<root>/course``."""
+    """``{"ch01": "collectives", ...}`` from the notebooks' names in ``<root>/course`` (a root
+    without notebooks, a student's submission: the installed course's)."""
     if root is None:
         return {}
+    if not (root / "course").is_dir():
+        root = installed_course()
+        if root is None:
+            return {}
     return {f"ch{path.name[:2]}": path.stem[3:].replace("_", " ")
             for path in sorted((root / "course").glob("[0-9][0-9]_*.ipynb"))}
 
@@ -153,8 +189,6 @@ def chapter_titles(root: Path | None) -> dict[str, str]:
 def saved_progress(root: Path | None = None) -> str:
     """The progress table from what was saved: the last verdict of each exercise checked
     (``check`` in a notebook, ``make grade``) and the drill's scores."""
-    from engine.grading.learner import course_root
-
     if root is None:
         try:
             root = course_root()

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import inspect
+import re
 import types
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from engine.grading.blocking import EngineAnswerBlocked, blocking, borrowed_answers
 from engine.grading.chapters import get_exercise, registry
 from engine.grading.core import (BLOCKED, ERROR, NOT_IMPLEMENTED, NOT_LOADED, STUCK, WRONG,
-                                 CheckFailed, CheckResult, Exercise, Frame, Report,
+                                 CheckFailed, CheckResult, Frame, Report,
                                  keeping_rank_output)
 from engine.grading.feedback import (format_report, frames_from_syntax_error, frames_from_text,
                                      frames_from_traceback, is_learner_file)
@@ -19,7 +20,7 @@ from engine.grading.progress import Attempts, check_hint_level
 from engine.launch import LaunchError, RankError, RankTimeoutError
 
 # registry and get_exercise live with the chapters (engine.grading.chapters); here as before
-__all__ = ["run_checks", "check", "registry", "get_exercise"]
+__all__ = ["run_checks", "check_results", "check", "registry", "get_exercise"]
 
 
 def run_checks(name: str, impl: Callable | None = None, source: str = "exercises",
@@ -30,27 +31,34 @@ def run_checks(name: str, impl: Callable | None = None, source: str = "exercises
     While the file loads and the checks run, the engine's own answer to the exercise
     (``Exercise.blocks``) raises for the learner's code (:mod:`engine.grading.blocking`).
     """
+    label = source if impl is None else "impl"
+    return Report(get_exercise(name), label, list(check_results(name, impl, source, root)))
+
+
+def check_results(name: str, impl: Callable | None = None, source: str = "exercises",
+                  root: str | Path | None = None) -> Iterator[CheckResult]:
+    """:func:`run_checks`, one :class:`CheckResult` at a time, each as soon as its check ends
+    (:mod:`engine.grading.isolated` sends them on while the next one runs)."""
     exercise = get_exercise(name)
     if impl is not None and exercise.attr and not callable(impl):
         raise ValueError(f"impl must be a function, got {impl!r}")
-    label = source if impl is None else "impl"
     with blocking(exercise):
         if impl is None:
             try:
                 impl = load_impl(exercise, source, root)
             except ExerciseLoadError as e:
-                return Report(exercise, source, [_not_loaded(check_fn, e)
-                                                 for check_fn in exercise.checks])
+                yield from (_not_loaded(check_fn, e) for check_fn in exercise.checks)
+                return
         borrowed = borrowed_answers(impl)
         if borrowed:
             message = (f"{exercise.name} is being graded, and what it grades is the engine's "
                        f"own answer ({', '.join(borrowed)}), imported instead of written; "
                        "write it yourself")
-            return Report(exercise, label, [CheckResult(_name(check_fn), False, message,
-                                                        kind=BLOCKED)
-                                            for check_fn in exercise.checks])
-        return Report(exercise, label, [_run_one(check_fn, impl)
-                                        for check_fn in exercise.checks])
+            yield from (CheckResult(_name(check_fn), False, message, kind=BLOCKED)
+                        for check_fn in exercise.checks)
+            return
+        for check_fn in exercise.checks:
+            yield _run_one(check_fn, impl)
 
 
 def _name(check_fn: Callable) -> str:
@@ -73,13 +81,12 @@ def _first_line_after(text: str, prefix: str) -> str:
 def _written_where(impl, message: str) -> tuple[Frame, ...]:
     """For a wrong answer, where the learner wrote what gave it: the graded function or class
     (for a module, those of its definitions the message names, else the file itself)."""
-    if isinstance(impl, types.ModuleType):
-        named = [obj for obj in vars(impl).values()
-                 if (inspect.isfunction(obj) or inspect.isclass(obj))
-                 and obj.__module__ == impl.__name__ and obj.__name__ in message]
-        if not named:
-            file = getattr(impl, "__file__", "") or ""
-            return (Frame(file, 1, "<module>", ""),) if file and is_learner_file(file) else ()
+    if isinstance(impl, types.ModuleType):  # the definitions the message names, else all
+        defined = [obj for obj in vars(impl).values()
+                   if (inspect.isfunction(obj) or inspect.isclass(obj))
+                   and obj.__module__ == impl.__name__ and not obj.__name__.startswith("_")]
+        named = [obj for obj in defined if re.search(rf"\b{obj.__name__}\b", message)]
+        named = named or defined
     else:
         named = [impl]
     frames = []

@@ -37,6 +37,25 @@ def _merged(merge, blocks, q):
     return out, lse
 
 
+def what_the_merge_got_wrong(out, lse, want_out, want_lse) -> str:
+    """The one mistake the merge's result shows: an overflow, a wrong lse, or an output not
+    rescaled; "" when both are right. Each diagnosis names only what was observed."""
+    finite = bool(out.isfinite().all()) and not bool(lse.isnan().any())
+    if not finite:
+        return ("the merge overflowed (inf or NaN in its output): never form exp(lse); use "
+                "torch.logaddexp and exp(lse_j - lse)")
+    lse_ok = lse.shape == want_lse.shape and torch.allclose(lse, want_lse, atol=ATOL)
+    out_ok = out.shape == want_out.shape and torch.allclose(out, want_out, atol=ATOL)
+    if not lse_ok:
+        also = " (the output is wrong too)" if not out_ok else ""
+        return ("the merged lse is wrong: it is the log of both blocks' softmax mass, "
+                f"torch.logaddexp(lse_1, lse_2){also}")
+    if not out_ok:
+        return ("the merged lse is right but the output is not: rescale each block's output, "
+                "the one merged so far too, by exp(its lse - the new lse) before adding")
+    return ""
+
+
 def check_two_blocks_give_full_attention(merge):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 3, 5, 8, generator=g)
@@ -45,33 +64,48 @@ def check_two_blocks_give_full_attention(merge):
         (o1, l1), (o2, l2) = _blocks(q, k, v, splits)
         out, lse = merge(o1, l1, o2, l2)
         full_lse = (q @ k.transpose(-2, -1) / math.sqrt(8)).logsumexp(-1)
-        if not (torch.allclose(out, _attention(q, k, v), atol=ATOL)
-                and torch.allclose(lse, full_lse, atol=ATOL)):
-            raise CheckFailed("merging the two blocks does not give attention over all the "
-                              "keys: weight each block's output by exp(its lse - the new lse), "
-                              "and the new lse is logaddexp of the two", key_blocks=splits)
+        wrong = what_the_merge_got_wrong(out, lse, _attention(q, k, v), full_lse)
+        if wrong:
+            raise CheckFailed(f"merging two blocks does not give attention over all the keys: "
+                              f"{wrong}", key_blocks=splits)
 
 
-def check_starts_from_no_keys(merge):
+def _from_no_keys(merge):
+    """``merge`` of one block of small scores into "no keys yet": ``((out, lse), block)``."""
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 2, 4, 8, generator=g) for _ in range(3))
     (block_out, block_lse), = _blocks(q, k, v, [k.shape[-2]])
-    out, lse = merge(torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf")), block_out,
-                     block_lse)
+    empty = (torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf")))
+    return merge(*empty, block_out, block_lse), (block_out, block_lse)
+
+
+def check_starts_from_no_keys(merge):
+    (out, lse), (block_out, block_lse) = _from_no_keys(merge)
+    if out.isnan().any() or lse.isnan().any():
+        raise CheckFailed("merging into 'no keys yet' (out = 0, lse = -inf) gave NaN: -inf - "
+                          "(-inf) is NaN, so never subtract the two lse; torch.logaddexp "
+                          "handles -inf, and exp(lse_j - lse) is then 0 for the empty side",
+                          nan=True)
     if not (torch.allclose(out, block_out) and torch.allclose(lse, block_lse)):
         raise CheckFailed("merging into 'no keys yet' (out = 0, lse = -inf) must give the "
-                          "block itself; got NaN or a different value",
-                          nan=bool(out.isnan().any()))
+                          "block itself; got a different value (no NaN): "
+                          + what_the_merge_got_wrong(out, lse, block_out, block_lse),
+                          nan=False)
 
 
 def check_large_scores_stay_finite(merge):
     g = torch.Generator().manual_seed(2)
     q = 500 * torch.randn(1, 2, 4, 16, generator=g)  # scores in the hundreds to thousands
     k, v = (torch.randn(1, 2, 12, 16, generator=g) for _ in range(2))
-    out, _ = _merged(merge, _blocks(q, k, v, [3, 3, 3, 3]), q)
-    if not (out.isfinite().all() and torch.allclose(out, _attention(q, k, v), atol=ATOL)):
-        raise CheckFailed("with scores near 1000 the merge overflowed or drifted: never form "
-                          "exp(lse); use torch.logaddexp and exp(lse_j - lse)",
+    blocks = _blocks(q, k, v, [3, 3, 3, 3])
+    out, lse = _merged(merge, blocks, q)
+    full_lse = (q @ k.transpose(-2, -1) / math.sqrt(16)).logsumexp(-1)
+    wrong = what_the_merge_got_wrong(out, lse, _attention(q, k, v), full_lse)
+    if wrong and any(t.isnan().any() for t in _from_no_keys(merge)[0]):  # small scores too
+        wrong = ("the first merge, into 'no keys yet' (lse = -inf), gave NaN even with small "
+                 "scores (see starts_from_no_keys), not an overflow")
+    if wrong:
+        raise CheckFailed(f"with scores near 1000, merging four blocks one by one: {wrong}",
                           finite=bool(out.isfinite().all()))
 
 

@@ -123,14 +123,15 @@ def _dispatch_results(module):
 def check_experts_receive_their_rows(module):
     for world_size, rank, result in _dispatch_results(module):
         if not result["counts"]:
-            raise CheckFailed(f"rank {rank}: the block sizes (counts) are wrong: one per local "
-                              "expert, the rows it receives from every rank",
-                              world_size=world_size)
+            raise CheckFailed(f"rank {rank}: the block sizes (counts) dispatch returned are "
+                              "wrong: one per local expert, the rows it receives from every "
+                              "rank", world_size=world_size)
         if not result["received"]:
-            raise CheckFailed(f"rank {rank}: its experts got the wrong rows: each local expert's "
-                              "rows together, those of rank 0 first, each rank's in their "
-                              "original order (sort stably by expert, then regroup what "
-                              "arrives by expert, then source rank)", world_size=world_size)
+            raise CheckFailed(f"rank {rank}: dispatch gave its experts the wrong rows: each "
+                              "local expert's rows together, those of rank 0 first, each "
+                              "rank's in their original order (sort stably by expert, then "
+                              "regroup what arrives by expert, then source rank)",
+                              world_size=world_size)
 
 
 def check_combine_returns_every_row_home(module):
@@ -192,13 +193,27 @@ def check_value(impl):
     balanced = impl(torch.full((8, 4), 0.25), torch.arange(8).remainder(4)[:, None], 0.01)
     if abs(balanced.item() - 0.01) > 1e-7:
         raise CheckFailed(f"perfectly balanced routing gives {balanced.item():.6f}, expected "
-                          "alpha = 0.01")
+                          "alpha = 0.01: " + _what_the_factor_says(
+                              balanced.item() / 0.01, dict(tokens=8, experts=4, top_k=1)))
     for inputs, _, _, got, right in _loss_cases(impl):
         got, right = got.detach().item(), right.item()
         if abs(got - right) > 1e-6 * max(1.0, abs(right)):
-            raise CheckFailed(f"got {got:.6f}, expected {right:.6f}: f_i counts "
-                              "the T*k assignments (divide by T*k), P_i averages probs over "
-                              "tokens, times alpha and E", **inputs)
+            raise CheckFailed(f"got {got:.6f}, expected {right:.6f}: "
+                              + _what_the_factor_says(got / right, inputs), **inputs)
+
+
+def _what_the_factor_says(ratio: float, inputs: dict) -> str:
+    """The mistake a loss ``ratio`` times the right one shows, named only when it is that."""
+    k, tokens, experts = inputs["top_k"], inputs["tokens"], inputs["experts"]
+    known = {k: f"f_i divides by T = {tokens} only: it counts the T*k assignments, so divide "
+                "by T*k",
+             1 / experts: "the factor E (the number of experts) is missing",
+             float(tokens): f"P_i sums probs over the T = {tokens} tokens: it is their mean"}
+    for factor, mistake in known.items():
+        if factor != 1 and abs(ratio - factor) < 1e-4 * factor:
+            return f"{ratio:.4g} times the right value: {mistake}"
+    return ("f_i counts the T*k assignments (divide by T*k), P_i averages probs over tokens, "
+            "times alpha and E")
 
 
 def check_gradient_only_through_p(impl):
@@ -208,8 +223,23 @@ def check_gradient_only_through_p(impl):
         mine, = torch.autograd.grad(got, probs)
         expected, = torch.autograd.grad(right, probs)
         if not torch.allclose(mine, expected, atol=1e-7):
-            raise CheckFailed("the gradient with respect to probs is wrong: f_i is a count, "
-                              "with no gradient; only P_i carries one", **inputs)
+            raise CheckFailed("the gradient with respect to probs is wrong: "
+                              + _what_the_gradient_says(mine, expected, inputs), **inputs)
+
+
+def _what_the_gradient_says(mine, expected, inputs: dict) -> str:
+    """The right gradient, alpha E f_i / T, is the same for every token of an expert: one that
+    varies by token has a gradient through f_i (or elsewhere); one off by a constant factor
+    shares the value's mistake."""
+    if not torch.allclose(mine, mine[:1].expand_as(mine), atol=1e-7):
+        return ("it differs from token to token, so something besides P_i carries a gradient: "
+                "f_i is a count (bincount, no gradient); only P_i = probs.mean(0) carries one")
+    ratio = (mine[0] / expected[0])[expected[0] != 0]
+    if ratio.numel() and torch.allclose(ratio, ratio[:1].expand_as(ratio), rtol=1e-4):
+        return (f"{ratio[0].item():.4g} times the right one, the same for every expert: the "
+                "value is off by that factor too (see check value)")
+    return ("d loss / d probs[t, i] must be alpha * E * f_i / T for every token t: the weight "
+            "of expert i is its share f_i of the T*k assignments")
 
 
 EXERCISES = [
