@@ -16,8 +16,10 @@ EXPECTED = [
     "dp2xcp2 ring-zigzag", "dp2xcp2 ring-zigzag zero3", "cp2xtp2 ring-zigzag",
     "cp2xtp2 sp ring-zigzag", "dp2xcp2xtp2 ring-zigzag",
 ]
+MOE = ["moe dp2", "moe dp2xep2", "moe dp2xep2 zero1", "moe dp2xep2 zero2",
+       "moe cp2xep2 ring-zigzag", "moe dp2xep2xtp2"]
 EXPECTED = [*EXPECTED, *(f"{name} varlen" for name in EXPECTED), "dp2xtp2 untied",
-            "tp2 sp untied varlen"]
+            "tp2 sp untied varlen", *MOE, *(f"{name} varlen" for name in MOE)]
 
 
 def test_no_row_is_missing():

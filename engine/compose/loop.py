@@ -3,8 +3,9 @@
 A step, whatever the layout: this rank's micro-batches of the step's global batch
 (:mod:`engine.compose.data`), for each a forward, the loss normalised by the global token
 count (:mod:`engine.compose.loss`) and a backward (gradients kept local but for the last
-micro-batch, where the data-parallel wrapper reduces them over ``mesh.dp_cp_group``), then the
-optimizer step. The reported loss is the sum of every rank's local sums over the global
+micro-batch, where the data-parallel wrapper reduces them over ``mesh.dp_cp_group``; experts'
+over ``mesh.expert_dp_group``), then the optimizer step. An MoE model's router losses (per
+rank, GShard's groups) are added to each micro-batch's loss, over the micro-batches. The reported loss is the sum of every rank's local sums over the global
 count: one all-reduce of one number, after the step.
 
 What measures the run (the meter, the trace, memory accounting) is attached from outside as
@@ -60,8 +61,9 @@ def train_step(par: Parallel, batch: Batch, step: int = 0, hooks=(),
                 loss = global_token_loss(summed, global_tokens, par.replicas)
             else:
                 loss = micro_batch_mean(summed, mb.mask, m)
-            loss.backward()
+            (loss + par.model.router_losses() / m).backward()
         local += summed.detach()
+    par.finish_gradients()
     call_hooks(hooks, "after_backward", step, par)
     par.optimizer.step()
     if par.replicas > 1:

@@ -49,6 +49,8 @@ class ModelConfig:
     num_experts: int = 0  # 0: dense feed-forward layers
     top_k: int = 2
     capacity_factor: float = 1.25
+    aux_loss_coef: float = 0.01  # Switch's load-balancing loss, per rank (GShard's groups)
+    z_loss_coef: float = 1e-3  # ST-MoE's router z-loss
     ffn_hidden: int = 0  # 0: 4 x hidden
 
     def __post_init__(self):
@@ -136,9 +138,14 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     """``forward(idx, positions)``: logits ``[batch, seq, vocab]`` (under tensor
-    parallelism, this rank's ``vocab / t`` of them) of the tokens ``idx`` at ``positions``."""
+    parallelism, this rank's ``vocab / t`` of them) of the tokens ``idx`` at ``positions``.
 
-    def __init__(self, cfg: ModelConfig = ModelConfig(), seed: int = 0):
+    ``expert_group``: the group the MoE layers are built over (:class:`engine.moe.MoE`'s
+    ``group``). Inside launched ranks pass a one-rank group
+    (:func:`engine.moe.layer.single_rank_group`): every rank then builds every expert, from the
+    same seed, and expert parallelism keeps its share (:mod:`engine.compose.experts`)."""
+
+    def __init__(self, cfg: ModelConfig = ModelConfig(), seed: int = 0, expert_group=None):
         super().__init__()
         self.cfg = cfg
         self.sp_group = None  # the tensor-parallel group under sequence parallelism
@@ -155,7 +162,8 @@ class GPT(nn.Module):
             with seeded(seed + 1):  # as engine.moe.gpt.TinyMoEGPT draws its experts
                 for block in self.blocks:
                     block.moe = MoE(cfg.hidden, cfg.ffn, cfg.num_experts, cfg.top_k,
-                                    cfg.capacity_factor, group=None)
+                                    cfg.capacity_factor, expert_group, cfg.aux_loss_coef,
+                                    cfg.z_loss_coef)
                     block.moe.apply(gpt2_init)
                     del block.fc, block.out
 

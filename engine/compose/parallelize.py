@@ -15,14 +15,16 @@ compile, then FSDP): each step changes modules the next one wraps, never the oth
    ring attention (Liu et al. 2023; zig-zag or contiguous layout) or Ulysses (Jacobs et al.
    2023) over ``mesh.cp_group``. Nothing else changes: every other layer works token by token,
    and the data layer gives each rank its tokens and their positions.
-3. *(phase 2)* **expert parallelism**: ``MoE.from_dense(moe, mesh.ep_group)`` per layer, the
-   experts' gradients reduced over ``mesh.expert_dp_group``;
+3. **expert parallelism** (:mod:`engine.compose.experts`): each MoE layer keeps this rank's
+   experts of ``mesh.ep_group``; their gradients are reduced over ``mesh.expert_dp_group``;
 4. *(phase 2)* **the pipeline split** and its schedule over ``mesh.pp_group``;
 5. **the data-parallel wrapper** over ``mesh.dp_cp_group`` (every rank that holds the same
    dense parameters and saw other tokens), :func:`apply_data_parallel`: ZeRO-0 is
    :class:`engine.dp.DataParallel`, ZeRO-1/2 :class:`engine.zero.ZeroOptimizer`, ZeRO-3
    :class:`engine.zero.ZeroDataParallel` (FSDP; over a tensor-parallel model: the 2D layout).
-   Each averages over the group; :mod:`engine.compose.loss` scales the loss to match.
+   Each averages over the group; :mod:`engine.compose.loss` scales the loss to match. With
+   experts spread (ep > 1): ZeRO-0 reduces after backward by the experts' rule, ZeRO-1/2 run
+   one sharded optimizer per group (experts' over ``mesh.expert_dp_group``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from engine.compose.experts import (Optimizers, apply_expert_parallel, dense_parameters,
+                                    expert_parameters, reduce_gradients)
 from engine.compose.model import GPT
 from engine.compose.plan import Plan
 from engine.cp.ring import ring_attention
@@ -45,7 +49,7 @@ from engine.tp.layers import (ColumnParallelLinear, RowParallelLinear,
                               SequenceParallelLayerNorm, VocabParallelEmbedding)
 from engine.zero import ZeroDataParallel, ZeroOptimizer
 
-PHASE_2 = {"ep": "expert parallelism", "pp": "pipeline parallelism"}
+PHASE_2 = {"pp": "pipeline parallelism"}
 
 
 @dataclass
@@ -53,8 +57,9 @@ class Parallel:
     """This rank's parallelised model: ``model`` (parameters named as the dense GPT's),
     ``module`` (what the loop calls: ``model`` or its data-parallel wrapper), the
     ``optimizer``, ``no_sync`` (keeps a backward's gradients local), the ``tp_group`` the
-    logits are split over (``None``: whole) and ``replicas`` (ranks the wrapper averages
-    gradients over)."""
+    logits are split over (``None``: whole), ``replicas`` (ranks the wrapper averages
+    gradients over) and ``finish_gradients`` (run after the last backward, before the
+    step)."""
 
     model: GPT
     module: nn.Module
@@ -64,6 +69,7 @@ class Parallel:
     no_sync: Callable[[], Any]
     tp_group: Any
     replicas: int
+    finish_gradients: Callable[[], None] = lambda: None
 
 
 def qkv_heads_slice(whole: torch.Tensor, sizes: list[int], t: int, rank: int) -> torch.Tensor:
@@ -142,6 +148,27 @@ def apply_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls, **kwar
     return module, module.optimizer, contextlib.nullcontext
 
 
+def apply_expert_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls, **kwargs
+                                ) -> tuple[nn.Module, Any, Callable[[], None]]:
+    """Step 5 with experts spread over ``mesh.ep_group``: ``(module, optimizer,
+    finish_gradients)``; the dense parameters over ``mesh.dp_cp_group``, the experts' over
+    ``mesh.expert_dp_group`` (:mod:`engine.compose.experts`)."""
+    if zero == 0:
+        return model, optimizer_cls(model.parameters(), **kwargs), \
+            lambda: reduce_gradients(model, mesh)
+    if zero == 3:
+        raise ValueError("zero = 3 with ep > 1: ZeRO-3 over experts spread by expert "
+                         "parallelism is not composed yet (phase 2 of issue 29); use zero 0-2")
+    for p in expert_parameters(model):  # averaged over R / ep ranks: a sum over R after this
+        p.register_hook(lambda grad, ep=mesh.ep: grad / ep)
+    optimizers = Optimizers(
+        ZeroOptimizer(dense_parameters(model), optimizer_cls, stage=zero,
+                      group=mesh.dp_cp_group, **kwargs),
+        ZeroOptimizer(expert_parameters(model), optimizer_cls, stage=zero,
+                      group=mesh.expert_dp_group, **kwargs))
+    return model, optimizers, lambda: None
+
+
 def parallelize(model: GPT, mesh: Mesh, plan: Plan, optimizer_cls=torch.optim.AdamW,
                 **optimizer_kwargs) -> Parallel:
     """This rank's :class:`Parallel` of ``model`` (built whole, from the same seed, on every
@@ -160,7 +187,13 @@ def parallelize(model: GPT, mesh: Mesh, plan: Plan, optimizer_cls=torch.optim.Ad
         apply_tensor_parallel(model, mesh, plan.sequence_parallel)
     if plan.cp > 1:
         apply_context_parallel(model, mesh, plan.cp_method)
+    tp_group = mesh.tp_group if plan.tp > 1 else None
+    if plan.ep > 1:
+        apply_expert_parallel(model, mesh)
+        module, optimizer, finish = apply_expert_data_parallel(model, mesh, plan.zero,
+                                                               optimizer_cls, **optimizer_kwargs)
+        return Parallel(model, module, optimizer, mesh, plan, contextlib.nullcontext, tp_group,
+                        mesh.dp_cp_size, finish)
     module, optimizer, no_sync = apply_data_parallel(model, mesh, plan.zero, optimizer_cls,
                                                      **optimizer_kwargs)
-    return Parallel(model, module, optimizer, mesh, plan, no_sync,
-                    mesh.tp_group if plan.tp > 1 else None, mesh.dp_cp_size)
+    return Parallel(model, module, optimizer, mesh, plan, no_sync, tp_group, mesh.dp_cp_size)

@@ -50,11 +50,12 @@ class Row:
     plan: Plan
     varlen: bool = False
     tied: bool = True
+    moe: bool = False
 
     @property
     def name(self) -> str:
-        return self.plan.name + ("" if self.tied else " untied") + \
-            (" varlen" if self.varlen else "")
+        return ("moe " if self.moe else "") + self.plan.name + \
+            ("" if self.tied else " untied") + (" varlen" if self.varlen else "")
 
 
 def _p(**kw) -> Plan:
@@ -67,8 +68,11 @@ PHASE_1 = [_p(dp=2), _p(tp=2), _p(tp=2, sequence_parallel=True), _p(dp=2, tp=2),
            _p(cp=2), _p(cp=2, cp_method="ring-contiguous"), _p(cp=2, cp_method="ulysses"),
            _p(dp=2, cp=2), _p(dp=2, cp=2, zero=3), _p(cp=2, tp=2),
            _p(cp=2, tp=2, sequence_parallel=True), _p(dp=2, cp=2, tp=2)]
+MOE_LAYOUTS = [_p(dp=2), _p(dp=2, ep=2), _p(dp=2, ep=2, zero=1), _p(dp=2, ep=2, zero=2),
+               _p(cp=2, ep=2), _p(dp=2, ep=2, tp=2)]
 ROWS_PHASE_1 = [Row(plan, varlen) for varlen in (False, True) for plan in PHASE_1] + \
-    [Row(_p(dp=2, tp=2), tied=False), Row(_p(tp=2, sequence_parallel=True), True, False)]
+    [Row(_p(dp=2, tp=2), tied=False), Row(_p(tp=2, sequence_parallel=True), True, False)] + \
+    [Row(plan, varlen, moe=True) for varlen in (False, True) for plan in MOE_LAYOUTS]
 
 
 @dataclass
@@ -85,17 +89,27 @@ class Result:
         return self.loss_diff <= TOLERANCE and self.param_diff <= TOLERANCE
 
 
+# MoE rows: 4 experts, top-2, a capacity of every token (capacity_factor = E / k: nothing is
+# dropped, so routing does not depend on which tokens share a rank) and no balancing or z-loss
+# (per-rank statistics, not sums over tokens: engine.compose.experts)
+MOE = dict(num_experts=4, top_k=2, capacity_factor=2.0, aux_loss_coef=0.0, z_loss_coef=0.0)
+
+
 def model_config(row: Row) -> ModelConfig:
-    return replace(MODEL, tied=row.tied)
+    return replace(MODEL, tied=row.tied, **(MOE if row.moe else {}))
 
 
 def run_layout(rank: int, world_size: int, row: Row, steps: int = STEPS) -> dict:
     """One rank's run of ``row``: its global losses and its whole parameters."""
     from engine.topology import Mesh
 
+    from engine.moe.layer import single_rank_group
+
     plan, cfg = row.plan, model_config(row)
     mesh = Mesh(dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp, ep=plan.ep)
-    par = parallelize(GPT(cfg, seed=SEED), mesh, plan, torch.optim.AdamW, lr=LR)
+    alone = single_rank_group() if row.moe else None  # every rank builds every expert
+    par = parallelize(GPT(cfg, seed=SEED, expert_group=alone), mesh, plan, torch.optim.AdamW,
+                      lr=LR)
     losses = train(par, steps, ROWS, seed=SEED + 1, varlen=row.varlen)
     return {"losses": losses, "state": dense_state(par)}
 
@@ -129,8 +143,11 @@ def run_row(row: Row, steps: int = STEPS, timeout: float = 120) -> Result:
     seconds = time.perf_counter() - start
     loss_diff = max(abs(a - b) for r in ranks for a, b in zip(r["losses"], ref["losses"],
                                                                strict=True))
-    param_diff = max((r["state"][n] - t).abs().max().item() for r in ranks
-                     for n, t in ref["state"].items())
+    param_diff = max((t - ref["state"][n]).abs().max().item() for r in ranks
+                     for n, t in r["state"].items())
+    missing = set(ref["state"]) - {n for r in ranks for n in r["state"]}
+    if missing:  # a parameter no rank holds
+        param_diff = float("inf")
     return Result(row, row.plan.world, loss_diff, param_diff, seconds, ranks[0]["losses"])
 
 

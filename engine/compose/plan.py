@@ -103,6 +103,12 @@ class Plan:
                           "the tokens per context-parallel rank", cfg.seq_len // self.cp)
         if cfg.num_experts:
             check_divides("ep", self.ep, "num_experts", cfg.num_experts)
+            if self.sequence_parallel:
+                raise ValueError("sequence_parallel=True with MoE layers: each tensor-parallel "
+                                 "rank would route other tokens through replicated experts "
+                                 "(not composed yet); use sequence_parallel=False")
+            if self.ep > 1 and self.zero == 3:
+                raise ValueError("zero = 3 with ep > 1 is not composed yet; use zero 0-2")
         elif self.ep > 1:
             raise ValueError(f"ep = {self.ep} spreads experts, but the model is dense "
                              "(num_experts = 0)")

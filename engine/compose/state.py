@@ -23,6 +23,7 @@ QKV = "qkv"
 TP_SPLIT = {"tok.weight": 0, "head.weight": 0, "attn.qkv.weight": QKV, "attn.qkv.bias": QKV,
             "attn.proj.weight": 1, "fc.weight": 0, "fc.bias": 0, "out.weight": 1}
 _IN_BLOCK = re.compile(r"blocks\.\d+\.(.*)")
+_EXPERT = re.compile(r"blocks\.(\d+)\.moe\.experts\.(\d+)\.(.*)")
 
 
 def local_tensors(par: Parallel) -> dict[int, torch.Tensor]:
@@ -55,8 +56,21 @@ def join_tp(name: str, local: torch.Tensor, par: Parallel) -> torch.Tensor:
     return torch.cat([torch.cat([p[j] for p in parts]) for j in range(3)])
 
 
+def global_expert_name(name: str, par: Parallel) -> str:
+    """``blocks.0.moe.experts.1.fc.weight`` on a rank holding experts 2 and 3 ->
+    ``blocks.0.moe.experts.3.fc.weight``: the name one process gives it."""
+    match = _EXPERT.fullmatch(name)
+    if match is None:
+        return name
+    block, local, rest = match.groups()
+    first = par.model.blocks[int(block)].moe.first_expert
+    return f"blocks.{block}.moe.experts.{first + int(local)}.{rest}"
+
+
 def dense_state(par: Parallel) -> dict[str, torch.Tensor]:
-    """Every parameter, whole, named as :class:`engine.compose.model.GPT` names it."""
+    """Every parameter this rank holds, whole over tensor parallelism, named as
+    :class:`engine.compose.model.GPT` names it in one process (under expert parallelism a rank
+    holds only its experts: the union over the ep group is the model)."""
     tensors = local_tensors(par)
-    return {name: join_tp(name, tensors[id(p)], par)
+    return {global_expert_name(name, par): join_tp(name, tensors[id(p)], par)
             for name, p in par.model.named_parameters(remove_duplicate=False)}
