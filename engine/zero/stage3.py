@@ -19,6 +19,10 @@ Like PyTorch's FSDP, the engine prefetches in backward by default (FSDP's
 
 Parameters that are not in any unit, or that two units share (tied embeddings), form the
 *root* unit: gathered when the forward starts and freed when the backward ends.
+
+Under bf16 autocast the bf16 casts of a unit's weights are not kept from forward to backward
+(:mod:`engine.zero.recast`): backward casts again from the re-gathered unit, so what is
+held between the two passes is what fp32 holds.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from engine.memory import (StateBytes, StateTensors, count_state_bytes, mark_hel
                            optimizer_tensors)
 from engine.validation import boolean
 from engine.zero.flat import ShardedBucket, check_params
+from engine.zero.recast import autocast_on, drop_autocast_cache, recast_in_backward
 
 _EMPTY = torch.empty(0)
 
@@ -122,6 +127,7 @@ class ZeroDataParallel(nn.Module):
                 ops.broadcast(p.data, root, group)
         self.root, self.units = self._make_units(module, units, rank)
         self.all_units = ([self.root] if self.root else []) + self.units
+        self.device_type = self.all_units[0].shard.device.type
         # units launch their reduce-scatter as soon as their gradients are complete (the
         # reverse of the forward's order, the same on every rank); unused ones and the root
         # at the end of backward
@@ -191,7 +197,10 @@ class ZeroDataParallel(nn.Module):
         self._order = []
         if self.root is not None:
             self._gather(self.root, "forward")
-        return self.module(*args, **kwargs)
+        if not autocast_on(self.device_type):
+            return self.module(*args, **kwargs)
+        with recast_in_backward(self.launcher.bucket_of):  # no bf16 copy kept for backward
+            return self.module(*args, **kwargs)
 
     def _before_forward(self, unit: _Unit) -> None:
         if not torch.is_grad_enabled() and unit.full is not None:
@@ -205,6 +214,7 @@ class ZeroDataParallel(nn.Module):
 
     def _after_forward(self, unit: _Unit, output) -> None:
         self._free(unit, "after forward")
+        drop_autocast_cache(self.device_type)  # autocast's casts of the unit go with it
         if torch.is_grad_enabled():
             for t in _tensors(output):
                 if t.requires_grad:
