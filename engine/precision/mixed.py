@@ -1,0 +1,130 @@
+"""Mixed-precision training with fp32 master weights, and fp16's underflow counted.
+
+Micikevicius et al., "Mixed Precision Training" (ICLR 2018): the optimizer keeps fp32 master
+weights; each step runs forward and backward on a copy in the low precision (fp16 or bf16),
+and the copy's gradients, cast to fp32, update the masters. bf16 has fp32's exponent range, so
+its gradients do not underflow; fp16's smallest subnormal is 2^-24 and small gradients round to
+zero ("flushed") unless the loss is scaled (:class:`engine.precision.DynamicLossScaler`).
+
+Where each tensor lives, per parameter of ``P`` elements: master ``4P`` B (fp32), the working
+copy ``2P`` B, its gradient ``2P`` B, the master's gradient ``4P`` B, Adam's moments ``8P`` B:
+:func:`bytes_per_parameter` returns that table.
+
+The experiments use a small tanh MLP with small weights (std 0.02), whose early layers get
+gradients below fp16's range: :func:`gradient_underflow` counts the gradient elements that are
+non-zero in fp32 and zero in fp16; :func:`train_mixed` trains the same net in fp32, bf16, fp16
+and fp16 with the scaler, and reports losses, flushed gradients and skipped steps.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from engine.precision.loss_scaler import DynamicLossScaler
+
+LOW = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+       "fp16+scaler": torch.float16}
+
+
+def bytes_per_parameter(low: torch.dtype = torch.bfloat16) -> dict[str, int]:
+    """Bytes per parameter element of each tensor mixed precision with Adam keeps."""
+    size = torch.empty((), dtype=low).element_size()
+    return {"master (fp32)": 4, "working copy": size, "working gradient": size,
+            "master gradient (fp32)": 4, "Adam moments (fp32)": 8}
+
+
+def small_mlp(layers: int = 4, width: int = 64, std: float = 0.02, seed: int = 0) -> nn.Module:
+    """Tanh MLP with N(0, std) weights: small weights make small gradients upstream."""
+    torch.manual_seed(seed)
+    modules: list[nn.Module] = []
+    for _ in range(layers):
+        linear = nn.Linear(width, width)
+        nn.init.normal_(linear.weight, std=std)
+        nn.init.zeros_(linear.bias)
+        modules += [linear, nn.Tanh()]
+    return nn.Sequential(*modules[:-1])
+
+
+def regression_data(rows: int = 1024, width: int = 64, seed: int = 1):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=generator)
+    return x, 0.1 * torch.randn(rows, width, generator=generator)
+
+
+@dataclass
+class Underflow:
+    nonzero: int  # gradient elements that are non-zero in fp32
+    flushed: int  # of those, zero in the low precision
+    overflowed: int  # inf or NaN in the low precision
+
+    @property
+    def flushed_fraction(self) -> float:
+        return self.flushed / max(self.nonzero, 1)
+
+
+def low_precision_grads(master: nn.Module, x, y, dtype: torch.dtype, scale: float = 1.0):
+    """(fp32 loss, gradients cast to fp32, still scaled) of a ``dtype`` copy of ``master``
+    whose loss is multiplied by ``scale`` before backward."""
+    work = copy.deepcopy(master).to(dtype)
+    loss = nn.functional.mse_loss(work(x.to(dtype)), y.to(dtype))
+    (loss * scale).backward()
+    return loss.float().item(), [p.grad.float() for p in work.parameters()]
+
+
+def gradient_underflow(master: nn.Module, x, y, dtype=torch.float16,
+                       scale: float = 1.0) -> Underflow:
+    """Count the gradient elements a ``dtype`` forward/backward flushes to zero (or overflows)
+    against fp32's, with the loss multiplied by ``scale``."""
+    reference = copy.deepcopy(master)
+    nn.functional.mse_loss(reference(x), y).backward()
+    _, grads = low_precision_grads(master, x, y, dtype, scale)
+    grads = [g / scale for g in grads]
+    nonzero = flushed = overflowed = 0
+    for p, g in zip(reference.parameters(), grads):
+        nonzero += int((p.grad != 0).sum())
+        flushed += int(((p.grad != 0) & (g == 0)).sum())
+        overflowed += int((~torch.isfinite(g)).sum())
+    return Underflow(nonzero, flushed, overflowed)
+
+
+@dataclass
+class MixedRun:
+    precision: str
+    losses: list[float] = field(default_factory=list)
+    flushed: list[int] = field(default_factory=list)  # per step, against fp32's gradients
+    scales: list[float] = field(default_factory=list)  # the loss scale used at each step
+    skipped: int = 0
+
+
+def train_mixed(precision: str, steps: int = 50, lr: float = 1e-3, growth_interval: int = 10,
+                init_scale: float = 2.0**16, rows: int = 1024) -> MixedRun:
+    """Adam on fp32 masters of :func:`small_mlp`, forward/backward in ``precision`` (one of
+    ``LOW``); ``"fp16+scaler"`` scales the loss with a :class:`DynamicLossScaler`."""
+    if precision not in LOW:
+        raise ValueError(f"precision={precision!r}; expected one of {tuple(LOW)}")
+    master, (x, y) = small_mlp(), regression_data(rows)
+    optimizer = torch.optim.Adam(master.parameters(), lr=lr)
+    scaler = DynamicLossScaler(init_scale, growth_interval=growth_interval) \
+        if precision == "fp16+scaler" else None
+    run = MixedRun(precision)
+    for _ in range(steps):
+        scale = scaler.get_scale() if scaler else 1.0
+        count = gradient_underflow(master, x, y, LOW[precision], scale)
+        loss, grads = low_precision_grads(master, x, y, LOW[precision], scale)
+        for p, g in zip(master.parameters(), grads):
+            p.grad = g  # the scaler divides them by the scale itself
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad()
+        run.losses.append(loss)
+        run.flushed.append(count.flushed)
+        run.scales.append(scale)
+    run.skipped = scaler.skipped_steps if scaler else 0
+    return run

@@ -1,0 +1,152 @@
+"""Chapter 12's precision parts: the loss scaler against torch.amp.GradScaler, fp16's
+underflow, FP8 scaling's error ordering on an outlier channel, and the FP8 all-gather's bytes."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from engine.comm import CommMeter
+from engine.precision import (DynamicLossScaler, fp8_all_gather, fp8_matmul,
+                              gradient_underflow, outlier_activations, plain_all_gather,
+                              quantize, regression_data, relative_error, scaling_errors,
+                              small_mlp, token_relative_error, train_mixed)
+from tests.helpers import run_ranks
+
+pytestmark = pytest.mark.filterwarnings("error")
+
+INF_AT = {2, 3, 9, 10, 11, 17}  # steps whose gradients get an inf (or a NaN)
+
+
+def _run(scaler, steps=24, clip=False):
+    """SGD on a small net, the same data each step; ``INF_AT`` steps poisoned."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(16, 8)
+    scales, stepped = [], []
+    for step in range(steps):
+        optimizer.zero_grad()
+        before = copy.deepcopy(model.state_dict())
+        scaler.scale((model(x) ** 2).mean()).backward()
+        if step in INF_AT:
+            model.weight.grad[0, 0] = math.nan if step == 10 else math.inf
+        if clip:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        stepped.append(not torch.equal(before["weight"], model.weight))
+    return scales, stepped, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_the_scaler_decides_as_grad_scaler_does(clip):
+    kwargs = dict(init_scale=2.0**10, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
+    ours = _run(DynamicLossScaler(**kwargs), clip=clip)
+    torchs = _run(torch.amp.GradScaler("cpu", **kwargs), clip=clip)
+    assert ours[0] == torchs[0]  # the scale after every step
+    assert ours[1] == torchs[1]  # which steps were taken
+    assert [s for s, took in enumerate(ours[1]) if not took] == sorted(INF_AT)
+    for a, b in zip(ours[2], torchs[2]):
+        assert torch.equal(a, b)  # bit for bit
+    print("scales:", ours[0])
+
+
+def test_the_scaler_defaults_are_grad_scalers():
+    ours, torchs = DynamicLossScaler(), torch.amp.GradScaler("cpu")
+    assert ours.get_scale() == torchs.get_scale() == 2.0**16
+    assert (ours.growth_factor, ours.backoff_factor, ours.growth_interval) == (
+        torchs.get_growth_factor(), torchs.get_backoff_factor(), torchs.get_growth_interval())
+
+
+def test_the_scaler_rejects_bad_input_and_misuse():
+    with pytest.raises(ValueError, match="backoff_factor.*1.5"):
+        DynamicLossScaler(backoff_factor=1.5)
+    with pytest.raises(ValueError, match="growth_interval.*0"):
+        DynamicLossScaler(growth_interval=0)
+    scaler, p = DynamicLossScaler(), nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([p], lr=1.0)
+    p.grad = torch.ones(2)
+    scaler.unscale_(optimizer)
+    with pytest.raises(RuntimeError, match="already been called"):
+        scaler.unscale_(optimizer)
+
+
+def test_fp16_without_scaling_flushes_gradients_and_scaling_rescues_them():
+    model, (x, y) = small_mlp(), regression_data()
+    plain = gradient_underflow(model, x, y, torch.float16, scale=1.0)
+    scaled = gradient_underflow(model, x, y, torch.float16, scale=2.0**10)
+    bf16 = gradient_underflow(model, x, y, torch.bfloat16)
+    print(f"flushed to zero: fp16 {plain.flushed} of {plain.nonzero}, fp16 x 2^10 "
+          f"{scaled.flushed}, bf16 {bf16.flushed}")
+    assert plain.flushed > 1000 and plain.overflowed == 0
+    assert scaled.flushed < plain.flushed / 100 and bf16.flushed == 0
+    overflowing = gradient_underflow(model, x, y, torch.float16, scale=2.0**16)
+    assert overflowing.overflowed > 0  # what the scaler backs off from
+
+
+def test_fp16_with_the_scaler_trains_like_bf16():
+    runs = {p: train_mixed(p, steps=8, rows=128) for p in ("bf16", "fp16+scaler")}
+    scaled = runs["fp16+scaler"]
+    assert scaled.skipped >= 1 and scaled.scales[0] == 2.0**16  # it backed off from overflow
+    assert sum(scaled.flushed[scaled.skipped:]) < 10
+    # one step behind for each skipped step, else the same descent (bf16's loss has 8 bits)
+    behind = runs["bf16"].losses[:len(scaled.losses) - scaled.skipped]
+    assert scaled.losses[scaled.skipped:] == pytest.approx(behind, rel=1e-2)
+    print("bf16:", runs["bf16"].losses, "\nfp16 + scaler:", scaled.losses, scaled.scales)
+
+
+def test_per_tensor_fp8_is_worse_than_per_row_and_tiles_on_an_outlier_channel():
+    a = outlier_activations()  # 256 x 512, channel 7 a hundred times the rest
+    b = 0.05 * torch.randn(512, 256, generator=torch.Generator().manual_seed(3))
+    per_token = scaling_errors(a, b)
+    overall = scaling_errors(a, b, metric=relative_error)
+    print("per-token relative error:", per_token, "\nFrobenius relative error:", overall)
+    for errors in (per_token, overall):
+        assert errors["tensor"] > errors["row"] > errors["block"]
+    assert per_token["tensor"] > 2 * per_token["block"]
+    plain = scaling_errors(outlier_activations(outlier=1.0, spread=0.0), b)
+    assert max(plain.values()) < 1.05 * min(plain.values())  # no outlier: all alike
+
+
+def test_fp8_matmul_quantizes_what_it_says():
+    a = torch.randn(4, 256)
+    q, scales = quantize(a, (1, 128))
+    assert q.dtype == torch.float8_e4m3fn and scales.shape == (4, 1, 2, 1)
+    assert q.float().abs().amax() == 448.0  # each tile's largest value at the format's max
+    out = fp8_matmul(a, torch.randn(256, 128), "block", fmt="e5m2")
+    assert out.dtype == torch.float32 and out.shape == (4, 128)
+    assert token_relative_error(out, out) == 0.0
+
+
+def test_fp8_bad_input_names_the_value():
+    with pytest.raises(ValueError, match=r"1x128 tile does not divide the shape \(4, 200\)"):
+        fp8_matmul(torch.randn(4, 200), torch.randn(200, 128), "block")
+    with pytest.raises(ValueError, match="scaling='col'"):
+        fp8_matmul(torch.randn(4, 8), torch.randn(8, 8), "col")
+    with pytest.raises(ValueError, match="fmt='e3m4'"):
+        fp8_matmul(torch.randn(4, 8), torch.randn(8, 8), fmt="e3m4")
+
+
+def _gathers(rank, world_size):
+    shard = torch.randn(1000, generator=torch.Generator().manual_seed(rank))
+    with CommMeter() as fp8:
+        ours = fp8_all_gather(shard)
+    with CommMeter() as bf16:
+        plain = plain_all_gather(shard)
+    return fp8.events, bf16.events, relative_error(ours, plain.float())
+
+
+def test_an_fp8_all_gather_sends_half_of_bf16s_bytes():
+    for fp8, bf16, error in run_ranks(_gathers, 2):
+        payload, scales = fp8
+        assert payload.measured and bf16[0].measured  # counted on the wire
+        assert payload.bytes_sent * 2 == bf16[0].bytes_sent == 2000
+        assert scales.bytes_sent == 4  # one fp32 scale per rank besides
+        assert error < 0.05
