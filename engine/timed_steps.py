@@ -10,8 +10,9 @@ every rank, the engine's strategies and PyTorch's alike, and measures what a lab
 * **bytes**: the first step runs under a :class:`engine.comm.CommMeter` that counts every
   collective on the wire (``count="wire"``), split by the mesh group each op went through.
   The timed steps run without a meter, on the built-in collectives;
-* **memory**: on a GPU, what is allocated once the model is sharded (before the first step),
-  and the peak over the timed steps (the peak is reset after the warm-up).
+* **memory**: on a GPU, what is allocated once the model is sharded and the optimizer's state
+  exists (read after the first step: AdamW creates its state at its first step), and the
+  peak over the timed steps (the peak is reset after the warm-up).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def run_steps(strategy, inputs: list[torch.Tensor], labels: list[torch.Tensor], 
     the timed span: progress, checkpoints."""
     device = strategy.device
     cuda = device.type == "cuda"
-    allocated = torch.cuda.memory_allocated(device) if cuda else None
+    allocated = None  # read after the first step, once the optimizer's state exists
     clock = Clock(device)
     warm_up_groups(strategy, device)
     marks, computes, losses = [], [], []
@@ -79,6 +80,8 @@ def run_steps(strategy, inputs: list[torch.Tensor], labels: list[torch.Tensor], 
         else:
             run = strategy.step(inputs, labels)
         end = clock.mark()
+        if i == 0:
+            allocated = allocated_memory(device)
         losses.append(run.loss)
         if after_step is not None:
             after_step(first_step + i, run)
@@ -88,6 +91,11 @@ def run_steps(strategy, inputs: list[torch.Tensor], labels: list[torch.Tensor], 
     own = [clock.seconds(end) - clock.seconds(start) for start, end in marks]
     return StepsRun(slowest(own, device), own, computes, losses, traffic, run, allocated,
                     torch.cuda.max_memory_allocated(device) if cuda else None, counted)
+
+
+def allocated_memory(device: torch.device) -> int | None:
+    """Bytes allocated on ``device`` (``torch.cuda.memory_allocated``; None off a GPU)."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
 
 
 def line_up(device: torch.device) -> None:
