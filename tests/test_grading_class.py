@@ -209,3 +209,19 @@ def test_next_and_the_tables_follow_only_and_hint_asks_for_hints(tmp_path, capsy
     assert "hint 3 (the shape of the code)" in out  # --hint 3, even before the code runs
     score_table = out[out.index("chapter  exercise"):out.index("chapter            exercises")]
     assert "ch00" not in score_table and "ch09     chapter total" in score_table
+
+
+def test_the_lab_guides_grading_commands_use_only_the_graders_flags():
+    import re
+
+    from engine.grading.__main__ import parser
+
+    text = (ROOT / "docs" / "lab.md").read_text()
+    section = text.split("## 10. Grading a class", 1)[1].split("\n## ", 1)[0]
+    commands = re.findall(r"-m engine\.grading([^\n`]*)", re.sub(r"\\\n\s*", " ", section))
+    commands += re.findall(r'ARGS="([^"]*)"', section)
+    named = {flag for args in commands for flag in re.findall(r"(--[\w-]+)", args)}
+    named |= set(re.findall(r"^\| `(--[\w-]+)", section, flags=re.M))  # the options table
+    known = {option for action in parser()._actions for option in action.option_strings}
+    assert len(commands) >= 4 and {"--root", "--timeout", "--fresh", "--hint"} <= named
+    assert named <= known, named - known

@@ -39,7 +39,7 @@ from engine.grading.junit import junit_xml, write_atomically
 from engine.grading.progress import (Attempts, attempts_path, chapter_titles, progress_table,
                                      root_scores_path, verdict)
 
-__all__ = ["main", "junit_xml", "score_table"]
+__all__ = ["main", "parser", "junit_xml", "score_table"]
 
 
 def score_table(reports: list[Report]) -> str:
@@ -59,53 +59,54 @@ def score_table(reports: list[Report]) -> str:
     return "\n".join(rows)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m engine.grading", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--source", choices=SOURCES, default="exercises")
-    parser.add_argument("--only", default="",
-                        help="chapters (ch00) or exercise names, comma-separated")
-    parser.add_argument("--junit", default="", help="write junit XML to this path")
-    parser.add_argument("--root", default=None,
-                        help="the folder graded: it holds exercises/ (default: the course "
-                             "checkout found from here)")
-    parser.add_argument("--student", default="",
-                        help="the name in the report and the junit (default: the root's "
-                             "folder name)")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
-                        help="seconds one exercise may take before it fails (default "
-                             f"{DEFAULT_TIMEOUT_S:g})")
-    parser.add_argument("--hint", type=int, default=None, choices=range(len(HINT_LEVELS) + 1),
-                        metavar="N", help="show hints 1 to N now (1 the idea, 2 the API to "
-                                          "use, 3 the shape of the code)")
-    parser.add_argument("--fresh", action="store_true",
-                        help="ignore this root's saved hint levels and drill scores (and save "
-                             "none)")
-    return parser
+def parser() -> argparse.ArgumentParser:
+    """The grader's command line (the lab guide's commands are checked against it)."""
+    cli = argparse.ArgumentParser(prog="python -m engine.grading", description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    cli.add_argument("--source", choices=SOURCES, default="exercises")
+    cli.add_argument("--only", default="",
+                     help="chapters (ch00) or exercise names, comma-separated")
+    cli.add_argument("--junit", default="", help="write junit XML to this path")
+    cli.add_argument("--root", default=None,
+                     help="the folder graded: it holds exercises/ (default: the course "
+                          "checkout found from here)")
+    cli.add_argument("--student", default="",
+                     help="the name in the report and the junit (default: the root's "
+                          "folder name)")
+    cli.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+                     help="seconds one exercise may take before it fails (default "
+                          f"{DEFAULT_TIMEOUT_S:g})")
+    cli.add_argument("--hint", type=int, default=None, choices=range(len(HINT_LEVELS) + 1),
+                     metavar="N", help="show hints 1 to N now (1 the idea, 2 the API to "
+                                       "use, 3 the shape of the code)")
+    cli.add_argument("--fresh", action="store_true",
+                     help="ignore this root's saved hint levels and drill scores (and save "
+                          "none)")
+    return cli
 
 
-def _selected(parser: argparse.ArgumentParser, only: str) -> tuple[list[str], bool]:
+def _selected(cli: argparse.ArgumentParser, only: str) -> tuple[list[str], bool]:
     """The exercises ``--only`` names (all without it), and whether it named any."""
     wanted = {item.strip() for item in only.split(",") if item.strip()}
     known = registry()
     unknown = sorted(wanted - set(known) - {n.split(".")[0] for n in known})
     if unknown:
-        parser.error(f"--only: {', '.join(unknown)} matches no exercise; "
-                     f"known: {', '.join(known)}")
+        cli.error(f"--only: {', '.join(unknown)} matches no exercise; "
+                  f"known: {', '.join(known)}")
     return [n for n in known if not wanted or n in wanted or n.split(".")[0] in wanted], \
         bool(wanted)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+    cli = parser()
+    args = cli.parse_args(argv)
     try:
         root = course_root(args.root)
     except (ValueError, FileNotFoundError) as e:
-        parser.error(str(e))
+        cli.error(str(e))
     if args.timeout <= 0:
-        parser.error(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
-    names, filtered = _selected(parser, args.only)
+        cli.error(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    names, filtered = _selected(cli, args.only)
     student = args.student or root.name
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
     learner = args.source == "exercises"  # the reference solutions are nobody's attempts
