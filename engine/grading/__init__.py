@@ -7,9 +7,12 @@
   while the exercise is "not implemented", then one more per failed attempt, or on request
   (``check(name, hint=2)``); attempts are kept beside the drill's scores
   (:mod:`engine.grading.progress`).
-* ``python -m engine.grading`` (``make grade``) prints a score table per chapter, a progress
-  table (exercises passed, drill scores, what to do next) and writes junit XML. One exercise
-  that does not compile fails alone; the others are still graded.
+* ``python -m engine.grading`` (``make grade ARGS=...``) prints a score table per chapter, a
+  progress table (exercises passed, drill scores, what to do next) and writes junit XML
+  (:mod:`engine.grading.junit`). ``--root`` grades any folder holding ``exercises/`` (a
+  student's submission). Each exercise runs in a child process with a time limit
+  (:mod:`engine.grading.isolated`): an endless loop, or a file that does not compile, fails
+  that exercise alone; the others are still graded.
 * ``tests/test_grading.py`` proves, for every exercise, that each check passes on ``solutions/``
   and fails on the untouched stub in ``exercises/``.
 
