@@ -9,7 +9,10 @@ measures, each number beside the formula it checks (:mod:`engine.train_report`).
 
 This module is the configuration (:class:`TrainConfig`, :func:`check_config`) and the command
 line; each rank's run is :func:`engine.train_run.train_on_rank`, the report
-:mod:`engine.train_report`, the model sizes :mod:`engine.presets`.
+:mod:`engine.train_report`, the model sizes :mod:`engine.presets`, and how a run that stops
+early says so in one line (Ctrl-C, a lost peer, nothing to do) :mod:`engine.train_endings`.
+``--steps K`` is the run's K optimizer steps, numbered 1 to K as its checkpoints are; the
+first of each launch is its warm-up, which trains but is not timed.
 
 Every rank builds one :class:`engine.steps.Strategy` from the configuration: the 3D
 composition of :mod:`engine.hybrid` (a tensor-parallel pipeline stage, ZeRO-0/1/2 over dp),
@@ -207,7 +210,7 @@ def parser() -> argparse.ArgumentParser:
                                                  f"sequence {m.seq_len}"
                                                  for k, m in MODELS.items())
                    + " (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=d.steps,
+    p.add_argument("--steps", type=int, default=d.steps, metavar="K",
                    help="optimizer steps in all, numbered 1 to K as the checkpoints are; "
                         "the first of each launch is its warm-up: it trains, but is not "
                         "timed (default: %(default)s)")

@@ -50,7 +50,7 @@ def _assert_same_dense(a, b) -> None:
 
 
 def _train(*args) -> None:
-    assert engine_main(["train", "--steps", "2", *args]) == 0
+    assert engine_main(["train", "--steps", "3", *args]) == 0
 
 
 def test_zero3_on_4_ranks_into_dp2_x_tp2_and_back(tmp_path, capsys):
@@ -85,11 +85,11 @@ def test_resuming_on_another_layout_continues_the_run(tmp_path, capsys):
     """dp 4 at ZeRO-3, stopped after 3 steps, resumed as dp 2 x tp 2 at ZeRO-1 with the same
     global batch (4 micro-batches of 4 per dp rank): the run goes on as if uninterrupted, up
     to the order of floating-point sums (dp and tp reduce in other orders)."""
-    _train("--dp", "4", "--zero", "3", "--steps", "4", "--save", str(tmp_path / "whole"))
+    _train("--dp", "4", "--zero", "3", "--steps", "5", "--save", str(tmp_path / "whole"))
     _train("--dp", "4", "--zero", "3", "--save", str(tmp_path / "run"))
     capsys.readouterr()
     assert engine_main(["train", "--dp", "2", "--tp", "2", "--zero", "1", "--microbatches", "4",
-                        "--steps", "4", "--save", str(tmp_path / "run"), "--resume",
+                        "--steps", "5", "--save", str(tmp_path / "run"), "--resume",
                         "--reshard"]) == 0
     assert "(re-cut for this layout)" in capsys.readouterr().out
 
