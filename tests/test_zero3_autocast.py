@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import weakref
 
+import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.models import MLP, regression_data
+from engine.steps import autocast
 from engine.zero import ZeroDataParallel
 from tests.helpers import run_ranks
 
@@ -36,15 +38,19 @@ class _Casts(TorchDispatchMode):
         return sum(t.numel() * t.element_size() for ref in self.refs if (t := ref()) is not None)
 
 
-def _step(rank, world_size, precision, zero):
+def _step(rank, world_size, precision, zero, autocast_inside=False):
+    """One AdamW step; ``autocast_inside``: the ZeRO-3 wrapper around the trainer's autocast
+    wrapper (``engine.steps.autocast``), as ``engine train --zero 3`` builds it."""
     torch.manual_seed(0)
     module = MLP(SIZES, seed=2)
     weights = [p.numel() for p in module.parameters() if p.dim() == 2]
-    model = ZeroDataParallel(module, torch.optim.AdamW, lr=1e-2) if zero else module
+    wrapped = autocast(module, precision) if autocast_inside else module
+    model = ZeroDataParallel(wrapped, torch.optim.AdamW, lr=1e-2) if zero else module
     opt = model.optimizer if zero else torch.optim.AdamW(module.parameters(), lr=1e-2)
     x, y = regression_data(6, SIZES[0], SIZES[-1], seed=1)  # the same batch on every rank
     casts = _Casts(weights)
-    with casts, torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+    outside = precision == "bf16" and not autocast_inside
+    with casts, torch.autocast("cpu", dtype=torch.bfloat16, enabled=outside):
         loss = nn.functional.mse_loss(model(x).float(), y)
     held_after_forward = casts.held()
     gathered_after_forward = model.gathered_bytes if zero else None
@@ -65,11 +71,14 @@ def _step(rank, world_size, precision, zero):
     # no gradient, so its weight is not saved
 
 
-def test_zero3_under_bf16_autocast_keeps_no_bf16_copy_from_forward_to_backward():
+@pytest.mark.parametrize("autocast_inside", [False, True], ids=["around", "inside"])
+def test_zero3_under_bf16_autocast_keeps_no_bf16_copy_from_forward_to_backward(
+        autocast_inside):
     plain = _step(0, 1, "bf16", zero=False)
     assert plain["held"] == plain["weights_bf16_bytes"] > 0  # what autograd keeps without ZeRO
     fp32 = run_ranks(_step, 2, "fp32", True)
-    for ours, theirs in zip(run_ranks(_step, 2, "bf16", True), fp32, strict=True):
+    for ours, theirs in zip(run_ranks(_step, 2, "bf16", True, autocast_inside), fp32,
+                            strict=True):
         assert ours["held"] == 0  # every unit's bf16 copy went with the unit
         assert ours["gathered"] == theirs["gathered"] == 0
         assert ours["peak"] == theirs["peak"]  # one unit at a time, in bf16 as in fp32

@@ -40,7 +40,10 @@ class Recast(NamedTuple):
 
 def recast_in_backward(params: Iterable[nn.Parameter]):
     """A context in which autograd saves, instead of a cast of one of ``params`` (autocast's
-    ``W.to(bf16)``) or a view of one, a :class:`Recast` of it (see the module docstring)."""
+    ``W.to(bf16)``) or a view of one, a :class:`Recast` of it (see the module docstring).
+    Casting again gives the same values, so this is exact whatever made the cast; it is
+    decided per saved tensor (autocast may be entered inside the wrapped module, and inside
+    autograd's saving ``torch.is_autocast_enabled`` reads False)."""
     by_id = {id(p): p for p in params}
 
     def pack(tensor: torch.Tensor):

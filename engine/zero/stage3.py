@@ -39,7 +39,7 @@ from engine.memory import (StateBytes, StateTensors, count_state_bytes, mark_hel
                            optimizer_tensors)
 from engine.validation import boolean
 from engine.zero.flat import ShardedBucket, check_params
-from engine.zero.recast import autocast_on, drop_autocast_cache, recast_in_backward
+from engine.zero.recast import drop_autocast_cache, recast_in_backward
 
 _EMPTY = torch.empty(0)
 
@@ -197,9 +197,8 @@ class ZeroDataParallel(nn.Module):
         self._order = []
         if self.root is not None:
             self._gather(self.root, "forward")
-        if not autocast_on(self.device_type):
-            return self.module(*args, **kwargs)
-        with recast_in_backward(self.launcher.bucket_of):  # no bf16 copy kept for backward
+        # under autocast (entered here or inside the module), no bf16 copy kept for backward
+        with recast_in_backward(self.launcher.bucket_of):
             return self.module(*args, **kwargs)
 
     def _before_forward(self, unit: _Unit) -> None:
