@@ -267,6 +267,7 @@ class Progress:
 
     def __init__(self, total: int, fd: int | None, step_file: str | None = None):
         self.total, self.last, self.step_file = total, time.perf_counter(), step_file
+        self.width = 0  # of the last line written
         self.out = os.fdopen(fd, "w", closefd=False) if fd is not None else sys.stdout
         self.tty = self.out.isatty()
 
@@ -283,8 +284,9 @@ class Progress:
                 f"loss {loss:.4f}  {(now - self.last) * 1e3:.0f} ms"
                 + ("  (warm-up, not timed)" if warmup else "")
                 + ("  (checkpoint saved)" if saved else ""))
-        self.last = now
-        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n",
+        self.last, shorter = now, max(0, self.width - len(line))
+        self.width = len(line)  # on a terminal, blank what a longer line left behind
+        print(("\r" + line + " " * shorter) if self.tty else line, end="" if self.tty else "\n",
               file=self.out, flush=True)
 
     def close(self) -> None:
