@@ -6,20 +6,31 @@ process row, each lane (``"comm"``, ``"compute"``, a pipeline stage...) a thread
 
 Compute timelines are marked with :class:`Clock` (:mod:`engine.clock`, re-exported here): CUDA
 events on a GPU, so they time execution, not launch; the meter's events use the same clock.
+
+**Several nodes.** ``time.perf_counter`` is each host's own clock: the timelines of two nodes
+(and the pipeline's idle share, computed across ranks) only line up once each rank's times
+are moved onto one clock. :func:`clock_offset` measures, after a barrier, how far this rank's
+clock is from the group's first rank's (all-gathered readings); :func:`on_clock` shifts
+events by it. Exact to within how far apart the ranks leave the barrier: microseconds on one
+host, about one network latency across nodes, well below a pipeline action.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import time
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
+
+import torch
 
 from engine.clock import Clock
+from engine.comm import ops
 from engine.comm.meter import CommMeter
 
 __all__ = ["TraceEvent", "Clock", "events_from_meter", "to_chrome_trace", "from_chrome_trace",
-           "as_dicts"]
+           "as_dicts", "clock_offset", "on_clock"]
 
 
 @dataclass(frozen=True)
@@ -124,3 +135,22 @@ def from_chrome_trace(source: str | Path | dict) -> list[TraceEvent]:
 def as_dicts(events: Iterable[TraceEvent]) -> list[dict]:
     """Plain dicts, handy to return from a rank or to build a table."""
     return [asdict(e) for e in events]
+
+
+def clock_offset(device=None, group=None,
+                 clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds to add to this rank's ``clock`` readings to put them on the clock of ``group``'s
+    first rank (see the module docstring). Every rank of ``group`` calls it at the same point:
+    a barrier (a one-element all-reduce on ``device``, the rank's device, default the CPU),
+    then each reads ``clock`` and the readings are all-gathered."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    ops.all_reduce(torch.zeros(1, device=device), group=group)
+    mine = torch.tensor([clock()], dtype=torch.float64, device=device)
+    everyone = torch.empty(len(ops.group_ranks(group)), dtype=torch.float64, device=device)
+    ops.all_gather_into_tensor(everyone, mine, group=group)
+    return float(everyone[0] - mine[0])
+
+
+def on_clock(events: Iterable[TraceEvent], offset: float) -> list[TraceEvent]:
+    """``events`` moved by ``offset`` seconds (from :func:`clock_offset`)."""
+    return [replace(e, start=e.start + offset, end=e.end + offset) for e in events]

@@ -43,6 +43,7 @@ from engine.steps import global_batch, resolve_precision
 from engine.strategy import build
 from engine.timed_steps import StepsRun, run_steps
 from engine.topology import Mesh
+from engine.trace import clock_offset, on_clock
 from engine.train_formulas import memory_formula, traffic_formulas
 
 # what a checkpoint must agree with the run on: always, and (without --reshard) the layout
@@ -172,13 +173,15 @@ def run_implementations(cfg, resume_from: ResumePoint | None, progress_fd: int |
         run, first_step, losses = train(strategy, cfg, inputs, labels,
                                         resume_from if impl == "engine" else None, progress_fd,
                                         step_file)
+        offset = clock_offset(device)  # each rank's events on rank 0's clock (several nodes)
         out[impl] = {"first_step": first_step, "run_losses": losses,
             "name": strategy.name, "coords": mesh.coords, "device_type": device.type,
             "step_s": run.step_s, "compute_s": run.compute_s, "losses": run.losses,
             "traffic": run.traffic, "counted": run.counted, "formulas": formulas,
             "psi": strategy.psi, "memory_formula": memory_formula(strategy, cfg),
             "state": strategy.state_bytes(),
-            "activations": run.last.peak_activation_bytes, "events": run.last.events,
+            "activations": run.last.peak_activation_bytes,
+            "events": on_clock(run.last.events, offset),
             "cuda_allocated": run.cuda_allocated, "cuda_peak": run.cuda_peak,
             "moe": strategy.moe_stats() if hasattr(strategy, "moe_stats") else None}
     return out
