@@ -15,6 +15,11 @@ one fails. A restarted ``engine train --resume`` continues from the newest compl
   [address]:port"; :meth:`Peers.lost` names the ranks whose processes are gone (those on this
   host, checked by pid) or else the hosts the error points at. It tells such an error from
   any other as the launcher does (:func:`engine.launch.errors.says_peer_is_missing`).
+* **On NCCL** a dead peer raises no Python error: the survivors' collective hangs until
+  NCCL's watchdog aborts them after the group's timeout (``--timeout``). The trainer says so
+  at the start (:func:`nccl_lost_peer_note`), and where NCCL's error does reach Python (its
+  "Watchdog caught collective operation timeout"), :meth:`Peers.lost` names the ranks on this
+  host whose processes are gone, as it does on Gloo.
 * :func:`check_restartable`: a torchrun whose restarted workers could not connect (they
   would share the previous attempt's rendezvous store) is refused on its first attempt.
 * :func:`kill_point`: **for labs and tests only**, ``engine train --kill-at-step K
@@ -91,6 +96,13 @@ class Peers:
         dist.all_gather_object(everyone, here)
         self.here, self.everyone = here, everyone
 
+    @classmethod
+    def of(cls, everyone: list[Peer], here: Peer) -> "Peers":
+        """Peers from a table already known (``everyone[rank]``; ``here``: this process)."""
+        peers = cls.__new__(cls)
+        peers.here, peers.everyone = here, list(everyone)
+        return peers
+
     def gone(self) -> list[int]:
         """Ranks on this host whose process no longer runs."""
         return [rank for rank, peer in enumerate(self.everyone)
@@ -120,6 +132,26 @@ class Peers:
                  if elsewhere else "no rank on this host is gone")
         return PeerLostError(f"lost a peer ({where}; every rank here is alive). "
                              f"{_first_line(text)}", [])
+
+
+def nccl_lost_peer_note(timeout_s: float) -> str:
+    """What a run on NCCL should know about lost peers (printed by the trainer at its start)."""
+    return (f"on NCCL a lost peer raises no error here: the other ranks wait in their next "
+            f"collective until NCCL's watchdog aborts them, after --timeout {timeout_s:g} s "
+            "(the log says 'Watchdog caught collective operation timeout'). torchrun's failure "
+            "summary names the rank that failed first (an exitcode other than the watchdog's "
+            "abort); with --max-restarts the workers restart and resume. A shorter --timeout "
+            "finds a lost peer sooner (but must exceed the slowest step and checkpoint save)")
+
+
+def tell_how_nccl_loses_peers(timeout_s: float, out=None) -> bool:
+    """On an NCCL default group, global rank 0 prints :func:`nccl_lost_peer_note`; whether
+    the group is NCCL."""
+    if dist.get_backend() != "nccl":
+        return False
+    if dist.get_rank() == 0:
+        print(f"note: {nccl_lost_peer_note(timeout_s)}", file=out, flush=True)
+    return True
 
 
 def _running(pid: int) -> bool:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from engine import checkpoints
 from engine.comm import ops
 from engine.device import rank_device
-from engine.elastic import Peers, kill_point
+from engine.elastic import Peers, kill_point, tell_how_nccl_loses_peers
 from engine.moe.gpt import MOE_MODELS
 from engine.moe.strategy import moe_traffic_formulas
 from engine.presets import MODELS
@@ -144,6 +144,7 @@ def train_on_rank(rank: int, world_size: int, cfg, resume_from: ResumePoint | No
     if not name_lost_peers:
         return run_implementations(cfg, resume_from, progress_fd, step_file)
     peers = Peers()
+    tell_how_nccl_loses_peers(cfg.timeout)  # on NCCL a lost peer is a watchdog timeout
     try:
         return run_implementations(cfg, resume_from, progress_fd, step_file)
     except Exception as e:
