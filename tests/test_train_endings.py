@@ -16,7 +16,7 @@ from pathlib import Path
 from engine.__main__ import main as engine_main
 from engine.train_endings import resume_command
 from tests.helpers import descendants, is_running
-from tests.torchrun_agents import REPO, agent_pids, start_agent, stop
+from tests.torchrun_agents import REPO, agent_pids, free_port, start_agent, stop
 
 GUARD_S = 120  # against a hang only
 
@@ -93,38 +93,50 @@ def _rank_of(pid: int) -> int | None:
 
 
 def test_a_surviving_rank_prints_one_line_and_logs_the_traceback(tmp_path):
-    log = tmp_path / "agent.log"
-    agent = start_agent(["--standalone", "--nproc-per-node", "2", "--max-restarts", "0"],
-                        ["--dp", "2", "--steps", "100000", "--timeout", "20"], log)
-    seen: set[int] = set()
+    """Two torchrun agents on loopback, one rank each (two nodes, as torchrun sees them): the
+    second agent is killed, its worker dies with it, and the first agent's worker is the
+    survivor. (Under one agent, the agent itself stops the survivor when it sees the other
+    die, often before the survivor's collective fails.)"""
+    port, logs = free_port(), [tmp_path / "node0.log", tmp_path / "node1.log"]
+    agents, seen = [], set()
     try:
+        for log in logs:  # the first agent to start hosts the rendezvous store
+            agents.append(start_agent(
+                ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "lost",
+                 "--max-restarts", "0"],
+                ["--dp", "2", "--steps", "100000", "--timeout", "20"], log))
+            time.sleep(1)
         deadline = time.monotonic() + GUARD_S
-        while "step 3/" not in log.read_text(errors="replace"):
-            assert time.monotonic() < deadline and agent.poll() is None, log.read_text()
+        while not any("step 3/" in log.read_text(errors="replace") for log in logs):
+            assert time.monotonic() < deadline and all(a.poll() is None for a in agents)
             time.sleep(0.2)
-        seen.update(agent_pids(agent))
-        ranks = {_rank_of(pid): pid for pid in agent_pids(agent) if pid != agent.pid}
-        assert sorted(ranks) == [0, 1], ranks
-        victim = ranks[1]
-        subprocess.run(["kill", "-9", str(victim)], check=True)
-        agent.wait(timeout=GUARD_S)
+        survivor, victim = agents
+        seen.update(agent_pids(survivor) + agent_pids(victim))
+        lost = {_rank_of(pid): pid for pid in agent_pids(victim) if pid != victim.pid}
+        assert len(lost) == 1, lost
+        (rank, pid), = lost.items()
+        victim.kill()  # SIGKILL to the agent: its worker dies with it
+        survivor.wait(timeout=GUARD_S)
     finally:
-        stop(agent)
-    out = log.read_text(errors="replace")
-    assert agent.returncode not in (None, 0), out[-3000:]
-    worker_lines = [line for line in out.splitlines() if line.startswith("rank 0: ")]
+        for agent in agents:
+            stop(agent)
+    out = logs[0].read_text(errors="replace")
+    assert survivor.returncode not in (None, 0), out[-3000:]
+    worker_lines = [line for line in out.splitlines() if line.startswith(f"rank {1 - rank}: ")]
     assert len(worker_lines) == 1, out[-3000:]
-    said = re.fullmatch(r"rank 0: PeerLostError: lost peer: rank 1 \(pid (\d+) on [^)]+\) is "
-                        r"gone\. .* \(full traceback: (\S+)\)", worker_lines[0])
+    said = re.fullmatch(rf"rank {1 - rank}: PeerLostError: lost peer: rank {rank} \(pid "
+                        r"(\d+) on [^)]+\) is gone\. .* \(full traceback: (\S+)\)",
+                        worker_lines[0])
     assert said, worker_lines[0]
-    assert int(said.group(1)) == victim
+    assert int(said.group(1)) == pid
     traceback_log = Path(said.group(2))
     assert traceback_log.exists() and "Traceback" in traceback_log.read_text()
     traceback_log.unlink()
     assert not re.search(r"^\[rank\d+\]:", out, re.M), out[-3000:]  # no traceback dumped
     # torchrun's failure summary shows the same line, not a link to its docs
     assert "traceback : " + worker_lines[0] in out
-    assert [pid for pid in seen if is_running(pid)] == [] and descendants() == []
+    assert [p for p in seen if is_running(p)] == [] and descendants() == []
 
 
 def test_a_refused_start_and_a_finished_run_say_so(tmp_path, capsys):
