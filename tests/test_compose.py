@@ -51,7 +51,10 @@ def test_gqa_untied_and_moe_variants_build_and_run():
                        r"must divide seq_len = 16"),
     (Plan(dp=2, ep=2), CFG, r"ep = 2 spreads experts, but the model is dense"),
     (Plan(dp=3, ep=3), ModelConfig(num_experts=4), r"ep = 3 must divide num_experts = 4"),
-    (Plan(pp=4), CFG, r"pp = 4 pipeline stages need at least 4 layers, the model has 2"),
+    (Plan(pp=4, micro_batches=4), CFG,
+     r"pp = 4 pipeline stages need at least 4 layers, the model has 2"),
+    (Plan(pp=2, schedule="zb_h1"), CFG, r"schedule 'zb_h1' on pp = 2 stages needs at least 2 "
+                                        r"micro-batches .* got micro_batches = 1"),
     (Plan(dp=2, micro_batches=3), CFG, r"dp x micro_batches = 6 must divide rows = 4"),
 ])
 def test_the_plan_refuses_what_the_model_cannot_carry(plan, cfg, message):

@@ -23,6 +23,7 @@ from engine.comm import ops
 from engine.compose.data import Batch, global_batch, rank_slice
 from engine.compose.loss import global_token_loss, masked_sum, micro_batch_mean
 from engine.compose.parallelize import Parallel
+from engine.compose.pipeline import pipeline_backward
 from engine.validation import one_of
 
 NORMALISATIONS = ("global", "micro-batch-mean")
@@ -50,9 +51,30 @@ def train_step(par: Parallel, batch: Batch, step: int = 0, hooks=(),
     call_hooks(hooks, "on_step_start", step)
     device = next(iter(par.model.parameters())).device
     micro = [mb.to(device) for mb in my_micro_batches(par, batch)]
-    global_tokens, m = batch.tokens, len(micro)
+    global_tokens = batch.tokens
     par.optimizer.zero_grad()
-    local = torch.zeros((), device=device)
+    if par.plan.pp > 1:
+        local = pipeline_backward(par, micro, global_tokens)
+    else:
+        local = accumulate(par, micro, global_tokens, normalisation)
+    par.finish_gradients()
+    call_hooks(hooks, "after_backward", step, par)
+    par.optimizer.step()
+    if par.replicas > 1:
+        ops.all_reduce(local, group=par.mesh.dp_cp_group)
+    if par.plan.pp > 1:  # the last stage has the loss: every stage reports it
+        ops.broadcast(local, ops.group_ranks(par.mesh.pp_group)[-1], group=par.mesh.pp_group)
+    loss = local.item() / global_tokens
+    call_hooks(hooks, "on_step_end", step, loss)
+    return loss
+
+
+def accumulate(par: Parallel, micro: list[Batch], global_tokens: int, normalisation: str
+               ) -> torch.Tensor:
+    """Forward and backward of each micro-batch in turn (no pipeline); this rank's sum of
+    token losses."""
+    m = len(micro)
+    local = torch.zeros((), device=micro[0].mask.device)
     for i, mb in enumerate(micro):
         with par.no_sync() if i < m - 1 else contextlib.nullcontext():
             logits = par.module(mb.ids, mb.positions)
@@ -63,14 +85,7 @@ def train_step(par: Parallel, batch: Batch, step: int = 0, hooks=(),
                 loss = micro_batch_mean(summed, mb.mask, m)
             (loss + par.model.router_losses() / m).backward()
         local += summed.detach()
-    par.finish_gradients()
-    call_hooks(hooks, "after_backward", step, par)
-    par.optimizer.step()
-    if par.replicas > 1:
-        ops.all_reduce(local, group=par.mesh.dp_cp_group)
-    loss = local.item() / global_tokens
-    call_hooks(hooks, "on_step_end", step, loss)
-    return loss
+    return local
 
 
 def train(par: Parallel, steps: int, rows: int, seed: int = 1, varlen: bool = False,

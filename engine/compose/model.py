@@ -139,6 +139,8 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """``forward(idx, positions)``: logits ``[batch, seq, vocab]`` (under tensor
     parallelism, this rank's ``vocab / t`` of them) of the tokens ``idx`` at ``positions``.
+    A pipeline stage without the embedding (``tok = None``) takes a hidden state instead, and
+    one without the output layer (``head = None``) returns its hidden state.
 
     ``expert_group``: the group the MoE layers are built over (:class:`engine.moe.MoE`'s
     ``group``). Inside launched ranks pass a one-rank group
@@ -169,15 +171,18 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None
                 ) -> torch.Tensor:
-        if positions is None:
-            positions = torch.arange(idx.shape[1], device=idx.device)
-        pos = self.pos(positions)
-        if self.sp_group is not None:  # this rank's s/t positions, as the embedding's tokens
-            pos = scatter_to_sequence_parallel(pos, self.sp_group, dim=0)
-        x = self.tok(idx) + pos
+        if self.tok is None:  # a later pipeline stage: the previous stage's hidden state
+            x = idx
+        else:
+            if positions is None:
+                positions = torch.arange(idx.shape[1], device=idx.device)
+            pos = self.pos(positions)
+            if self.sp_group is not None:  # this rank's s/t positions, as its tokens
+                pos = scatter_to_sequence_parallel(pos, self.sp_group, dim=0)
+            x = self.tok(idx) + pos
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        return x if self.head is None else self.head(self.ln_f(x))
 
     def router_losses(self) -> torch.Tensor | float:
         """Every MoE layer's balancing loss and z-loss from the last forward (0: dense)."""

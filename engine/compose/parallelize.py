@@ -17,12 +17,15 @@ compile, then FSDP): each step changes modules the next one wraps, never the oth
    and the data layer gives each rank its tokens and their positions.
 3. **expert parallelism** (:mod:`engine.compose.experts`): each MoE layer keeps this rank's
    experts of ``mesh.ep_group``; their gradients are reduced over ``mesh.expert_dp_group``;
-4. *(phase 2)* **the pipeline split** and its schedule over ``mesh.pp_group``;
+4. **the pipeline split** (:mod:`engine.compose.pipeline`): this rank's stage; the loop runs
+   the plan's schedule over ``mesh.pp_group``;
 5. **the data-parallel wrapper** over ``mesh.dp_cp_group`` (every rank that holds the same
    dense parameters and saw other tokens), :func:`apply_data_parallel`: ZeRO-0 is
    :class:`engine.dp.DataParallel`, ZeRO-1/2 :class:`engine.zero.ZeroOptimizer`, ZeRO-3
    :class:`engine.zero.ZeroDataParallel` (FSDP; over a tensor-parallel model: the 2D layout).
-   Each averages over the group; :mod:`engine.compose.loss` scales the loss to match. With
+   Each averages over the group; :mod:`engine.compose.loss` scales the loss to match. In a
+   pipeline ZeRO-0 is :class:`engine.zero.ZeroOptimizer` at stage 0 (one all-reduce at the
+   step: the schedule runs many backward passes, some of weights only). With
    experts spread (ep > 1): ZeRO-0 reduces after backward by the experts' rule, ZeRO-1/2 run
    one sharded optimizer per group (experts' over ``mesh.expert_dp_group``).
 """
@@ -40,6 +43,7 @@ from torch import nn
 from engine.compose.experts import (Optimizers, apply_expert_parallel, dense_parameters,
                                     expert_parameters, reduce_gradients)
 from engine.compose.model import GPT
+from engine.compose.pipeline import ONE_CHUNK, apply_pipeline, sum_tied_embedding
 from engine.compose.plan import Plan
 from engine.cp.ring import ring_attention
 from engine.cp.ulysses import ulysses_attention
@@ -48,8 +52,6 @@ from engine.topology import Mesh
 from engine.tp.layers import (ColumnParallelLinear, RowParallelLinear,
                               SequenceParallelLayerNorm, VocabParallelEmbedding)
 from engine.zero import ZeroDataParallel, ZeroOptimizer
-
-PHASE_2 = {"pp": "pipeline parallelism"}
 
 
 @dataclass
@@ -137,6 +139,13 @@ def apply_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls, **kwar
     """Step 5: ``(module, optimizer, no_sync)`` for ZeRO stage ``zero`` over
     ``mesh.dp_cp_group``."""
     group = mesh.dp_cp_group
+    if mesh.pp > 1:
+        if zero > 1:
+            raise ValueError(f"zero = {zero} with pp > 1 is not composed yet (phase 2 of issue "
+                             "29); use zero 0 or 1")
+        optimizer = ZeroOptimizer(list(model.parameters()), optimizer_cls, stage=zero,
+                                  group=group, **kwargs)
+        return model, optimizer, contextlib.nullcontext
     if zero == 0:
         module = DataParallel(model, group=group)
         return module, optimizer_cls(model.parameters(), **kwargs), module.no_sync
@@ -173,10 +182,11 @@ def parallelize(model: GPT, mesh: Mesh, plan: Plan, optimizer_cls=torch.optim.Ad
                 **optimizer_kwargs) -> Parallel:
     """This rank's :class:`Parallel` of ``model`` (built whole, from the same seed, on every
     rank; changed in place) for ``plan`` on ``mesh``, with ``optimizer_cls(**kwargs)``."""
-    for dim, what in PHASE_2.items():
-        if getattr(plan, dim) > 1:
-            raise ValueError(f"{dim} = {getattr(plan, dim)}: {what} is not composed yet "
-                             f"(phase 2 of issue 29); use {dim} = 1")
+    if plan.pp > 1 and plan.schedule not in ONE_CHUNK:
+        raise ValueError(f"schedule={plan.schedule!r}: the composed loop runs one chunk per "
+                         f"rank, one of {', '.join(ONE_CHUNK)}")
+    if plan.pp > 1 and model.cfg.num_experts:
+        raise ValueError("MoE layers with pp > 1 are not composed yet (phase 2 of issue 29)")
     if plan.compress is not None:
         raise ValueError(f"compress={plan.compress!r} is not composed yet (phase 2 of issue "
                          "29)")
@@ -190,10 +200,14 @@ def parallelize(model: GPT, mesh: Mesh, plan: Plan, optimizer_cls=torch.optim.Ad
     tp_group = mesh.tp_group if plan.tp > 1 else None
     if plan.ep > 1:
         apply_expert_parallel(model, mesh)
+    if plan.pp > 1:
+        apply_pipeline(model, mesh)
+    if plan.ep > 1:
         module, optimizer, finish = apply_expert_data_parallel(model, mesh, plan.zero,
                                                                optimizer_cls, **optimizer_kwargs)
         return Parallel(model, module, optimizer, mesh, plan, contextlib.nullcontext, tp_group,
                         mesh.dp_cp_size, finish)
     module, optimizer, no_sync = apply_data_parallel(model, mesh, plan.zero, optimizer_cls,
                                                      **optimizer_kwargs)
-    return Parallel(model, module, optimizer, mesh, plan, no_sync, tp_group, mesh.dp_cp_size)
+    return Parallel(model, module, optimizer, mesh, plan, no_sync, tp_group, mesh.dp_cp_size,
+                    lambda: sum_tied_embedding(model, mesh))

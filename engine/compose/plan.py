@@ -112,6 +112,10 @@ class Plan:
         elif self.ep > 1:
             raise ValueError(f"ep = {self.ep} spreads experts, but the model is dense "
                              "(num_experts = 0)")
+        if self.pp > 1 and self.micro_batches < self.pp:
+            raise ValueError(f"schedule {self.schedule!r} on pp = {self.pp} stages needs at "
+                             f"least {self.pp} micro-batches to keep every stage busy, got "
+                             f"micro_batches = {self.micro_batches}")
         if self.pp > cfg.layers:
             raise ValueError(f"pp = {self.pp} pipeline stages need at least {self.pp} "
                              f"layers, the model has {cfg.layers}")
