@@ -1,0 +1,18 @@
+"""Optimizers built here: Muon, single-process and distributed (chapter 12).
+
+The layers, bottom first::
+
+    newton_schulz   the quintic iteration (Keller Jordan's coefficients) and its FLOPs
+    muon            Muon (momentum, Newton-Schulz, shape scale); split_params for AdamW
+    distributed     DistributedMuon: each matrix owned by one rank (reduce-scatter by owner,
+                    orthogonalise whole, all-gather); the naive row-shard version measured
+"""
+
+from engine.optim.distributed import (DistributedMuon, assign_owners, naive_error,
+                                      row_shard_update)
+from engine.optim.muon import Muon, muon_update, shape_scale, split_params
+from engine.optim.newton_schulz import COEFFICIENTS, newton_schulz, newton_schulz_flops
+
+__all__ = ["Muon", "DistributedMuon", "newton_schulz", "newton_schulz_flops", "COEFFICIENTS",
+           "muon_update", "shape_scale", "split_params", "assign_owners", "row_shard_update",
+           "naive_error"]
