@@ -16,7 +16,7 @@ EXPECTED = [
     "dp2xcp2 ring-zigzag", "dp2xcp2 ring-zigzag zero3", "cp2xtp2 ring-zigzag",
     "cp2xtp2 sp ring-zigzag", "dp2xcp2xtp2 ring-zigzag", "pp2 1f1b", "pp2 zb_h1", "pp2 gpipe",
     "dp2xpp2 1f1b", "tp2xpp2 1f1b", "cp2xpp2 ring-zigzag 1f1b", "dp2xpp2 1f1b zero1",
-    "dp2xtp2xpp2 1f1b zero1",
+    "dp2xtp2xpp2 1f1b zero1", "dp2xtp2xpp2 1f1b zero2",
 ]
 MOE = ["moe dp2", "moe dp2xep2", "moe dp2xep2 zero1", "moe dp2xep2 zero2",
        "moe cp2xep2 ring-zigzag", "moe dp2xep2xtp2"]

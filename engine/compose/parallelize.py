@@ -140,9 +140,9 @@ def apply_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls, **kwar
     ``mesh.dp_cp_group``."""
     group = mesh.dp_cp_group
     if mesh.pp > 1:
-        if zero > 1:
+        if zero > 2:
             raise ValueError(f"zero = {zero} with pp > 1 is not composed yet (phase 2 of issue "
-                             "29); use zero 0 or 1")
+                             "29); use zero 0, 1 or 2")
         optimizer = ZeroOptimizer(list(model.parameters()), optimizer_cls, stage=zero,
                                   group=group, **kwargs)
         return model, optimizer, contextlib.nullcontext
@@ -210,4 +210,4 @@ def parallelize(model: GPT, mesh: Mesh, plan: Plan, optimizer_cls=torch.optim.Ad
     module, optimizer, no_sync = apply_data_parallel(model, mesh, plan.zero, optimizer_cls,
                                                      **optimizer_kwargs)
     return Parallel(model, module, optimizer, mesh, plan, no_sync, tp_group, mesh.dp_cp_size,
-                    lambda: sum_tied_embedding(model, mesh))
+                    lambda: sum_tied_embedding(model, mesh, optimizer))

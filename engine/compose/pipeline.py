@@ -42,13 +42,26 @@ def apply_pipeline(model: nn.Module, mesh: Mesh) -> None:
         model.ln_f = model.head = None
 
 
-def sum_tied_embedding(model: nn.Module, mesh: Mesh) -> None:
-    """The tied weight's gradient summed over the first and the last stage."""
+def sum_tied_embedding(model: nn.Module, mesh: Mesh, optimizer=None) -> None:
+    """The tied weight's gradient summed over the first and the last stage. At ZeRO-2 its
+    bucket reduce-scattered it over dp x cp during backward, cut at other places on the two
+    stages: the bucket's gradient is gathered, the weight's part summed over the two stages,
+    and each rank keeps its shard again (as :meth:`engine.hybrid.GPTStage.
+    sync_tied_embedding`)."""
     if mesh.embedding_group is None or not model.cfg.tied:
         return
     holder = model.tok if mesh.is_first_stage else model.head if mesh.is_last_stage else None
-    if holder is not None and holder.weight.grad is not None:
-        ops.all_reduce(holder.weight.grad, group=mesh.embedding_group)
+    if holder is None:
+        return
+    weight = holder.weight
+    if weight.grad is not None:
+        ops.all_reduce(weight.grad, group=mesh.embedding_group)
+        return
+    bucket = optimizer.launcher.bucket_of[weight]
+    full = bucket.new_flat()
+    ops.all_gather_into_tensor(full, bucket.shard_grad, group=mesh.dp_cp_group)
+    ops.all_reduce(bucket.view_of(weight, full), group=mesh.embedding_group)
+    bucket.shard_grad.copy_(bucket.shard_of(full))
 
 
 class StageCall(nn.Module):
