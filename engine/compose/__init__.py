@@ -13,7 +13,10 @@ reads (:mod:`engine.tp`, :mod:`engine.cp`, :mod:`engine.moe`, :mod:`engine.dp`,
 * :mod:`~engine.compose.data`: the global batch of step k, the same sequences whatever the
   layout (``varlen``: packed documents, padding, a loss mask), and each rank's slice of it;
 * :mod:`~engine.compose.loss`: the loss normalised by the global count of tokens;
-* :mod:`~engine.compose.parallelize`: ``parallelize(model, mesh, plan)`` in a fixed order;
+* :mod:`~engine.compose.experts`: expert parallelism and its gradient rule;
+* :mod:`~engine.compose.pipeline`: the pipeline split and the step through a schedule;
+* :mod:`~engine.compose.parallelize`: ``parallelize(model, mesh, plan)`` in a fixed order
+  (TP + SP, CP, EP, PP, then the data-parallel wrapper: DDP, ZeRO-1/2 or ZeRO-3);
 * :mod:`~engine.compose.state`: the whole parameters back from any layout, for comparing;
 * :mod:`~engine.compose.loop`: the one training step and loop, with hooks;
 * :mod:`~engine.compose.parity`: the parity matrix, every layout against one process.
