@@ -9,8 +9,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from engine import theory
 from engine.comm import CommMeter
-from engine.fsdp import MixedPrecisionPolicy, full_state_dict, fully_shard
+from engine.fsdp import MixedPrecisionPolicy, full_state_dict, fully_shard, side_by_side
+from engine.models import GPTConfig
 from tests.helpers import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("error")
@@ -200,3 +202,36 @@ def test_bad_input_names_the_value():
     with pytest.raises(ValueError, match="reduce_dtype='bf16'"):
         MixedPrecisionPolicy(reduce_dtype="bf16")
     assert run_ranks(_bad_input, 2) == [True, True]
+
+
+GPT = GPTConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32)
+PSI = 28_032  # the tiny GPT's parameters (the tied embedding once)
+ROOT = 64 * 32 + 16 * 32 + 2 * 32  # tok (= head), pos, ln_f: gathered once, kept
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_tiny_gpt_as_pytorchs_fsdp2_and_beside_the_flat_bucket_zero3(world_size):
+    n = world_size
+    for index, rank in enumerate(run_ranks(side_by_side, n, GPT)):
+        ours, torchs, zero3 = rank["ours"], rank["torch"], rank["zero3"]
+        worst = _worst(ours.params, torchs.params)
+        print(f"{n} ranks: |ours - PyTorch FSDP2| {worst:.2e}; bytes sent a step: ours "
+              f"{ours.bytes_sent}, PyTorch {torchs.bytes_sent}, ZeRO-3 {zero3.bytes_sent}; "
+              f"held: ours {ours.held.total}, PyTorch {torchs.held.total}, ZeRO-3 "
+              f"{zero3.held.total}")
+        assert ours.losses == pytest.approx(torchs.losses, rel=1e-6) and worst <= 1e-6
+        # the same collectives as PyTorch's and the same bytes held: the tied embedding is
+        # one parameter, sharded once
+        assert ours.calls == torchs.calls == {"all_gather": 1 + 2 * GPT.layers,
+                                              "reduce_scatter": 1 + GPT.layers}
+        assert (ours.held.grads, ours.held.optimizer) == (torchs.held.grads,
+                                                          torchs.held.optimizer)
+        if n == 2:
+            assert ours.held == torchs.held  # no dimension to pad: the flat buckets' bytes exactly
+            assert ours.bytes_sent == torchs.bytes_sent == zero3.bytes_sent == \
+                round((theory.zero_comm_elements(PSI, n, 3) - (n - 1) / n * ROOT) * 4)
+        else:  # padded rows travel too (64 / 3, 16 / 3, 96 / 3 ... round up), and PyTorch's
+            # last rank's local shards are views of padded storage: ours keep no padding
+            assert ours.bytes_sent == torchs.bytes_sent > zero3.bytes_sent
+            last = index == n - 1
+            assert (ours.held.params < torchs.held.params) if last else (ours.held == torchs.held)
