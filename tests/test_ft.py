@@ -1,6 +1,6 @@
-"""Per-step fault tolerance (engine.ft): three replicas (one rank each), one SIGKILLed mid-step;
-the survivors finish the next step without a restart, it rejoins with the survivors' state
-bit for bit, and the run equals the algorithm recomputed in one process."""
+"""Per-step fault tolerance (engine.ft): three replica groups of two ranks, one group
+SIGKILLed mid-step; the survivors finish the next step without a restart, it rejoins with the
+survivors' state bit for bit, and the run equals the algorithm recomputed in one process."""
 
 from __future__ import annotations
 
@@ -8,11 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from engine.ft import reference_run, run_with_failure
+from engine import theory
+from engine.ft import check_replica_groups, reference_run, run_with_failure
+from engine.ft.state import pack_state, unpack_state
 from engine.models import MLP, regression_data
 from tests.helpers import descendants
 
 SIZES = (8, 16, 8)
+GROUP = 2  # ranks per replica group
 
 
 def _model():
@@ -23,39 +26,55 @@ def _optimizer(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def _loss(model, step, replica):
-    x, y = regression_data(8, 8, 8, seed=1000 * step + replica)
+def _loss(model, step, rank):
+    x, y = regression_data(8, 8, 8, seed=1000 * step + rank)
     return nn.functional.mse_loss(model(x), y)
 
 
 @pytest.mark.timeout(90)
-def test_a_killed_replica_rejoins_and_the_run_equals_the_reference():
+def test_a_killed_replica_group_rejoins_and_the_run_equals_the_reference():
     steps, kill = 10, (2, 3)
     run = run_with_failure(_model, _optimizer, _loss, replicas=3, steps=steps, kill=kill,
-                           restart_after=2, deadline_s=1.0, timeout_s=5.0)
+                           restart_after=2, deadline_s=1.0, timeout_s=5.0, group_size=GROUP)
     assert not descendants(), "a replica process was left behind"
-    survivors = [r for r in run.logs if r != kill[0]]
-    log = run.logs[survivors[0]]
+    victims = {f"{kill[0]}.{l}" for l in range(GROUP)}
+    log = run.logs["0.0"]
     assert [s for s, *_ in log] == list(range(steps))
-    for r in survivors:  # the survivors agree on every step's quorum, and never restarted
-        assert [(s, m) for s, m, *_ in run.logs[r]] == [(s, m) for s, m, *_ in log]
-        assert len(run.exit_codes[r]) == 1 and run.exit_codes[r][0] == 0
+    for name, codes in run.exit_codes.items():
+        if f"{name[0]}.{name[1]}" in victims:
+            assert codes == [-9, 0]  # SIGKILL, then the restarted rank ends normally
+        else:  # the survivors agree on every step's quorum, and never restarted
+            assert codes == [0]
+            assert [(s, m) for s, m, *_ in run.logs[f"{name[0]}.{name[1]}"]] == \
+                [(s, m) for s, m, *_ in log]
     quorums = {s: m for s, m, *_ in log}
-    assert quorums[kill[1]] == tuple(survivors)  # step k: finished without the killed one
-    assert quorums[kill[1] + 1] == tuple(survivors)  # and step k + 1
-    assert run.exit_codes[kill[0]][0] == -9  # SIGKILL
+    survivors = tuple(r for r in range(3) if r != kill[0])
+    assert quorums[kill[1]] == survivors  # step k: finished without the killed group
+    assert quorums[kill[1] + 1] == survivors  # and step k + 1
     assert kill[1] + 1 < run.rejoined_step < steps  # rejoined later, from a live peer
-    assert kill[0] in quorums[run.rejoined_step]
     assert all(kill[0] in quorums[s] for s in range(run.rejoined_step, steps))
     assert run.recovery_bit_identical
-    finals = [run.finals[r] for r in sorted(run.finals)]
-    for other in finals[1:]:  # every replica ends with the same bits, optimizer state too
+    finals = list(run.finals.values())
+    for other in finals[1:]:  # every rank ends with the same bits, optimizer state too
         for name, t in finals[0]["model"].items():
             assert torch.equal(t, other["model"][name]), name
         for i, s in finals[0]["optimizer"]["state"].items():
             for key, t in s.items():
                 assert torch.equal(t, other["optimizer"]["state"][i][key]), (i, key)
-    want = reference_run(_model, _optimizer, _loss, log)
+    want = reference_run(_model, _optimizer, _loss, log, group_size=GROUP)
     worst = max((want[n] - t).abs().max().item() for n, t in finals[0]["model"].items())
     assert worst < 1e-6, worst
+    # across replica groups each rank sends its half of the gradient: the HSDP cut
+    numel = sum(p.numel() for p in _model().parameters())
+    per_step = {len(m): round(theory.ring_all_reduce_bytes(numel / GROUP * 4, len(m)))
+                for m in quorums.values()}  # each all-reduce rounded to whole bytes
+    assert run.cross_bytes["0.1"] == sum(per_step[len(m)] for m in quorums.values())
     assert run.lost_seconds < 3.0
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="group_size .* = 4 must divide the world size = 6"):
+        check_replica_groups(6, 4)
+    other = MLP((8, 32, 8))
+    with pytest.raises(ValueError, match="another model"):
+        unpack_state(pack_state(_model(), _optimizer(_model()), 3), other, _optimizer(other))

@@ -2,14 +2,16 @@
 
 ``torch.distributed.ProcessGroupGloo(PrefixStore("pg/<qid>/", store), rank, size)`` connects
 the members of quorum ``qid`` (their rank: their place in the sorted member list) without
-``init_process_group``: no global world, so a replica can die and the others build a new group
+``init_process_group`` (one such group per local rank ``tag`` of the replica groups: rank
+``l`` of every member group): no global world, so a replica can die and the others build a new group
 without it, and a restarted replica can join one. The group is rebuilt only when the quorum's
 ``qid`` changes. A peer that died makes the group's next operation raise (Gloo: "Connection
 closed by peer"), within ``timeout_s`` at worst.
 
 Its ops are called on the ``ProcessGroup`` object directly (``pg.allreduce([t])``), so they do
-not go through :mod:`engine.comm.ops` and no ``CommMeter`` counts them; :meth:`sent_bytes`
-counts what this replica sent under the ring model instead.
+not go through :mod:`engine.comm.ops` and no ``CommMeter`` counts them; ``allreduce_bytes``
+(the ring model's bytes of each finished all-reduce) and ``recovery_bytes`` (exact) count
+what this rank sent instead.
 """
 
 from __future__ import annotations
@@ -26,19 +28,20 @@ from engine.ft.quorum import Quorum
 class QuorumGroup:
     """Holds the Gloo group of the current quorum of replica ``replica``."""
 
-    def __init__(self, store, replica: int, timeout_s: float = 5.0):
-        self.store, self.replica, self.timeout_s = store, replica, timeout_s
+    def __init__(self, store, replica: int, timeout_s: float = 5.0, tag: str = "l0"):
+        self.store, self.replica, self.timeout_s, self.tag = store, replica, timeout_s, tag
         self.qid: str | None = None
         self.pg = None
         self.size = 0
-        self.bytes_sent = 0  # modeled for the all-reduces (ring), exact for the sends
+        self.allreduce_bytes = 0  # sent in committed-or-not all-reduces that finished (ring)
+        self.recovery_bytes = 0  # sent to recovering peers (exact)
 
     def use(self, quorum: Quorum) -> None:
         """Build the group of ``quorum`` unless it is the one in use."""
         if quorum.qid == self.qid and self.pg is not None:
             return
         self.pg = None  # dropping the old group closes its connections
-        prefix = dist.PrefixStore(f"pg/{quorum.qid}/", self.store)
+        prefix = dist.PrefixStore(f"pg/{quorum.qid}/{self.tag}/", self.store)
         self.pg = dist.ProcessGroupGloo(prefix, quorum.rank_of(self.replica),
                                         len(quorum.members),
                                         datetime.timedelta(seconds=self.timeout_s))
@@ -53,7 +56,7 @@ class QuorumGroup:
         a failed attempt can be retried with it)."""
         out = tensor.detach().clone()
         self.pg.allreduce([out]).wait()
-        self.bytes_sent += round(theory.ring_all_reduce_bytes(out.numel() * out.element_size(),
+        self.allreduce_bytes += round(theory.ring_all_reduce_bytes(out.numel() * out.element_size(),
                                                               self.size))
         return out.div_(self.size)
 
@@ -61,7 +64,7 @@ class QuorumGroup:
         """Send a uint8 payload (its length first) to the member of rank ``to_rank``."""
         self.pg.send([torch.tensor([payload.numel()], dtype=torch.int64)], to_rank, 0).wait()
         self.pg.send([payload], to_rank, 1).wait()
-        self.bytes_sent += 8 + payload.numel()
+        self.recovery_bytes += 8 + payload.numel()
 
     def recv_bytes(self, from_rank: int) -> torch.Tensor:
         length = torch.zeros(1, dtype=torch.int64)

@@ -1,7 +1,9 @@
-"""Three replicas, one killed and restarted: the fault-tolerance experiment, and its reference.
+"""Three replica groups, one killed and restarted: the fault-tolerance experiment, and its
+reference.
 
 :func:`run_with_failure` hosts a ``TCPStore`` in this process, forks ``replicas`` replica
-processes (one rank each), and lets replica ``kill[0]`` SIGKILL itself at step ``kill[1]``,
+groups of ``group_size`` ranks each, and lets every rank of group ``kill[0]`` SIGKILL itself
+at step ``kill[1]``,
 after it joined the quorum and computed its gradient and just before the all-reduce: the
 worst moment for the others, whose all-reduce fails mid-step. The survivors are not restarted:
 they abort that round and redo the step without it. Once they have committed
@@ -28,14 +30,15 @@ import torch
 import torch.distributed as dist
 
 from engine.ft.replica import FaultTolerantReplica
+from engine.validation import divides, positive_int
 
 
 @dataclass
 class FailureRun:
     """What :func:`run_with_failure` measured (seconds are wall time)."""
 
-    finals: dict[int, dict]  # replica -> {"model", "optimizer", "step"} at the end
-    logs: dict[int, list]  # replica -> [(step, members, seconds, attempts)] it committed
+    finals: dict[str, dict]  # "replica.local" -> {"model", "optimizer", "step"} at the end
+    logs: dict[str, list]  # "replica.local" -> [(step, members, seconds, attempts)]
     killed: tuple[int, int]  # (replica, step)
     rejoined_step: int  # the step whose quorum first held the restarted replica
     recovery_bit_identical: bool  # its state after loading has the digest of the source's
@@ -43,7 +46,9 @@ class FailureRun:
     step_seconds: float  # a healthy step of the survivors (median)
     failed_step_seconds: float  # the survivors' step k, failure and retry included
     wall_seconds: float
-    exit_codes: dict[int, list] = field(default_factory=dict)
+    exit_codes: dict[tuple[int, int], list] = field(default_factory=dict)
+    cross_bytes: dict[str, int] = field(default_factory=dict)  # all-reduced across groups
+    recovery_bytes: dict[str, int] = field(default_factory=dict)  # sent to a rejoining group
 
     @property
     def lost_seconds(self) -> float:
@@ -51,8 +56,17 @@ class FailureRun:
         return self.failed_step_seconds - self.step_seconds
 
 
-def _replica_main(port, replica, replicas, incarnation, steps, kill, model_fn, optimizer_fn,
-                  loss_fn, deadline_s, timeout_s):
+def check_replica_groups(world_size: int, group_size: int) -> int:
+    """The number of replica groups; a ValueError names both numbers when ``group_size``
+    does not divide ``world_size``."""
+    positive_int("world_size", world_size)
+    positive_int("group_size (ranks per replica group)", group_size)
+    divides("group_size (ranks per replica group)", group_size, "the world size", world_size)
+    return world_size // group_size
+
+
+def _replica_main(port, replica, local, group_size, replicas, incarnation, steps, kill,
+                  model_fn, optimizer_fn, loss_fn, deadline_s, timeout_s):
     store = dist.TCPStore("127.0.0.1", port, is_master=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
     torch.set_num_threads(1)
@@ -60,54 +74,60 @@ def _replica_main(port, replica, replicas, incarnation, steps, kill, model_fn, o
     model = model_fn()
     optimizer = optimizer_fn(model)
     ft = FaultTolerantReplica(store, replica, replicas, model, optimizer, incarnation,
-                              deadline_s, timeout_s)
+                              deadline_s, timeout_s, local_rank=local, group_size=group_size)
+    rank = replica * group_size + local
 
-    def die_here(step, quorum):
+    def die_here(step, quorum):  # every rank of the killed group, at the same point
         if incarnation == 0 and (replica, step) == tuple(kill):
             os.kill(os.getpid(), signal.SIGKILL)
 
     first = None
     while ft.completed < steps:
-        ft.train_step(lambda step: loss_fn(model, step, replica), die_here)
+        ft.train_step(lambda step: loss_fn(model, step, rank), die_here)
         first = time.perf_counter() if first is None else first
-        store.set(f"progress/{replica}", str(ft.completed))
+        store.set(f"progress/{replica}.{local}", str(ft.completed))
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "step": ft.completed}, buffer)
-    store.set(f"final/{replica}", buffer.getvalue())
-    store.set(f"log/{replica}", json.dumps({
+    store.set(f"final/{replica}.{local}", buffer.getvalue())
+    store.set(f"log/{replica}.{local}", json.dumps({
         "log": [(s, list(m), sec, a) for s, m, sec, a in ft.log],
         "recovered_step": ft.recovered_step, "recovered_digest": ft.recovered_digest,
         "sent_digests": {str(k): v for k, v in ft.sent_digests.items()},
+        "cross_bytes": ft.group.allreduce_bytes, "recovery_bytes": ft.group.recovery_bytes,
         "rejoin_seconds": (first - started) if incarnation else None}))
 
 
 def run_with_failure(model_fn, optimizer_fn, loss_fn, replicas: int = 3, steps: int = 10,
                      kill: tuple[int, int] = (2, 3), restart_after: int = 2,
                      deadline_s: float = 1.0, timeout_s: float = 5.0,
-                     run_timeout_s: float = 60.0) -> FailureRun:
-    """Run ``replicas`` fault-tolerant replicas for ``steps`` steps, killing replica
-    ``kill[0]`` at step ``kill[1]`` and restarting it ``restart_after`` steps later.
-    ``loss_fn(model, step, replica)`` is a replica's loss on its batch of ``step``."""
+                     run_timeout_s: float = 60.0, group_size: int = 1) -> FailureRun:
+    """Run ``replicas`` fault-tolerant replica groups of ``group_size`` ranks for ``steps``
+    steps, killing every rank of group ``kill[0]`` at step ``kill[1]`` and restarting the
+    group ``restart_after`` steps later. ``loss_fn(model, step, rank)`` is a rank's loss on
+    its batch of ``step`` (``rank = replica * group_size + local rank``)."""
+    check_replica_groups(replicas * group_size, group_size)
     victim, kill_step = kill
     if not 0 <= victim < replicas or not 0 <= kill_step < steps - restart_after - 2:
-        raise ValueError(f"kill = {kill} must name a replica in 0..{replicas - 1} and a step "
-                         f"before {steps - restart_after - 2} (steps = {steps})")
+        raise ValueError(f"kill = {kill} must name a replica group in 0..{replicas - 1} and a "
+                         f"step before {steps - restart_after - 2} (steps = {steps})")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
     context = multiprocessing.get_context("fork")
-    procs: dict[int, list] = {}
+    procs: dict[tuple[int, int], list] = {}
 
     def start(replica, incarnation):
-        proc = context.Process(target=_replica_main, daemon=True, args=(
-            store.port, replica, replicas, incarnation, steps, kill, model_fn, optimizer_fn,
-            loss_fn, deadline_s, timeout_s))
-        proc.start()
-        procs.setdefault(replica, []).append(proc)
+        for local in range(group_size):
+            proc = context.Process(target=_replica_main, daemon=True, args=(
+                store.port, replica, local, group_size, replicas, incarnation, steps, kill,
+                model_fn, optimizer_fn, loss_fn, deadline_s, timeout_s))
+            proc.start()
+            procs.setdefault((replica, local), []).append(proc)
 
     survivor = (victim + 1) % replicas
     began = time.perf_counter()
     give_up = time.monotonic() + run_timeout_s
+    names = [f"{r}.{l}" for r in range(replicas) for l in range(group_size)]
     try:
         for replica in range(replicas):
             start(replica, 0)
@@ -115,61 +135,72 @@ def run_with_failure(model_fn, optimizer_fn, loss_fn, replicas: int = 3, steps: 
         while any(p.is_alive() for ps in procs.values() for p in ps):
             if time.monotonic() > give_up:
                 raise TimeoutError(f"the fault-tolerance run did not end in {run_timeout_s} s")
-            if not restarted and procs[victim][0].exitcode is not None and \
-                    store.check([f"progress/{survivor}"]) and \
-                    int(store.get(f"progress/{survivor}")) >= kill_step + 1 + restart_after:
+            if not restarted and all(procs[(victim, l)][0].exitcode is not None
+                                     for l in range(group_size)) and \
+                    store.check([f"progress/{survivor}.0"]) and \
+                    int(store.get(f"progress/{survivor}.0")) >= kill_step + 1 + restart_after:
                 store.set(f"want/{victim}", "1")  # announced: the next quorum waits for it
                 start(victim, 1)
                 restarted = True
             time.sleep(0.005)
         wall = time.perf_counter() - began
-        codes = {r: [p.exitcode for p in ps] for r, ps in procs.items()}
-        missing = [r for r in range(replicas) if not store.check([f"final/{r}"])]
+        codes = {key: [p.exitcode for p in ps] for key, ps in procs.items()}
+        missing = [n for n in names if not store.check([f"final/{n}"])]
         if missing or not restarted:
-            raise RuntimeError(f"replicas {missing} did not finish (exit codes {codes}; "
+            raise RuntimeError(f"ranks {missing} did not finish (exit codes {codes}; "
                                f"restarted: {restarted})")
-        finals = {r: torch.load(io.BytesIO(store.get(f"final/{r}")), weights_only=True)
-                  for r in range(replicas)}
-        info = {r: json.loads(store.get(f"log/{r}")) for r in range(replicas)}
+        finals = {n: torch.load(io.BytesIO(store.get(f"final/{n}")), weights_only=True)
+                  for n in names}
+        info = {n: json.loads(store.get(f"log/{n}")) for n in names}
     finally:
         for ps in procs.values():
             for p in ps:
                 if p.is_alive():
                     p.kill()
                 p.join(timeout=5)
-    healthy = sorted(sec for s, _, sec, a in info[survivor]["log"] if a == 0 and s > 0)
-    failed = next(sec for s, _, sec, _ in info[survivor]["log"] if s == kill_step)
+    mine = info[f"{survivor}.0"]["log"]
+    healthy = sorted(sec for s, _, sec, a in mine if a == 0 and s > 0)
+    failed = next(sec for s, _, sec, _ in mine if s == kill_step)
     return FailureRun(
-        finals=finals, logs={r: [(s, tuple(m), sec, a) for s, m, sec, a in info[r]["log"]]
-                             for r in info},
-        killed=kill, rejoined_step=info[victim]["recovered_step"],
-        recovery_bit_identical=_same_state(info, victim),
-        rejoin_seconds=info[victim]["rejoin_seconds"],
+        finals=finals, logs={n: [(s, tuple(m), sec, a) for s, m, sec, a in info[n]["log"]]
+                             for n in info},
+        killed=kill, rejoined_step=info[f"{victim}.0"]["recovered_step"],
+        recovery_bit_identical=all(_same_state(info, f"{victim}.{l}", l)
+                                   for l in range(group_size)),
+        rejoin_seconds=info[f"{victim}.0"]["rejoin_seconds"],
         step_seconds=healthy[len(healthy) // 2], failed_step_seconds=failed,
-        wall_seconds=wall, exit_codes=codes)
+        wall_seconds=wall, exit_codes=codes,
+        cross_bytes={n: i["cross_bytes"] for n, i in info.items()},
+        recovery_bytes={n: i["recovery_bytes"] for n, i in info.items()})
 
 
-def _same_state(info: dict, victim: int) -> bool:
-    """The restarted replica's state digest after loading = the one its source sent."""
-    step, got = info[victim]["recovered_step"], info[victim]["recovered_digest"]
-    sent = [i["sent_digests"].get(str(step)) for i in info.values()]
+def _same_state(info: dict, name: str, local: int) -> bool:
+    """A restarted rank's state digest after loading = the one its source rank sent."""
+    step, got = info[name]["recovered_step"], info[name]["recovered_digest"]
+    sent = [i["sent_digests"].get(str(step)) for n, i in info.items()
+            if n.endswith(f".{local}")]
     return got is not None and got in sent
 
 
-def reference_run(model_fn, optimizer_fn, loss_fn, log) -> dict:
-    """The run recomputed in one process from a survivor's ``log``: at each step, the
-    gradients of that step's quorum members, summed in member order and divided by their
-    count, applied by one optimizer. Returns the model's ``state_dict``."""
+def reference_run(model_fn, optimizer_fn, loss_fn, log, group_size: int = 1) -> dict:
+    """The run recomputed in one process from a survivor's ``log``: at each step, each member
+    group's gradient (the mean of its ranks'), averaged over that step's members, applied by
+    one optimizer. Returns the model's ``state_dict``."""
     model = model_fn()
     optimizer = optimizer_fn(model)
     params = [p for p in model.parameters() if p.requires_grad]
+
+    def gradient(step, rank):
+        optimizer.zero_grad()
+        loss_fn(model, step, rank).backward()
+        return torch.cat([p.grad.reshape(-1) for p in params])
+
     for step, members, *_ in log:
-        grads = []
+        groups = []
         for member in members:
-            optimizer.zero_grad()
-            loss_fn(model, step, member).backward()
-            grads.append(torch.cat([p.grad.reshape(-1) for p in params]))
-        average = sum(grads[1:], grads[0].clone()) / len(members)
+            ranks = [gradient(step, member * group_size + l) for l in range(group_size)]
+            groups.append(sum(ranks[1:], ranks[0].clone()) / group_size)
+        average = sum(groups[1:], groups[0].clone()) / len(members)
         offset = 0
         for p in params:
             p.grad = average[offset:offset + p.numel()].view_as(p).clone()

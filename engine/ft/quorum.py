@@ -134,17 +134,25 @@ class QuorumClient:
         self.store.compare_set(f"quorum/{step}.{attempt}", "", proposal.to_json())
 
     def commit(self, quorum: Quorum, ok: bool) -> bool:
-        """Two-phase commit of a round: True only if every member finished its all-reduce
-        (``ok``), decided once for all with ``compare_set`` so that no two members differ."""
-        key = f"{quorum.step}.{quorum.attempt}"
-        if ok:
-            self.store.set(f"ok/{key}/{self.replica}", "1")
-        give_up = time.monotonic() + self.deadline_s
-        decision = f"commit/{key}"
-        while not self.store.check([decision]):
-            done = all(self.store.check([f"ok/{key}/{m}"]) for m in quorum.members)
-            if done or not ok or time.monotonic() > give_up:
-                self.store.compare_set(decision, "", "commit" if done else "abort")
-                break
-            time.sleep(self.poll_s)
-        return self.store.get(decision) == b"commit"
+        """:func:`commit_round` for a replica group of one rank."""
+        return commit_round(self.store, quorum, ok, str(self.replica),
+                            [str(m) for m in quorum.members], self.deadline_s, self.poll_s)
+
+
+def commit_round(store, quorum: Quorum, ok: bool, me: str, parties: list[str],
+                 deadline_s: float, poll_s: float = 0.002) -> bool:
+    """Two-phase commit of a round: True only if every party (``"<replica>.<local rank>"``
+    of every member) finished its all-reduce (``ok``), decided once for all with
+    ``compare_set`` so that no two parties differ."""
+    key = f"{quorum.step}.{quorum.attempt}"
+    if ok:
+        store.set(f"ok/{key}/{me}", "1")
+    give_up = time.monotonic() + deadline_s
+    decision = f"commit/{key}"
+    while not store.check([decision]):
+        done = all(store.check([f"ok/{key}/{p}"]) for p in parties)
+        if done or not ok or time.monotonic() > give_up:
+            store.compare_set(decision, "", "commit" if done else "abort")
+            break
+        time.sleep(poll_s)
+    return store.get(decision) == b"commit"

@@ -1,16 +1,20 @@
-"""One replica group's training step under per-step fault tolerance.
+"""One rank of a replica group's training step under per-step fault tolerance.
 
-Per step (:meth:`FaultTolerantReplica.train_step`):
+A replica group is ``group_size`` ranks that train as one data-parallel replica (HSDP's
+shape: reduce inside, then across). Per step (:meth:`FaultTolerantReplica.train_step`):
 
-1. **quorum**: join the round (step, attempt) and adopt the decided members
-   (:class:`engine.ft.quorum.QuorumClient`);
-2. **group**: use the quorum's Gloo group, built anew when the members changed
-   (:class:`engine.ft.group.QuorumGroup`);
-3. **recovery**: the members behind the quorum's source receive its parameters, optimizer
-   state and step (:mod:`engine.ft.state`); bit for bit, from memory;
-4. **gradient**: computed on this replica's batch of the step, then averaged over the live
-   members only;
-5. **commit**: the step is applied only if every member's all-reduce finished (a two-phase
+1. **quorum**: the group's leader (local rank 0) joins the round (step, attempt) and
+   publishes the decided members to its group (:class:`engine.ft.quorum.QuorumClient`);
+2. **group**: each local rank ``l`` uses the Gloo group of rank ``l`` of every member
+   replica group, built anew when the members changed (:class:`engine.ft.group.QuorumGroup`);
+3. **recovery**: the ranks of a group behind the quorum's source receive, from the source
+   group's rank of the same local index, its parameters, optimizer state and step
+   (:mod:`engine.ft.state`); bit for bit, from memory;
+4. **gradient**: computed on this rank's batch of the step; averaged inside the group, then
+   each local rank all-reduces its ``1/group_size`` slice over the live members only (the
+   bytes across replica groups cut by the group size), then the slices are all-gathered
+   inside the group;
+5. **commit**: the step is applied only if every rank of every member finished (a two-phase
    commit on the store). A member that died mid-step makes the others' all-reduce raise or
    its commit never come: the round is aborted and retried as attempt + 1 without it, on the
    same gradients. No survivor restarts.
@@ -18,37 +22,45 @@ Per step (:meth:`FaultTolerantReplica.train_step`):
 
 from __future__ import annotations
 
+import datetime
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from engine.ft.group import QuorumGroup
-from engine.ft.quorum import Quorum, QuorumClient
+from engine.ft.quorum import Quorum, QuorumClient, commit_round
 from engine.ft.state import pack_state, state_digest, unpack_state
 
 
 class FaultTolerantReplica:
-    """``replica`` (0..replicas-1) of a fault-tolerant run on ``store``.
+    """Local rank ``local_rank`` of replica group ``replica`` (0..replicas-1) on ``store``.
 
-    ``incarnation``: 0 at the first start, +1 at every restart; a restarted replica holds
+    ``incarnation``: 0 at the first start, +1 at every restart; a restarted group holds
     nothing (``completed = -1``) until a live peer sends it the state.
     ``log``: one entry per committed step: ``(step, members, seconds, attempts)``.
     """
 
     def __init__(self, store, replica: int, replicas: int, model: nn.Module,
                  optimizer: torch.optim.Optimizer, incarnation: int = 0,
-                 deadline_s: float = 1.0, timeout_s: float = 5.0, join_timeout_s: float = 10.0):
-        self.store, self.replica = store, replica
+                 deadline_s: float = 1.0, timeout_s: float = 5.0, join_timeout_s: float = 10.0,
+                 local_rank: int = 0, group_size: int = 1):
+        self.store, self.replica, self.incarnation = store, replica, incarnation
+        self.local_rank, self.group_size = local_rank, group_size
         self.model, self.optimizer = model, optimizer
+        self.deadline_s, self.timeout_s, self.join_timeout_s = deadline_s, timeout_s, \
+            join_timeout_s
         self.quorum = QuorumClient(store, replica, replicas, incarnation, deadline_s,
-                                   join_timeout_s)
-        self.group = QuorumGroup(store, replica, timeout_s)
-        self.timeout_s = timeout_s
+                                   join_timeout_s) if local_rank == 0 else None
+        self.group = QuorumGroup(store, replica, timeout_s, tag=f"l{local_rank}")
+        self.inner = dist.ProcessGroupGloo(
+            dist.PrefixStore(f"inner/{replica}.{incarnation}/", store), local_rank, group_size,
+            datetime.timedelta(seconds=timeout_s)) if group_size > 1 else None
         self.max_attempts = 10  # rounds of one step before giving up (never loop forever)
         self.completed = 0 if incarnation == 0 else -1
+        self.decisions = 0  # quorums published to (leader) or read from (others) the group
         self.log: list[tuple[int, tuple[int, ...], float, int]] = []
-        self.recovered_from: int | None = None
         self.recovered_step: int | None = None
         self.recovered_digest: str | None = None  # of the state it loaded
         self.sent_digests: dict[int, str] = {}  # step -> digest of the state it sent
@@ -67,20 +79,34 @@ class FaultTolerantReplica:
             time.sleep(0.002)
         raise TimeoutError(f"replica {self.replica}: no open round within {self.timeout_s} s")
 
+    def _decide(self, step: int, attempt: int, broken: bool) -> Quorum:
+        """The leader joins the round and publishes the quorum; the other ranks read it."""
+        key = f"gq/{self.replica}.{self.incarnation}/{self.decisions}"
+        self.decisions += 1
+        if self.quorum is not None:
+            quorum = self.quorum.join(step, attempt, self.completed, broken)
+            if self.group_size > 1:
+                self.store.set(key, quorum.to_json())
+            return quorum
+        self.store.wait([key], datetime.timedelta(seconds=self.timeout_s + self.join_timeout_s))
+        return Quorum.from_json(self.store.get(key))
+
     def train_step(self, loss_of_step, before_average=None) -> Quorum:
-        """One committed step. ``loss_of_step(step)``: this replica's loss on its batch of
+        """One committed step. ``loss_of_step(step)``: this rank's loss on its batch of
         ``step`` at the current parameters. ``before_average(step, quorum)``: called just
-        before the all-reduce (the tests kill a replica there)."""
+        before the all-reduce (the tests kill a replica group there)."""
         started = time.perf_counter()
-        if self.completed >= 0:
+        if self.completed >= 0 or self.quorum is None:
             step, attempt = self.completed, 0
         else:
             step, attempt = self._open_round()
         broken = False
         while True:
-            quorum = self.quorum.join(step, attempt, self.completed, broken)
+            quorum = self._decide(step, attempt, broken)
+            step, attempt = quorum.step, quorum.attempt
             if self.replica not in quorum.members:  # came too late: follow the next round
-                step, attempt = self._open_round(not_this=f"{step}.{attempt}")
+                if self.quorum is not None:
+                    step, attempt = self._open_round(not_this=f"{step}.{attempt}")
                 continue
             average, ok = None, False
             try:
@@ -89,10 +115,12 @@ class FaultTolerantReplica:
                 grad = self._gradient(loss_of_step, step)
                 if before_average is not None:
                     before_average(step, quorum)
-                average, ok = self.group.average(grad), True
+                average, ok = self._average(grad), True
             except RuntimeError:
                 self.group.drop()
-            if self.quorum.commit(quorum, ok):
+            parties = [f"{m}.{r}" for m in quorum.members for r in range(self.group_size)]
+            if commit_round(self.store, quorum, ok, f"{self.replica}.{self.local_rank}",
+                            parties, self.deadline_s):
                 self._apply(average)
                 self.completed = step + 1
                 self.log.append((step, quorum.members, time.perf_counter() - started,
@@ -109,22 +137,36 @@ class FaultTolerantReplica:
     def _recover(self, quorum: Quorum) -> None:
         if not quorum.recovering:
             return
-        source = quorum.rank_of(quorum.source)
         if self.replica == quorum.source:
             payload = pack_state(self.model, self.optimizer, self.completed)
             self.sent_digests[quorum.step] = state_digest(self.model, self.optimizer)
             for member in quorum.recovering:
                 self.group.send_bytes(payload, quorum.rank_of(member))
         elif self.replica in quorum.recovering:
-            payload = self.group.recv_bytes(source)
+            payload = self.group.recv_bytes(quorum.rank_of(quorum.source))
             self.completed = unpack_state(payload, self.model, self.optimizer)
-            self.recovered_from, self.recovered_step = quorum.source, quorum.step
+            self.recovered_step = quorum.step
             self.recovered_digest = state_digest(self.model, self.optimizer)
 
     def _gradient(self, loss_of_step, step: int) -> torch.Tensor:
         self.optimizer.zero_grad()
         loss_of_step(step).backward()
         return torch.cat([p.grad.reshape(-1) for p in self._params()])
+
+    def _average(self, grad: torch.Tensor) -> torch.Tensor:
+        """The mean over the group's ranks, then over the live member groups."""
+        if self.inner is None:
+            return self.group.average(grad)
+        n, size = grad.numel(), self.group_size
+        chunk = -(-n // size)
+        padded = torch.zeros(chunk * size, dtype=grad.dtype)
+        padded[:n] = grad
+        self.inner.allreduce([padded]).wait()
+        padded.div_(size)
+        mine = self.group.average(padded[self.local_rank * chunk:(self.local_rank + 1) * chunk])
+        pieces = [torch.empty_like(mine) for _ in range(size)]
+        self.inner.allgather([pieces], [mine]).wait()
+        return torch.cat(pieces)[:n]
 
     def _apply(self, average: torch.Tensor) -> None:
         offset = 0
