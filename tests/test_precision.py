@@ -11,10 +11,11 @@ import torch
 from torch import nn
 
 from engine.comm import CommMeter
-from engine.precision import (DynamicLossScaler, fp8_all_gather, fp8_matmul,
+from engine.precision import (DynamicLossScaler, Fp8Linear, fp8_all_gather, fp8_matmul,
                               gradient_underflow, outlier_activations, plain_all_gather,
                               quantize, regression_data, relative_error, scaling_errors,
-                              small_mlp, token_relative_error, train_mixed)
+                              small_mlp, to_fp8, token_relative_error, train_lm,
+                              train_mixed)
 from tests.helpers import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("error")
@@ -150,3 +151,23 @@ def test_an_fp8_all_gather_sends_half_of_bf16s_bytes():
         assert payload.bytes_sent * 2 == bf16[0].bytes_sent == 2000
         assert scales.bytes_sent == 4  # one fp32 scale per rank besides
         assert error < 0.05
+
+
+def test_an_fp8_linear_layers_gradients_are_close_to_fp32s():
+    torch.manual_seed(0)
+    exact = nn.Linear(32, 48)
+    fp8 = to_fp8(copy.deepcopy(exact), "block", tile=16)
+    assert type(fp8) is Fp8Linear
+    x = torch.randn(64, 32)
+    for m in (exact, fp8):
+        (m(x) ** 2).sum().backward()
+    assert relative_error(fp8(x), exact(x)) < 0.05
+    assert relative_error(fp8.weight.grad, exact.weight.grad) < 0.1
+
+
+def test_the_tiny_gpt_trains_in_fp8_as_in_bf16():
+    losses = {p: train_lm(p, steps=4) for p in ("fp32", "bf16", "fp8-block")}
+    print({p: [round(v, 4) for v in ls] for p, ls in losses.items()})
+    for p in ("bf16", "fp8-block"):
+        assert losses[p][-1] < losses[p][0]
+        assert abs(losses[p][-1] - losses["fp32"][-1]) < 0.01 * losses["fp32"][-1]

@@ -6,12 +6,14 @@ The layers, bottom first::
     mixed         fp32 masters + a bf16/fp16 working copy; fp16 underflow counted
     fp8           quantize with per-tensor / per-row / DeepSeek-V3 tile scales; fp8_matmul
     fp8_comm      an FP8 all-gather through engine.comm.ops (half of bf16's bytes)
+    fp8_linear    Fp8Linear (E4M3 forward, E5M2 gradients); the tiny GPT trained in FP8
 """
 
 from engine.precision.fp8 import (FORMATS, SCALINGS, TILE, dequantize, fp8_matmul,
                                   outlier_activations, quantize, relative_error,
                                   scaling_errors, token_relative_error)
 from engine.precision.fp8_comm import fp8_all_gather, plain_all_gather
+from engine.precision.fp8_linear import PRECISIONS, Fp8Linear, Fp8Matmul, to_fp8, train_lm
 from engine.precision.loss_scaler import DynamicLossScaler
 from engine.precision.mixed import (Underflow, bytes_per_parameter, gradient_underflow,
                                     small_mlp, regression_data, train_mixed)
@@ -20,4 +22,4 @@ __all__ = ["DynamicLossScaler", "fp8_matmul", "quantize", "dequantize", "FORMATS
            "TILE", "outlier_activations", "relative_error", "token_relative_error",
            "scaling_errors", "fp8_all_gather", "plain_all_gather", "Underflow",
            "bytes_per_parameter", "gradient_underflow", "small_mlp", "regression_data",
-           "train_mixed"]
+           "train_mixed", "Fp8Linear", "Fp8Matmul", "to_fp8", "train_lm", "PRECISIONS"]

@@ -59,28 +59,33 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (blocks * scales).reshape(rows, cols)
 
 
-def tiles(scaling: str, a_shape, b_shape) -> tuple[tuple[int, int], tuple[int, int]]:
-    """The (rows, cols) of the tiles sharing a scale in ``a`` (M x K) and in ``b`` (K x N)."""
+def tiles(scaling: str, a_shape, b_shape, tile: int = TILE
+          ) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The (rows, cols) of the tiles sharing a scale in ``a`` (M x K) and in ``b`` (K x N):
+    ``"block"`` is ``1 x tile`` for ``a`` and ``tile x tile`` for ``b``."""
     (m, k), (_, n) = a_shape, b_shape
     if scaling == "tensor":
         return (m, k), (k, n)
     if scaling == "row":
         return (1, k), (k, 1)
     if scaling == "block":
-        return (1, TILE), (TILE, TILE)
+        return (1, tile), (tile, tile)
     raise ValueError(f"scaling={scaling!r}; expected one of {SCALINGS}")
 
 
 def fp8_matmul(a: torch.Tensor, b: torch.Tensor, scaling: str = "tensor",
-               fmt: str = "e4m3") -> torch.Tensor:
+               fmt: str = "e4m3", *, fmt_b: str | None = None, tile: int = TILE
+               ) -> torch.Tensor:
     """``a @ b`` (``M x K`` by ``K x N``) with both operands quantized to FP8 under
-    ``scaling`` and the products accumulated in fp32 (emulated); the result in fp32."""
+    ``scaling`` (``a`` in ``fmt``, ``b`` in ``fmt_b``, default the same) and the products
+    accumulated in fp32 (emulated); the result in fp32. ``tile``: the block side (128 as
+    DeepSeek-V3; smaller for a tiny model)."""
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"fp8_matmul takes M x K and K x N, got {tuple(a.shape)} and "
                          f"{tuple(b.shape)}")
-    tile_a, tile_b = tiles(scaling, a.shape, b.shape)
+    tile_a, tile_b = tiles(scaling, a.shape, b.shape, tile)
     qa, sa = quantize(a, tile_a, fmt)
-    qb, sb = quantize(b, tile_b, fmt)
+    qb, sb = quantize(b, tile_b, fmt_b or fmt)
     return dequantize(qa, sa) @ dequantize(qb, sb)
 
 
