@@ -623,3 +623,26 @@ def hsdp_replica_bytes(numel: int, shard: int, replicas: int, dtype_bytes: float
     across the same links (``2(R-1)/R · numel · dtype_bytes``)."""
     positive_int("shard", shard)
     return ring_all_reduce_bytes(numel / shard * dtype_bytes, replicas)
+
+
+def young_checkpoint_interval(checkpoint_s: float, mtbf_s: float) -> float:
+    """The compute time between checkpoints that wastes the least, to first order:
+    ``sqrt(2·C·M)`` for a checkpoint that costs ``C`` seconds and failures ``M`` seconds apart
+    on average (Young, "A first order approximation to the optimum checkpoint interval",
+    CACM 17(9), 1974). The waste per second is about ``C/T + T/(2M)``: the checkpoints, and
+    half an interval of lost work per failure."""
+    from engine.validation import positive_number
+    positive_number("checkpoint_s", checkpoint_s)
+    positive_number("mtbf_s", mtbf_s)
+    return math.sqrt(2 * checkpoint_s * mtbf_s)
+
+
+def daly_checkpoint_interval(checkpoint_s: float, mtbf_s: float) -> float:
+    """Daly's higher-order optimum (Daly, "A higher order estimate of the optimum checkpoint
+    interval for restart dumps", FGCS 22(3), 2006, eq. 37): for ``C < 2M``,
+    ``sqrt(2CM)·(1 + sqrt(C/2M)/3 + (C/2M)/9) - C``; else ``M``."""
+    young = young_checkpoint_interval(checkpoint_s, mtbf_s)
+    if checkpoint_s >= 2 * mtbf_s:
+        return mtbf_s
+    x = checkpoint_s / (2 * mtbf_s)
+    return young * (1 + math.sqrt(x) / 3 + x / 9) - checkpoint_s

@@ -78,3 +78,16 @@ def test_bad_input_is_named():
     other = MLP((8, 32, 8))
     with pytest.raises(ValueError, match="another model"):
         unpack_state(pack_state(_model(), _optimizer(_model()), 3), other, _optimizer(other))
+
+
+def test_the_best_checkpoint_interval_is_youngs():
+    from engine.ft.interval import best_interval, simulate_wall_time
+
+    c, m = 60.0, 4 * 3600.0  # a one-minute checkpoint, a failure every four hours
+    young = theory.young_checkpoint_interval(c, m)  # 1,315 s
+    grid = [young * f for f in (0.25, 0.4, 0.6, 0.8, 1.0, 1.25, 1.6, 2.5, 4.0)]
+    best, means = best_interval(grid, c, m, work_s=30 * 24 * 3600.0, restart_s=120, trials=8)
+    assert 0.6 * young <= best <= 1.6 * young
+    assert means[young] <= 1.01 * min(means.values())  # Young's interval wastes < 1% more
+    assert abs(theory.daly_checkpoint_interval(c, m) - young) / young < 0.1
+    assert simulate_wall_time(100, 0, 1e12, 1000) == 1000  # no failure, free checkpoints

@@ -15,7 +15,8 @@ from engine.ft.group import QuorumGroup
 from engine.ft.state import pack_state, unpack_state
 from engine.ft.replica import FaultTolerantReplica
 from engine.ft.harness import FailureRun, check_replica_groups, reference_run, run_with_failure
+from engine.ft.interval import best_interval, simulate_wall_time
 
 __all__ = ["Quorum", "QuorumClient", "QuorumGroup", "pack_state", "unpack_state",
            "FaultTolerantReplica", "FailureRun", "run_with_failure", "reference_run",
-           "check_replica_groups"]
+           "check_replica_groups", "simulate_wall_time", "best_interval"]
