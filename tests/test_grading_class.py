@@ -66,10 +66,10 @@ def test_an_endless_loop_fails_its_exercise_in_time_and_the_others_are_graded(tm
     xml = tmp_path / "alice.xml"
     start = time.monotonic()
     code = grade_main(["--root", str(alice), "--only", "ch09.online_softmax,ch09.zigzag_indices",
-                       "--timeout", "3", "--junit", str(xml)])
-    assert code == 1 and time.monotonic() - start < 40  # 3 s, plus the other exercise
+                       "--timeout", "5", "--junit", str(xml)])
+    assert code == 1 and time.monotonic() - start < 40  # 5 s, plus the other exercise
     out = capsys.readouterr().out
-    assert "took longer than 3 s" in out
+    assert "took longer than 5 s" in out
     assert "ch09_online_softmax.py, line 2, in merge" in out  # where it loops
     assert "PASS ch09.zigzag_indices: 3/3" in out
     assert "alice: 3/6 checks passed" in out and "grading alice (" in out
@@ -81,7 +81,7 @@ def test_an_endless_loop_fails_its_exercise_in_time_and_the_others_are_graded(tm
     suite = suites.find("testsuite")
     assert suite.get("name") == "alice: ch09"  # the student, by default the folder's name
     properties = {p.get("name"): p.get("value") for p in suite.iter("property")}
-    assert properties["student"] == "alice" and properties["time_limit_s"] == "3"
+    assert properties["student"] == "alice" and properties["time_limit_s"] == "5"
     assert datetime.fromisoformat(suite.get("timestamp")) == \
         datetime.fromisoformat(properties["timestamp"])
 

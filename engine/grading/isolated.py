@@ -121,11 +121,13 @@ def where_it_was(pid: int, stack_file: str) -> tuple[Frame, ...]:
         os.kill(pid, signal.SIGUSR1)
     except ProcessLookupError:
         return ()
-    for _ in range(20):  # the dump is written from the signal handler, at once
+    text = ""
+    for _ in range(40):  # written from the signal handler: wait until it stops growing
         time.sleep(0.05)
-        text = Path(stack_file).read_text()
-        if text.strip():
+        now = Path(stack_file).read_text()
+        if now.strip() and now == text:
             break
+        text = now
     frames = []
     for m in _DUMPED_FRAME.finditer(text):  # innermost first, down to the child's own body
         if m["function"] == _child.__name__ and Path(m["file"]) == Path(__file__):
