@@ -11,7 +11,8 @@ from torch import nn
 
 from engine import theory
 from engine.comm import CommMeter
-from engine.fsdp import MixedPrecisionPolicy, full_state_dict, fully_shard, side_by_side
+from engine.fsdp import (MixedPrecisionPolicy, full_state_dict, fully_shard, gather_full,
+                         side_by_side)
 from engine.models import GPTConfig
 from tests.helpers import run_ranks
 
@@ -235,3 +236,34 @@ def test_the_tiny_gpt_as_pytorchs_fsdp2_and_beside_the_flat_bucket_zero3(world_s
             assert ours.bytes_sent == torchs.bytes_sent > zero3.bytes_sent
             last = index == n - 1
             assert (ours.held.params < torchs.held.params) if last else (ours.held == torchs.held)
+
+
+def _memory_and_accumulation(rank, world_size):
+    model, (x, y) = Net(), _data()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    mine = slice(rank * ROWS // world_size, (rank + 1) * ROWS // world_size)
+    half = (mine.stop - mine.start) // 2
+    loss = nn.functional.mse_loss(model(x[mine][:half]), y[mine][:half]) / 2
+    freed = [t.untyped_storage().nbytes() for b in model.blocks for t in b.fsdp_state.last.tensors]
+    kept = [t.untyped_storage().nbytes() for t in model.fsdp_state.last.tensors]
+    loss.backward()
+    after = [t.untyped_storage().nbytes() for t in model.fsdp_state.last.tensors]
+    (nn.functional.mse_loss(model(x[mine][half:]), y[mine][half:]) / 2).backward()
+    return freed, kept, after, full_grads(model)
+
+
+def full_grads(model):
+    return {n: gather_full(p, tensor=p.grad) for n, p in model.named_parameters()}
+
+
+def test_blocks_free_their_gathered_parameters_and_gradients_accumulate_on_the_shards():
+    reference, (x, y) = Net(), _data()
+    for rows in (slice(0, 3), slice(3, 6), slice(6, 9), slice(9, 12)):  # the same micro-batches
+        (nn.functional.mse_loss(reference(x[rows]), y[rows]) / 2 / 2).backward()
+    expected = {n: p.grad for n, p in reference.named_parameters()}
+    for freed, kept, after, grads in run_ranks(_memory_and_accumulation, 2):
+        assert set(freed) == {0} and min(kept) > 0  # blocks resharded, the root kept
+        assert set(after) == {0}  # freed once backward is through
+        assert _worst(grads, expected) <= 1e-6

@@ -35,14 +35,16 @@ def fully_shard(module: nn.Module, group=None, *, reshard_after_forward: bool = 
     return module
 
 
-def gather_full(param: torch.Tensor, group=None) -> torch.Tensor:
-    """A sharded parameter (or its gradient's shape) whole, in its own dtype; a parameter
-    ``fully_shard`` did not touch, as it is (a copy)."""
+def gather_full(param: torch.Tensor, group=None, tensor: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """A sharded parameter whole, in its own dtype (or ``tensor``, shaped as the shard, e.g.
+    its gradient, whole); a parameter ``fully_shard`` did not touch, as it is (a copy)."""
+    tensor = param if tensor is None else tensor
     layout = getattr(param, "fsdp_layout", None)
     if layout is None:
-        return param.detach().clone()
+        return tensor.detach().clone()
     n = dist.get_world_size(group)
-    send = layout.padded(param.detach())
+    send = layout.padded(tensor.detach())
     received = torch.empty(n * send.numel(), dtype=send.dtype)
     ops.all_gather_into_tensor(received, send, group=group)
     return layout.unpad(received).clone()

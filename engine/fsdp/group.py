@@ -11,8 +11,8 @@ function:
 * **forward post-hook**: the slots point at the shards again; with ``reshard_after_forward``
   the whole tensors' storage is freed (``resize_(0)``: autograd keeps the tensors, not their
   bytes), and a hook on the module's outputs gathers them again when backward reaches it.
-  The root (the outermost sharded module of a forward) keeps its parameters: backward starts
-  with them.
+  The root (a sharded module inside no other sharded module) keeps its parameters: backward
+  starts with them.
 * **backward** of :class:`Unshard`: autograd calls it once, when the gradients of all the
   group's whole parameters are complete; they are packed padded, reduce-scattered in
   ``reduce_dtype`` (summed, then divided by the group's size), cast to each shard's dtype and
@@ -30,9 +30,6 @@ from torch import nn
 from engine.comm import ops
 from engine.fsdp.policy import MixedPrecisionPolicy
 from engine.fsdp.shard import DimZeroShard
-
-DEPTH = [0]  # sharded modules running forward, nested: 0 at the outermost (the root)
-
 
 class ShardedParam:
     """A parameter's local shard, its layout, and the (module, name) slots that hold it
@@ -113,7 +110,10 @@ class ShardGroup:
                              f"{sorted(map(str, dtypes))} gathered together; give "
                              "MixedPrecisionPolicy(param_dtype=...) or shard them apart")
         self.last: Gathered | None = None
-        self.is_root = False
+        self.is_root = True  # until a sharded module around this one is sharded
+        for sub in module.modules():
+            if sub is not module and getattr(sub, "fsdp_state", None) is not None:
+                sub.fsdp_state.is_root = False
         module.register_forward_pre_hook(self.pre_forward, with_kwargs=True)
         module.register_forward_hook(self.post_forward)
 
@@ -159,8 +159,6 @@ class ShardGroup:
         return out
 
     def pre_forward(self, module, args, kwargs):
-        self.is_root = DEPTH[0] == 0
-        DEPTH[0] += 1
         wholes = Unshard.apply(self, *[p.shard for p in self.params])
         for p, whole in zip(self.params, wholes):
             p.point_at(whole)
@@ -172,7 +170,6 @@ class ShardGroup:
         return args, kwargs
 
     def post_forward(self, module, args, output):
-        DEPTH[0] -= 1
         for p in self.params:
             p.point_at(p.shard)
         gathered = self.last
