@@ -41,11 +41,18 @@ from engine.comm import ops
 from engine.validation import fraction, non_negative_int, non_negative_number, positive_int
 
 
-def model_layers(model: nn.Module) -> list[nn.Module]:
-    """The modules that own trainable parameters directly, in model order: the units a
-    fragment is made of."""
-    return [m for m in model.modules()
-            if any(p.requires_grad for p in m.parameters(recurse=False))]
+def model_layers(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """The modules that own trainable parameters directly, in model order, each with the
+    parameters it is the first to own (a tied weight belongs to its first owner only): the
+    units a fragment is made of."""
+    seen: set[nn.Parameter] = set()
+    layers = []
+    for module in model.modules():
+        mine = [p for p in module.parameters(recurse=False) if p.requires_grad and p not in seen]
+        seen.update(mine)
+        if mine:
+            layers.append((module, mine))
+    return layers
 
 
 def split_fragments(model: nn.Module, fragments: int) -> list[list[nn.Parameter]]:
@@ -59,10 +66,10 @@ def split_fragments(model: nn.Module, fragments: int) -> list[list[nn.Parameter]
     if len(layers) % fragments:
         raise ValueError(f"fragments = {fragments} must divide the model's {len(layers)} layers "
                          f"(modules owning parameters: "
-                         f"{', '.join(type(m).__name__ for m in layers)})")
+                         f"{', '.join(type(m).__name__ for m, _ in layers)})")
     per = len(layers) // fragments
-    return [[p for m in layers[i * per:(i + 1) * per] for p in m.parameters(recurse=False)
-             if p.requires_grad] for i in range(fragments)]
+    return [[p for _, params in layers[i * per:(i + 1) * per] for p in params]
+            for i in range(fragments)]
 
 
 @dataclass

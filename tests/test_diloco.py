@@ -141,3 +141,12 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="delay = 2"):
         DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=4, fragments=2,
                delay=2)
+
+
+def test_a_tied_weight_is_in_one_fragment_only():
+    from engine.models import GPTConfig, TinyGPT
+
+    model = TinyGPT(GPTConfig(layers=2))
+    fragments = split_fragments(model, 1)
+    ids = [id(p) for f in fragments for p in f]
+    assert len(ids) == len(set(ids)) == len(list(model.parameters()))
