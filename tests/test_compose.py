@@ -137,3 +137,36 @@ def test_global_token_loss_gives_one_process_gradients_and_the_naive_mean_does_n
     print(f"\ntokens per micro-batch {per_micro_batch}: naive mean off by {wrong:.2e} "
           f"(largest gradient {scale:.2e}), global-token loss exact")
     assert wrong > 1e-3 * scale and wrong > 1e-4
+
+
+def _moe_state_with_router_losses(rank, world_size, pp, scaled):
+    from dataclasses import replace
+
+    from engine.compose import pipeline
+    from engine.compose.loop import train
+    from engine.compose.parallelize import parallelize
+    from engine.compose.state import dense_state
+    from engine.moe.layer import single_rank_group
+    from engine.topology import Mesh
+
+    if not scaled:  # what a stage without the scaler computes: router losses dropped
+        pipeline.RouterLossScaler.apply = staticmethod(lambda out, losses, scale: out)
+    cfg = replace(CFG, num_experts=4, top_k=2, capacity_factor=2.0, aux_loss_coef=0.01,
+                  z_loss_coef=1e-3)
+    model = GPT(cfg, seed=0, expert_group=single_rank_group())
+    par = parallelize(model, Mesh(1, 1, pp), Plan(pp=pp, micro_batches=2), torch.optim.AdamW,
+                      lr=1e-4)
+    train(par, 3, 4, seed=1)
+    return dense_state(par)
+
+
+def test_each_pipeline_stage_adds_its_own_router_losses():
+    """Megatron's MoEAuxLossAutoScaler: MoE pp2 with balancing and z-losses trains as one
+    process with the same micro-batches; dropping the stages' router losses does not."""
+    one = run_ranks(_moe_state_with_router_losses, 1, 1, True)[0]
+
+    def largest_difference(states):
+        return max((t - one[n]).abs().max().item() for s in states for n, t in s.items())
+
+    assert largest_difference(run_ranks(_moe_state_with_router_losses, 2, 2, True)) <= 1e-6
+    assert largest_difference(run_ranks(_moe_state_with_router_losses, 2, 2, False)) > 1e-5

@@ -19,7 +19,7 @@ EXPECTED = [
     "dp2xtp2xpp2 1f1b zero1", "dp2xtp2xpp2 1f1b zero2",
 ]
 MOE = ["moe dp2", "moe dp2xep2", "moe dp2xep2 zero1", "moe dp2xep2 zero2",
-       "moe cp2xep2 ring-zigzag", "moe dp2xep2xtp2"]
+       "moe cp2xep2 ring-zigzag", "moe dp2xep2xtp2", "moe dp2xep2xpp2 1f1b"]
 EXPECTED = [*EXPECTED, *(f"{name} varlen" for name in EXPECTED), "dp2xtp2 untied",
             "tp2 sp untied varlen", *MOE, *(f"{name} varlen" for name in MOE)]
 

@@ -186,5 +186,6 @@ class GPT(nn.Module):
 
     def router_losses(self) -> torch.Tensor | float:
         """Every MoE layer's balancing loss and z-loss from the last forward (0: dense)."""
-        return sum((b.moe.aux_loss + b.moe.z_loss for b in self.blocks
-                    if b.moe is not None and b.moe.aux_loss is not None), 0.0)
+        moes = [getattr(b, "moe", None) for b in self.blocks]  # a pipeline's other stages:
+        return sum((m.aux_loss + m.z_loss for m in moes  # nn.Identity, no moe
+                    if m is not None and m.aux_loss is not None), 0.0)

@@ -27,7 +27,10 @@ compile, then FSDP): each step changes modules the next one wraps, never the oth
    pipeline ZeRO-0 is :class:`engine.zero.ZeroOptimizer` at stage 0 (one all-reduce at the
    step: the schedule runs many backward passes, some of weights only). With
    experts spread (ep > 1): ZeRO-0 reduces after backward by the experts' rule, ZeRO-1/2 run
-   one sharded optimizer per group (experts' over ``mesh.expert_dp_group``).
+   one sharded optimizer per group (experts' over ``mesh.expert_dp_group``). In a pipeline
+   each stage adds its MoE layers' router losses itself
+   (:class:`engine.compose.pipeline.RouterLossScaler`); the tied embedding's gradient is then
+   summed over its two stages.
 """
 
 from __future__ import annotations
@@ -163,8 +166,11 @@ def apply_expert_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls,
     finish_gradients)``; the dense parameters over ``mesh.dp_cp_group``, the experts' over
     ``mesh.expert_dp_group`` (:mod:`engine.compose.experts`)."""
     if zero == 0:
-        return model, optimizer_cls(model.parameters(), **kwargs), \
-            lambda: reduce_gradients(model, mesh)
+        def finish():
+            reduce_gradients(model, mesh)
+            sum_tied_embedding(model, mesh)
+
+        return model, optimizer_cls(model.parameters(), **kwargs), finish
     if zero == 3:
         raise ValueError("zero = 3 with ep > 1: ZeRO-3 over experts spread by expert "
                          "parallelism is not composed yet (phase 2 of issue 29); use zero 0-2")
@@ -175,7 +181,7 @@ def apply_expert_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls,
                       group=mesh.dp_cp_group, **kwargs),
         ZeroOptimizer(expert_parameters(model), optimizer_cls, stage=zero,
                       group=mesh.expert_dp_group, **kwargs))
-    return model, optimizers, lambda: None
+    return model, optimizers, lambda: sum_tied_embedding(model, mesh, optimizers.optimizers[0])
 
 
 def parallelize(model: GPT, mesh: Mesh, plan: Plan, optimizer_cls=torch.optim.AdamW,
@@ -185,8 +191,6 @@ def parallelize(model: GPT, mesh: Mesh, plan: Plan, optimizer_cls=torch.optim.Ad
     if plan.pp > 1 and plan.schedule not in ONE_CHUNK:
         raise ValueError(f"schedule={plan.schedule!r}: the composed loop runs one chunk per "
                          f"rank, one of {', '.join(ONE_CHUNK)}")
-    if plan.pp > 1 and model.cfg.num_experts:
-        raise ValueError("MoE layers with pp > 1 are not composed yet (phase 2 of issue 29)")
     if plan.compress is not None:
         raise ValueError(f"compress={plan.compress!r} is not composed yet (phase 2 of issue "
                          "29)")

@@ -72,7 +72,7 @@ PHASE_1 = [_p(dp=2), _p(tp=2), _p(tp=2, sequence_parallel=True), _p(dp=2, tp=2),
            _p(tp=2, pp=2), _p(cp=2, pp=2), _p(dp=2, pp=2, zero=1),
            _p(dp=2, tp=2, pp=2, zero=1), _p(dp=2, tp=2, pp=2, zero=2)]
 MOE_LAYOUTS = [_p(dp=2), _p(dp=2, ep=2), _p(dp=2, ep=2, zero=1), _p(dp=2, ep=2, zero=2),
-               _p(cp=2, ep=2), _p(dp=2, ep=2, tp=2)]
+               _p(cp=2, ep=2), _p(dp=2, ep=2, tp=2), _p(dp=2, ep=2, pp=2)]
 ROWS_PHASE_1 = [Row(plan, varlen) for varlen in (False, True) for plan in PHASE_1] + \
     [Row(_p(dp=2, tp=2), tied=False), Row(_p(tp=2, sequence_parallel=True), True, False)] + \
     [Row(plan, varlen, moe=True) for varlen in (False, True) for plan in MOE_LAYOUTS]

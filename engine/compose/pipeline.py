@@ -64,16 +64,41 @@ def sum_tied_embedding(model: nn.Module, mesh: Mesh, optimizer=None) -> None:
     bucket.shard_grad.copy_(bucket.shard_of(full))
 
 
+class RouterLossScaler(torch.autograd.Function):
+    """Megatron-Core's ``MoEAuxLossAutoScaler``: returns ``output`` unchanged, and its backward
+    also differentiates ``losses`` with weight ``scale``. A pipeline stage's MoE layers add
+    their router losses to the training loss this way: the loss itself lives on the last
+    stage only, but the backward of every stage's output passes through here."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, losses: torch.Tensor, scale: float):
+        ctx.scale, ctx.shape = scale, losses.shape
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output, torch.full(ctx.shape, ctx.scale, dtype=grad_output.dtype,
+                                       device=grad_output.device), None
+
+
 class StageCall(nn.Module):
     """What the runtime calls: this rank's stage (or its data-parallel wrapper) on a
-    micro-batch, with the positions of this rank's tokens."""
+    micro-batch, with the positions of this rank's tokens. With MoE layers, their router
+    losses ride on the output (:class:`RouterLossScaler`, weight ``1 / m`` each as in
+    :func:`engine.compose.loop.accumulate`)."""
 
-    def __init__(self, module: nn.Module, positions: torch.Tensor):
+    def __init__(self, module: nn.Module, positions: torch.Tensor, model=None,
+                 router_scale: float = 1.0):
         super().__init__()
         self.module, self.positions = module, positions
+        self.model, self.router_scale = model, router_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.module(x, self.positions)
+        out = self.module(x, self.positions)
+        losses = self.model.router_losses() if self.model is not None else 0.0
+        if isinstance(losses, torch.Tensor) and losses.requires_grad:
+            out = RouterLossScaler.apply(out, losses, self.router_scale)
+        return out
 
 
 def pipeline_backward(par, micro: list, global_tokens: int) -> torch.Tensor:
@@ -89,7 +114,7 @@ def pipeline_backward(par, micro: list, global_tokens: int) -> torch.Tensor:
         return global_token_loss(summed, global_tokens, par.replicas) * m
 
     labels = [torch.stack([mb.targets, mb.mask.to(mb.targets.dtype)]) for mb in micro]
-    run_pipeline([StageCall(par.module, micro[0].positions)], schedule,
+    run_pipeline([StageCall(par.module, micro[0].positions, par.model, 1.0 / m)], schedule,
                  [mb.ids for mb in micro], labels, loss_fn, stage=mesh.coords.pp,
                  group=mesh.pp_group)
     local = torch.stack(sums).sum() if sums else torch.zeros(())
