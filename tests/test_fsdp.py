@@ -267,3 +267,16 @@ def test_blocks_free_their_gathered_parameters_and_gradients_accumulate_on_the_s
         assert set(freed) == {0} and min(kept) > 0  # blocks resharded, the root kept
         assert set(after) == {0}  # freed once backward is through
         assert _worst(grads, expected) <= 1e-6
+
+
+def _empty_root(rank, world_size):
+    model, (x, y) = nn.Sequential(nn.Linear(7, 9), nn.Tanh(), nn.Linear(9, 5)), _data()
+    fully_shard(model[0])
+    fully_shard(model[2])
+    fully_shard(model)  # nothing left for the root: no hooks, no collectives
+    nn.functional.mse_loss(model(x), y).backward()
+    return [tuple(p.grad.shape) for p in model.parameters()]
+
+
+def test_a_root_with_no_parameters_of_its_own():
+    assert run_ranks(_empty_root, 2)[1] == [(4, 7), (4,), (2, 9), (2,)]

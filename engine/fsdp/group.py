@@ -114,8 +114,9 @@ class ShardGroup:
         for sub in module.modules():
             if sub is not module and getattr(sub, "fsdp_state", None) is not None:
                 sub.fsdp_state.is_root = False
-        module.register_forward_pre_hook(self.pre_forward, with_kwargs=True)
-        module.register_forward_hook(self.post_forward)
+        if self.params:  # a module whose parameters its children all took: nothing to do
+            module.register_forward_pre_hook(self.pre_forward, with_kwargs=True)
+            module.register_forward_hook(self.post_forward)
 
     @property
     def gather_dtype(self) -> torch.dtype:
