@@ -462,8 +462,8 @@ def _engine_mesh(dp, tp, pp):
     from engine.topology import Mesh
 
     layout = Mesh.__new__(Mesh)
-    layout.dp, layout.tp, layout.pp = dp, tp, pp
-    return {"tp": layout._tp_groups(), "dp": layout._dp_groups(), "pp": layout._pp_groups()}
+    layout.dp, layout.tp, layout.pp, layout.cp, layout.ep = dp, tp, pp, 1, 1
+    return {name: layout.rank_sets(name) for name in ("tp", "dp", "pp")}
 
 
 def _engine_planner():

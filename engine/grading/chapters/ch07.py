@@ -22,7 +22,7 @@ def _expected_groups(dp: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
     """The mesh's groups from its own numbering (``Mesh.coordinates``), no process needed: the
     ranks that share every coordinate but one, in rank order."""
     layout = Mesh.__new__(Mesh)  # only the numbering: no process group is built
-    layout.dp, layout.tp, layout.pp = dp, tp, pp
+    layout.dp, layout.tp, layout.pp, layout.cp, layout.ep = dp, tp, pp, 1, 1
     groups: dict[str, dict[tuple, list[int]]] = {kind: {} for kind in KINDS}
     for rank in range(dp * tp * pp):
         c = layout.coordinates(rank)
@@ -197,8 +197,7 @@ EXERCISES = [
             "in range(tp)] for p in range(pp) for d in range(dp)]; dp groups: vary d for each "
             "(p, t); pp groups: vary p for each (d, t).",
         ),
-        blocks=("engine.topology.Mesh._tp_groups", "engine.topology.Mesh._dp_groups",
-                "engine.topology.Mesh._pp_groups", "engine.topology.Mesh.coordinates",
+        blocks=("engine.topology.Mesh.rank_sets", "engine.topology.Mesh.coordinates",
                 "engine.topology.Mesh.rank_of"),
     ),
     Exercise(
