@@ -59,6 +59,28 @@ def test_the_scaler_decides_as_grad_scaler_does(clip):
     print("scales:", ours[0])
 
 
+def _two_optimizers(scaler):
+    """Two optimizers, the second's gradient poisoned at step 1: only its step is skipped."""
+    a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
+    opt_a, opt_b = torch.optim.SGD([a], lr=0.1), torch.optim.SGD([b], lr=0.1)
+    for step in range(3):
+        scaler.scale((a * 2).sum() + (b * 3).sum()).backward()
+        if step == 1:
+            b.grad[0] = math.inf
+        scaler.step(opt_a)
+        scaler.step(opt_b)
+        scaler.update()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+    return a.detach().clone(), b.detach().clone(), scaler.get_scale()
+
+
+def test_with_two_optimizers_only_the_poisoned_one_skips_as_with_grad_scaler():
+    ours, torchs = _two_optimizers(DynamicLossScaler()), _two_optimizers(
+        torch.amp.GradScaler("cpu"))
+    assert all(torch.equal(x, y) for x, y in zip(ours[:2], torchs[:2])) and ours[2] == torchs[2]
+
+
 def test_the_scaler_defaults_are_grad_scalers():
     ours, torchs = DynamicLossScaler(), torch.amp.GradScaler("cpu")
     assert ours.get_scale() == torchs.get_scale() == 2.0**16

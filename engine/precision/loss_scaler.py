@@ -48,7 +48,7 @@ class DynamicLossScaler:
         self.backoff_factor = backoff_factor
         self.growth_interval = growth_interval
         self.clean_steps = 0  # consecutive steps without inf/NaN (GradScaler's growth tracker)
-        self.found_inf = False  # in the gradients of the current step
+        self.found_inf: dict[int, bool] = {}  # per optimizer, in this step's gradients
         self.stage: dict[int, str] = {}  # per optimizer, since the last update()
         self.skipped_steps = 0  # in total, for the experiments
 
@@ -68,6 +68,7 @@ class DynamicLossScaler:
         if stage == STEPPED:
             raise RuntimeError("unscale_() is being called after step()")
         inverse = self.scale_tensor.double().reciprocal().float()
+        found = False
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -77,9 +78,10 @@ class DynamicLossScaler:
                                      "(the gradients of fp16 copies would lose the small "
                                      "values scaling rescued)")
                 if not torch.isfinite(p.grad).all():
-                    self.found_inf = True
+                    found = True
                 p.grad.mul_(inverse.to(p.grad.device))
         self.stage[id(optimizer)] = UNSCALED
+        self.found_inf[id(optimizer)] = found
 
     def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):
         """Unscale if not done yet; step ``optimizer`` unless a gradient was inf or NaN.
@@ -89,16 +91,17 @@ class DynamicLossScaler:
         if self.stage.get(id(optimizer), READY) == READY:
             self.unscale_(optimizer)
         self.stage[id(optimizer)] = STEPPED
-        if self.found_inf:
+        if self.found_inf[id(optimizer)]:  # only this optimizer's step is skipped
             return None
         return optimizer.step(*args, **kwargs)
 
     def update(self) -> None:
-        """Back off after a step with inf/NaN; else count a clean step, growing the scale
-        after ``growth_interval`` in a row (not past fp32's range)."""
+        """Back off after a step with inf/NaN in any optimizer's gradients; else count a
+        clean step, growing the scale after ``growth_interval`` in a row (not past fp32's
+        range)."""
         if not self.stage:
             raise RuntimeError("update() before any unscale_() or step(): no inf check made")
-        if self.found_inf:
+        if any(self.found_inf.values()):
             self.scale_tensor *= self.backoff_factor
             self.clean_steps = 0
             self.skipped_steps += 1
@@ -109,5 +112,5 @@ class DynamicLossScaler:
                 if torch.isfinite(grown):
                     self.scale_tensor = grown
                 self.clean_steps = 0
-        self.found_inf = False
+        self.found_inf.clear()
         self.stage.clear()
