@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from engine.comm import ops
@@ -171,3 +172,25 @@ def test_a_micro_batch_of_another_shape_is_a_clear_error():
     with pytest.raises(Exception, match=r"virtual stage 0 sends activations of shape \(3, 4\) "
                                         r"for micro-batch 1, but \(2, 4\) before"):
         run_ranks(run, 2)
+
+
+def _connects(rank, world_size):
+    from engine.pp import link
+
+    reduced = []
+    all_reduce, get_backend = ops.all_reduce, dist.get_backend
+    ops.all_reduce = lambda tensor, *a, **k: reduced.append(tensor.numel())
+    dist.get_backend = lambda group=None: "nccl"  # Gloo ranks that read as NCCL
+    try:
+        link.connect(None, torch.device("cpu"))
+        link.connect(None, torch.device("cpu"))  # once per group and process
+    finally:
+        ops.all_reduce, dist.get_backend = all_reduce, get_backend
+        link.CONNECTED_GROUPS.clear()
+    return reduced
+
+
+def test_on_nccl_every_rank_of_the_group_runs_a_collective_before_the_first_batch():
+    """PyTorch's batch_isend_irecv on NCCL needs the whole group in the group's first
+    collective call; a pipeline batch involves two ranks."""
+    assert run_ranks(_connects, 2) == [[1], [1]]

@@ -37,6 +37,7 @@ copy, as a receiver would get it.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from engine.comm import ops
 from engine.pp.actions import rank_of, shape, virtual_stage
@@ -111,6 +112,21 @@ def plan_rounds(schedule, placement: str = "interleaved") -> dict[int, list[tupl
     return program
 
 
+CONNECTED_GROUPS: set = set()  # NCCL groups that have run a collective in this process
+
+
+def connect(group, device: torch.device) -> None:
+    """On NCCL, a one-element all-reduce on ``group`` the first time a pipeline uses it:
+    PyTorch's ``batch_isend_irecv`` requires every rank of the group to take part in the
+    group's first collective call, and a batch involves only two ranks. Every rank of the
+    group builds its :class:`Link` at the same point, so they all take part."""
+    key = id(group if group is not None else dist.group.WORLD)
+    if key in CONNECTED_GROUPS or dist.get_backend(group) != "nccl":
+        return
+    ops.all_reduce(torch.zeros(1, device=device), group=group)
+    CONNECTED_GROUPS.add(key)
+
+
 class Link:
     """Point-to-point traffic of pipeline rank ``stage`` (``ranks``: the pipeline group's
     global ranks) for ``schedule`` (of :class:`engine.pp.Action` s), by :func:`plan_rounds`.
@@ -129,6 +145,7 @@ class Link:
         self.announced: dict[int, tuple] = {}  # our virtual stages whose shape has travelled
         self.sent_shapes: dict[tuple, tuple] = {}  # (mb, vs) -> shape of the act we sent
         self.log: list[tuple] = []  # ("post", [(op, peer, message, part)]) | ("wait", index)
+        connect(group, device)
 
     def actions(self):
         """This rank's actions, in order, each after the batches before it; then the last."""
