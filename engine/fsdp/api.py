@@ -45,7 +45,7 @@ def gather_full(param: torch.Tensor, group=None, tensor: torch.Tensor | None = N
         return tensor.detach().clone()
     n = dist.get_world_size(group)
     send = layout.padded(tensor.detach())
-    received = torch.empty(n * send.numel(), dtype=send.dtype)
+    received = torch.empty(n * send.numel(), dtype=send.dtype, device=send.device)
     ops.all_gather_into_tensor(received, send, group=group)
     return layout.unpad(received).clone()
 

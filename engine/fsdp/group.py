@@ -141,15 +141,17 @@ class ShardGroup:
         n = self.world_size
         dtype = self.policy.reduce_dtype or self.gather_dtype
         chunk_numels = [p.layout.chunk_numel for p in self.params]
-        send = torch.zeros(n, sum(chunk_numels), dtype=dtype)
+        device = self.params[0].shard.device
+        send = torch.zeros(n, sum(chunk_numels), dtype=dtype, device=device)
         offset = 0
         for p, g in zip(self.params, grads):
             if g is not None:
-                padded = torch.zeros(p.layout.padded_rows * p.layout.row_numel, dtype=dtype)
+                padded = torch.zeros(p.layout.padded_rows * p.layout.row_numel, dtype=dtype,
+                                     device=device)
                 padded[:g.numel()] = g.reshape(-1)
                 send[:, offset:offset + p.layout.chunk_numel] = padded.view(n, -1)
             offset += p.layout.chunk_numel
-        mine = torch.empty(sum(chunk_numels), dtype=dtype)
+        mine = torch.empty(sum(chunk_numels), dtype=dtype, device=device)
         ops.reduce_scatter_tensor(mine, send.view(-1), group=self.group)
         mine /= n
         out, offset = [], 0

@@ -71,14 +71,15 @@ class DistributedMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         n, seg = self.world_size, self.segment
-        send = torch.zeros(n, seg)
+        device = self.entries[0][0].device
+        send = torch.zeros(n, seg, device=device)
         for p, _, owner, offset in self.entries:
             if p.grad is not None:
                 send[owner, offset:offset + p.numel()] = p.grad.reshape(-1)
-        mine = torch.empty(seg)
+        mine = torch.empty(seg, device=device)
         ops.reduce_scatter_tensor(mine, send.view(-1), group=self.group)
         mine /= n
-        new = torch.zeros(seg)
+        new = torch.zeros(seg, device=device)
         with FlopCounterMode(display=False) as flops:
             for p, g, owner, offset in self.entries:
                 if owner != self.rank:
@@ -92,7 +93,7 @@ class DistributedMuon(torch.optim.Optimizer):
                 new[offset:offset + p.numel()] = p.detach().clone().add_(
                     update, alpha=-g["lr"]).reshape(-1)
         self.ns_flops += flops.get_total_flops()
-        gathered = torch.empty(n * seg)
+        gathered = torch.empty(n * seg, device=device)
         ops.all_gather_into_tensor(gathered, new, group=self.group)
         for p, _, owner, offset in self.entries:
             p.copy_(gathered[owner * seg + offset:owner * seg + offset + p.numel()]

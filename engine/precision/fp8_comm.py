@@ -26,9 +26,9 @@ def fp8_all_gather(shard: torch.Tensor, group=None, fmt: str = "e4m3") -> torch.
     amax = flat.abs().max()
     scale = torch.where(amax > 0, amax / torch.finfo(dtype).max, torch.ones_like(amax))
     payload = (flat / scale).to(dtype).view(torch.uint8)
-    gathered = torch.empty(n * payload.numel(), dtype=torch.uint8)
+    gathered = torch.empty(n * payload.numel(), dtype=torch.uint8, device=shard.device)
     ops.all_gather_into_tensor(gathered, payload, group=group)
-    scales = torch.empty(n, dtype=torch.float32)
+    scales = torch.empty(n, dtype=torch.float32, device=shard.device)
     ops.all_gather_into_tensor(scales, scale.reshape(1), group=group)
     values = gathered.view(dtype).float().reshape(n, -1) * scales.unsqueeze(1)
     return values.reshape(n * shard.numel())
@@ -38,6 +38,6 @@ def plain_all_gather(shard: torch.Tensor, group=None, dtype=torch.bfloat16) -> t
     """The same gather with the shard cast to ``dtype`` (bf16 by default), for comparison."""
     n = dist.get_world_size(group)
     payload = shard.detach().to(dtype).reshape(-1)
-    gathered = torch.empty(n * payload.numel(), dtype=dtype)
+    gathered = torch.empty(n * payload.numel(), dtype=dtype, device=shard.device)
     ops.all_gather_into_tensor(gathered, payload, group=group)
     return gathered
