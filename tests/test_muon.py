@@ -10,10 +10,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from engine import theory
-from engine.comm import CommMeter
-from engine.optim import (COEFFICIENTS, DistributedMuon, Muon, assign_owners, naive_error,
-                          newton_schulz, newton_schulz_flops, split_params)
-from engine.zero import ZeroOptimizer
+from engine.optim import (COEFFICIENTS, Muon, assign_owners, muon_vs_zero2, naive_error,
+                          newton_schulz, newton_schulz_flops, single_muon, split_params)
 from tests.helpers import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("error")
@@ -92,45 +90,24 @@ def test_muon_refuses_a_vector_and_points_to_adamw():
     assert len(rest) == 4  # the embedding, the bias, the norm's weight and bias
 
 
-def _distributed(rank, world_size):
-    x, y = _data()
-    mine = slice(rank * ROWS // world_size, (rank + 1) * ROWS // world_size)
-    model = _net()
-    optimizer = DistributedMuon(model.parameters(), lr=LR)
-    model.zero_grad()
-    nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
-    with CommMeter() as muon_meter:
-        optimizer.step()
-    params = _train(model, optimizer.step, x[mine], y[mine])  # STEPS more
-    adam_model = _net()
-    zero2 = ZeroOptimizer(adam_model.parameters(), torch.optim.AdamW, stage=2, lr=1e-3)
-    with CommMeter() as adam_meter:
-        nn.functional.mse_loss(adam_model(x[mine]), y[mine]).backward()
-        zero2.step()
-    return (params, muon_meter.bytes_sent, adam_meter.bytes_sent, optimizer.ns_flops,
-            optimizer.segment, optimizer.owned_numel)
-
-
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_distributed_muon_equals_muon(world_size):
-    x, y = _data()
-    single = _net()
-    optimizer = Muon(single.parameters(), lr=LR)
     # the ranks take one metered step, then STEPS more
-    single_params = _train(single, optimizer.step, x, y, steps=STEPS + 1)
-    psi = sum(p.numel() for p in single.parameters())
-    results = run_ranks(_distributed, world_size)
+    single_params = single_muon(STEPS + 1, ROWS, SIZES, LR)
+    psi = sum(i * o for i, o in SIZES)
+    results = run_ranks(muon_vs_zero2, world_size, STEPS, ROWS, SIZES, LR)
     total_flops = sum(newton_schulz_flops(o, i) for i, o in SIZES)
-    assert sum(r[3] for r in results) == (STEPS + 1) * total_flops  # every matrix once a step
-    for params, muon_bytes, adam_bytes, flops, segment, owned in results:
-        worst = max((p - q).abs().max().item() for p, q in zip(params, single_params))
+    assert sum(r.ns_flops for r in results) == (STEPS + 1) * total_flops  # each matrix once
+    for r in results:
+        worst = max((p - q).abs().max().item() for p, q in zip(r.params, single_params))
         print(f"{world_size} ranks: |distributed - single| {worst:.2e}; bytes a step: Muon "
-              f"{muon_bytes}, ZeRO-2 AdamW {adam_bytes}; NS FLOPs {flops // (STEPS + 1)} of "
-              f"{total_flops}; segment {segment} of psi/N {psi / world_size:.0f}")
+              f"{r.muon_bytes}, ZeRO-2 AdamW {r.zero2_bytes}; NS FLOPs "
+              f"{r.ns_flops // (STEPS + 1)} of {total_flops}; segment {r.segment} of psi/N "
+              f"{psi / world_size:.0f}")
         assert worst <= 1e-6
         # ZeRO-2's reduce-scatter + all-gather of psi, the segments padded to the largest
-        assert adam_bytes == theory.zero_comm_elements(psi, world_size, 2) * 4
-        assert muon_bytes == round(2 * (world_size - 1) * segment * 4)
+        assert r.zero2_bytes == theory.zero_comm_elements(psi, world_size, 2) * 4
+        assert r.muon_bytes == round(2 * (world_size - 1) * r.segment * 4)
 
 
 def test_the_naive_row_shard_muon_is_wrong():
