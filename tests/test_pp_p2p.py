@@ -194,3 +194,45 @@ def test_on_nccl_every_rank_of_the_group_runs_a_collective_before_the_first_batc
     """PyTorch's batch_isend_irecv on NCCL needs the whole group in the group's first
     collective call; a pipeline batch involves two ranks."""
     assert run_ranks(_connects, 2) == [[1], [1]]
+
+
+def _dry_log(schedule, stage, placement):
+    """The link's log for ``stage``, its batches posted to nothing (a header reads as a
+    0-dimensional shape): what the runtime would post, without ranks."""
+    from unittest import mock
+
+    from engine.pp import link as link_module
+    from engine.pp.actions import rank_of, shape, virtual_stages
+
+    p, _, v = shape(schedule)
+    last, mine = p * v - 1, virtual_stages(stage, p, v, placement)
+    with mock.patch.object(ops, "batch_isend_irecv", lambda batch: []), \
+            mock.patch.object(ops, "send_op", lambda *a: None), \
+            mock.patch.object(ops, "recv_op", lambda *a: None), \
+            mock.patch.object(link_module, "connect", lambda *a: None):
+        link = link_module.Link(schedule, stage, list(range(p)), None, placement,
+                                torch.float32, torch.device("cpu"))
+        for kind, mb, c in link.actions():
+            vs = mine[c]
+            if kind == "F" and vs != last:
+                link.send(torch.zeros(2, 3), ("act", mb, vs), rank_of(vs + 1, p, placement))
+            if kind == "B" and vs != 0:
+                link.send(torch.zeros(2, 3), ("grad", mb, vs), rank_of(vs - 1, p, placement))
+    return link.log
+
+
+@pytest.mark.parametrize("kind", ["gpipe", *SCHEDULES])
+def test_every_schedule_s_batches_replay_without_deadlock_on_many_shapes(kind):
+    tried = 0
+    for p in (1, 2, 3, 4, 8):
+        for m in range(1, 3 * p + 1):
+            for v in (2, 3):
+                try:
+                    schedule, placement, _ = schedule_by_name(kind, p, m, v)
+                except ValueError:  # a size the schedule does not take
+                    continue
+                schedule = actions_of(schedule)
+                logs = {s: _dry_log(schedule, s, placement) for s in range(p)}
+                assert rendezvous_deadlock(logs) is None, (kind, p, m, v)
+                tried += 1
+    assert tried >= 10
