@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from engine.comm import CommMeter
-from engine.precision import (DynamicLossScaler, Fp8Linear, fp8_all_gather, fp8_matmul,
-                              gradient_underflow, outlier_activations, plain_all_gather,
-                              quantize, regression_data, relative_error, scaling_errors,
-                              small_mlp, to_fp8, token_relative_error, train_lm,
-                              train_mixed)
+from engine.precision import (DynamicLossScaler, Fp8Linear, bytes_per_parameter,
+                              fp8_all_gather, fp8_matmul, gradient_underflow,
+                              outlier_activations, plain_all_gather, quantize, regression_data,
+                              relative_error, scaling_errors, small_mlp, to_fp8,
+                              token_relative_error, train_lm, train_mixed)
 from tests.helpers import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("error")
@@ -123,6 +123,13 @@ def test_fp16_with_the_scaler_trains_like_bf16():
     behind = runs["bf16"].losses[:len(scaled.losses) - scaled.skipped]
     assert scaled.losses[scaled.skipped:] == pytest.approx(behind, rel=1e-2)
     print("bf16:", runs["bf16"].losses, "\nfp16 + scaler:", scaled.losses, scaled.scales)
+    psi = sum(p.numel() for p in small_mlp().parameters())
+    per_param = bytes_per_parameter(torch.bfloat16)
+    held = runs["bf16"].held
+    print("bytes held (bf16 working copy):", held)
+    for kind in ("master (fp32)", "working copy", "working gradient", "master gradient (fp32)"):
+        assert held[kind] == per_param[kind] * psi
+    assert held["optimizer state"] == 8 * psi + 4 * 8  # Adam's moments; 8 step counters
 
 
 def test_per_tensor_fp8_is_worse_than_per_row_and_tiles_on_an_outlier_channel():

@@ -15,11 +15,12 @@ from engine.precision.fp8 import (FORMATS, SCALINGS, TILE, dequantize, fp8_matmu
 from engine.precision.fp8_comm import fp8_all_gather, plain_all_gather
 from engine.precision.fp8_linear import PRECISIONS, Fp8Linear, Fp8Matmul, to_fp8, train_lm
 from engine.precision.loss_scaler import DynamicLossScaler
-from engine.precision.mixed import (Underflow, bytes_per_parameter, gradient_underflow,
-                                    small_mlp, regression_data, train_mixed)
+from engine.precision.mixed import (MixedRun, Underflow, bytes_per_parameter,
+                                    gradient_underflow, held_bytes, regression_data,
+                                    small_mlp, train_mixed)
 
 __all__ = ["DynamicLossScaler", "fp8_matmul", "quantize", "dequantize", "FORMATS", "SCALINGS",
            "TILE", "outlier_activations", "relative_error", "token_relative_error",
            "scaling_errors", "fp8_all_gather", "plain_all_gather", "Underflow",
            "bytes_per_parameter", "gradient_underflow", "small_mlp", "regression_data",
-           "train_mixed", "Fp8Linear", "Fp8Matmul", "to_fp8", "train_lm", "PRECISIONS"]
+           "train_mixed", "MixedRun", "held_bytes", "Fp8Linear", "Fp8Matmul", "to_fp8", "train_lm", "PRECISIONS"]

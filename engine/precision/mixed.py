@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from engine.memory import unique_storage_bytes
 from engine.precision.loss_scaler import DynamicLossScaler
 
 LOW = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -66,12 +67,15 @@ class Underflow:
         return self.flushed / max(self.nonzero, 1)
 
 
-def low_precision_grads(master: nn.Module, x, y, dtype: torch.dtype, scale: float = 1.0):
+def low_precision_grads(master: nn.Module, x, y, dtype: torch.dtype, scale: float = 1.0,
+                        keep: list | None = None):
     """(fp32 loss, gradients cast to fp32, still scaled) of a ``dtype`` copy of ``master``
-    whose loss is multiplied by ``scale`` before backward."""
+    whose loss is multiplied by ``scale`` before backward (the copy appended to ``keep``)."""
     work = copy.deepcopy(master).to(dtype)
     loss = nn.functional.mse_loss(work(x.to(dtype)), y.to(dtype))
     (loss * scale).backward()
+    if keep is not None:
+        keep.append(work)
     return loss.float().item(), [p.grad.float() for p in work.parameters()]
 
 
@@ -91,6 +95,20 @@ def gradient_underflow(master: nn.Module, x, y, dtype=torch.float16,
     return Underflow(nonzero, flushed, overflowed)
 
 
+def held_bytes(master: nn.Module, working: nn.Module, optimizer) -> dict[str, int]:
+    """Bytes of each tensor mixed precision keeps, counted from the tensors themselves (each
+    storage once): :func:`bytes_per_parameter` times the parameter count, plus Adam's step
+    counters."""
+    def size(tensors):
+        return unique_storage_bytes([t for t in tensors if t is not None])
+    return {"master (fp32)": size(master.parameters()),
+            "working copy": size(working.parameters()),
+            "working gradient": size(p.grad for p in working.parameters()),
+            "master gradient (fp32)": size(p.grad for p in master.parameters()),
+            "optimizer state": size(v for state in optimizer.state.values()
+                                    for v in state.values() if isinstance(v, torch.Tensor))}
+
+
 @dataclass
 class MixedRun:
     precision: str
@@ -98,6 +116,7 @@ class MixedRun:
     flushed: list[int] = field(default_factory=list)  # per step, against fp32's gradients
     scales: list[float] = field(default_factory=list)  # the loss scale used at each step
     skipped: int = 0
+    held: dict[str, int] = field(default_factory=dict)  # bytes of each kind, counted
 
 
 def train_mixed(precision: str, steps: int = 50, lr: float = 1e-3, growth_interval: int = 10,
@@ -114,7 +133,8 @@ def train_mixed(precision: str, steps: int = 50, lr: float = 1e-3, growth_interv
     for _ in range(steps):
         scale = scaler.get_scale() if scaler else 1.0
         count = gradient_underflow(master, x, y, LOW[precision], scale)
-        loss, grads = low_precision_grads(master, x, y, LOW[precision], scale)
+        working: list[nn.Module] = []
+        loss, grads = low_precision_grads(master, x, y, LOW[precision], scale, working)
         for p, g in zip(master.parameters(), grads):
             p.grad = g  # the scaler divides them by the scale itself
         if scaler:
@@ -122,6 +142,7 @@ def train_mixed(precision: str, steps: int = 50, lr: float = 1e-3, growth_interv
             scaler.update()
         else:
             optimizer.step()
+        run.held = held_bytes(master, working[0], optimizer)
         optimizer.zero_grad()
         run.losses.append(loss)
         run.flushed.append(count.flushed)
