@@ -23,4 +23,5 @@ __all__ = ["DynamicLossScaler", "fp8_matmul", "quantize", "dequantize", "FORMATS
            "TILE", "outlier_activations", "relative_error", "token_relative_error",
            "scaling_errors", "fp8_all_gather", "plain_all_gather", "Underflow",
            "bytes_per_parameter", "gradient_underflow", "small_mlp", "regression_data",
-           "train_mixed", "MixedRun", "held_bytes", "Fp8Linear", "Fp8Matmul", "to_fp8", "train_lm", "PRECISIONS"]
+           "train_mixed", "MixedRun", "held_bytes", "Fp8Linear", "Fp8Matmul", "to_fp8",
+           "train_lm", "PRECISIONS"]
