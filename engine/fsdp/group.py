@@ -31,6 +31,15 @@ from engine.comm import ops
 from engine.fsdp.policy import MixedPrecisionPolicy
 from engine.fsdp.shard import DimZeroShard
 
+def divide_before(n: int) -> int:
+    """The power of two (about ``sqrt(n)``) an fp16 gradient is divided by before the sum of
+    ``n`` ranks' (PyTorch's FSDP2, ``_get_gradient_divide_factors``)."""
+    before = 1
+    while n % before == 0 and n / before > before:
+        before *= 2
+    return before
+
+
 class ShardedParam:
     """A parameter's local shard, its layout, and the (module, name) slots that hold it
     (more than one for a tied parameter)."""
@@ -137,7 +146,9 @@ class ShardGroup:
 
     def reduce_scatter(self, grads) -> list[torch.Tensor]:
         """The whole gradients -> this rank's rows of their mean over the ranks, in each
-        shard's dtype (reduced in ``reduce_dtype``, default the gradients' dtype)."""
+        shard's dtype (reduced in ``reduce_dtype``, default the gradients' dtype). Summed,
+        then divided by ``N``; in fp16, as PyTorch does, divided by a power of two before the
+        sum and by the rest after, so that the sum does not overflow."""
         n = self.world_size
         dtype = self.policy.reduce_dtype or self.gather_dtype
         chunk_numels = [p.layout.chunk_numel for p in self.params]
@@ -151,9 +162,12 @@ class ShardGroup:
                 padded[:g.numel()] = g.reshape(-1)
                 send[:, offset:offset + p.layout.chunk_numel] = padded.view(n, -1)
             offset += p.layout.chunk_numel
+        before = divide_before(n) if dtype == torch.float16 else 1
+        if before != 1:
+            send /= before
         mine = torch.empty(sum(chunk_numels), dtype=dtype, device=device)
         ops.reduce_scatter_tensor(mine, send.view(-1), group=self.group)
-        mine /= n
+        mine /= n / before
         out, offset = [], 0
         for p in self.params:
             local = mine[offset:offset + p.shard.numel()].view(p.shard.shape)
