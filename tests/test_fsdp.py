@@ -141,9 +141,9 @@ def test_a_mixed_precision_policy_trains_as_pytorchs_does(world_size, policy):
         assert all(t.dtype == torch.float32 for t in ours.values())  # fp32 masters
         if policy == BF16 and world_size == 3:
             # reduced in bf16 over 3 ranks, one element of one gradient (the root's `scale`)
-            # rounds one bf16 ulp apart from PyTorch's: the reduce-scatter inputs are not laid
-            # out alike within a rank's segment (measured), so Gloo's ring adds a few elements
-            # in another order; bounded by lr x momentum-sum x ulp
+            # rounds one bf16 ulp apart from PyTorch's. The reduce-scatter inputs are not laid
+            # out alike within a rank's segment (measured); how that changes Gloo's order of
+            # addition was not traced. Bounded by lr x momentum-sum x ulp
             assert to_torch <= 1e-4 and to_torch < to_fp32 / 10
             continue
         assert to_torch <= 1e-6 < to_fp32  # bf16 compute moved both the same way
