@@ -131,14 +131,17 @@ def traffic_by_group(events, mesh: Mesh, more: dict | None = None) -> dict[str, 
     is the pipeline's (``pp``); a collective is ``dp``, ``tp`` or ``embedding`` by its group's
     ranks (the pp and embedding groups can hold the same two ranks: collectives there are the
     tied embedding's), or one of the strategy's ``more`` groups (kind -> group: expert
-    parallelism's ``ep`` and ``expert-dp``), ``other`` if none."""
+    parallelism's ``ep`` and ``expert-dp``; the composed engine's ``cp`` and ``dp x cp``),
+    ``other`` if none. Point-to-point traffic over a ``cp`` group is ring attention's."""
     groups = {**(more or {}), "tp": mesh.tp_group, "dp": mesh.dp_group,
               "embedding": mesh.embedding_group}  # the mesh's kind wins for the same ranks
     kinds = {ops.group_ranks(g): kind for kind, g in groups.items() if g is not None}
     traffic = dict.fromkeys(GROUP_KINDS, 0)
     for event in events:
         point_to_point = event.op in ("send", "recv", "isend", "irecv")
-        kind = "pp" if point_to_point else kinds.get(event.group, "other")
+        kind = kinds.get(event.group, "other")
+        if point_to_point and kind != "cp":  # ring attention's K/V blocks go round cp
+            kind = "pp"
         if event.op == "all_to_all" and "ep" in groups:  # dispatch and combine, even when
             kind = "ep"  # the expert-parallel group is every rank
         traffic[kind] = traffic.get(kind, 0) + event.bytes_sent

@@ -6,6 +6,7 @@ measures, each number beside the formula it checks (:mod:`engine.train_report`).
     python -m engine train --world-size 2 --dp 2 --impl both               # vs torch DDP
     python -m engine train --world-size 2 --dp 2 --zero 0 --compress fp16 --impl both
     python -m engine train --ep 2 --dp 2 --model tiny-moe                  # experts on 4 ranks
+    python -m engine train --world-size 4 --cp 2 --tp 2                    # composed engine
 
 This module is the configuration (:class:`TrainConfig`, :func:`check_config`) and the command
 line; each rank's run is :func:`engine.train_run.train_on_rank`, the report
@@ -16,7 +17,8 @@ first of each launch is its warm-up, which trains but is not timed.
 
 Every rank builds one :class:`engine.steps.Strategy` from the configuration: the 3D
 composition of :mod:`engine.hybrid` (a tensor-parallel pipeline stage, ZeRO-0/1/2 over dp),
-ZeRO-3, :class:`engine.dp.DataParallel` with a chapter-03 gradient compressor (``--compress``),
+ZeRO-3, the composed engine (:mod:`engine.train_compose`: ``--cp``, ``--varlen``,
+``--composed``), :class:`engine.dp.DataParallel` with a chapter-03 gradient compressor (``--compress``),
 the tiny MoE GPT under expert x data parallelism (``--model tiny-moe --ep E --dp D``,
 :mod:`engine.moe.strategy`), or, with ``--impl torch``, PyTorch's own DDP /
 ZeroRedundancyOptimizer / FSDP for the same
@@ -45,11 +47,14 @@ from engine.moe.strategy import check_moe_config
 from engine.presets import MODELS
 from engine.steps import TRAINER_SCHEDULES, resolve_precision
 from engine.tp.blocks import check_tp_degree
+from engine.train_checks import check_checkpointing, check_compress
+from engine.train_compose import COMPOSED_SCHEDULES, add_composed_arguments, check_composed, \
+    composed_world, uses_composed
 from engine.train_endings import INTERRUPTED_EXIT, interrupted, lost_peer, read_step, \
     tell_torchrun
 from engine.train_report import report
 from engine.train_run import resume_point, total_steps, train_on_rank
-from engine.validation import non_negative_int, one_of, positive_int, positive_number
+from engine.validation import one_of, positive_int, positive_number
 from engine.zero.checkpoint import CheckpointError
 
 # moved, kept importable from here: the presets (engine.presets) and the rank's run
@@ -63,6 +68,7 @@ IMPLS = {"engine": ("engine",), "torch": ("torch",), "both": ("engine", "torch")
 @dataclass(frozen=True)
 class TrainConfig:
     dp: int = 1
+    cp: int = 1
     ep: int = 1
     tp: int = 1
     pp: int = 1
@@ -87,9 +93,14 @@ class TrainConfig:
     timeout: float = 300.0
     kill_at_step: int | None = None
     kill_rank: int | None = None
+    cp_method: str = "ring-zigzag"
+    varlen: bool = False
+    composed: bool = False
 
     @property
     def world_size(self) -> int:
+        if uses_composed(self):  # ep borrows its ranks from dp x cp
+            return composed_world(self)
         return self.dp * self.ep * self.tp * self.pp
 
     @property
@@ -100,15 +111,21 @@ class TrainConfig:
 
 def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     """Every clear error we can give before a rank starts."""
-    for name in ("dp", "ep", "tp", "pp", "microbatches", "micro_batch", "steps"):
+    for name in ("dp", "cp", "ep", "tp", "pp", "microbatches", "micro_batch", "steps"):
         positive_int(f"--{name.replace('_', '-')}", getattr(cfg, name))
     positive_number("--lr", cfg.lr)
     if cfg.peak_tflops is not None:
         positive_number("--peak-tflops", cfg.peak_tflops)
+    composed = uses_composed(cfg)
     for name, choices in (("model", MODELS), ("zero", (0, 1, 2, 3)),
-                          ("schedule", TRAINER_SCHEDULES), ("impl", IMPLS),
+                          ("schedule", COMPOSED_SCHEDULES if composed else TRAINER_SCHEDULES),
+                          ("impl", IMPLS),
                           ("precision", ("auto", "fp32", "bf16"))):
         one_of(f"--{name}", getattr(cfg, name), choices)
+    if composed:
+        check_checkpointing(cfg)
+        check_composed(cfg, world_size)
+        return
     if world_size is not None and cfg.world_size != world_size:
         ep = (" x ep", f" x {cfg.ep}") if cfg.ep > 1 else ("", "")
         raise ValueError(f"dp{ep[0]} x tp x pp = {cfg.dp}{ep[1]} x {cfg.tp} x {cfg.pp} = "
@@ -116,66 +133,19 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     check_moe_config(cfg)
     if cfg.zero == 3 and (cfg.tp > 1 or cfg.pp > 1):
         raise ValueError("--zero 3 runs here with data parallelism only (--tp 1 --pp 1); "
-                         "with tp or pp use --zero 1 or 2")
+                         "with tp or pp use --zero 1 or 2, or --composed for ZeRO-3 with tp "
+                         "(FSDP + TP on the composed engine)")
     if cfg.impl != "engine" and (cfg.tp > 1 or cfg.pp > 1):
         raise ValueError("--impl torch/both compares data-parallel configurations (--tp 1 "
                          "--pp 1): DDP, ZeroRedundancyOptimizer or FSDP by --zero")
     if cfg.compress is not None:
-        _check_compress(cfg)
-    _check_checkpointing(cfg)
+        check_compress(cfg)
+    check_checkpointing(cfg)
     model = MODELS[cfg.model]
     check_tp_degree(model, cfg.tp)
     if cfg.pp > model.layers:
         raise ValueError(f"--pp {cfg.pp} needs at least {cfg.pp} layers; --model {cfg.model} "
                          f"has {model.layers}")
-
-
-def _check_compress(cfg: TrainConfig) -> None:
-    from engine.compress.experiment import make_compressor
-
-    make_compressor(cfg.compress)  # a bad spec is a clear ValueError naming it
-    if cfg.tp > 1 or cfg.pp > 1 or cfg.zero != 0:
-        raise ValueError(f"--compress {cfg.compress} runs on data parallelism without ZeRO "
-                         "(--tp 1 --pp 1 --zero 0): the compressor plugs into "
-                         "DataParallel's bucket all-reduce")
-    if cfg.impl != "engine" and cfg.compress.split(":")[0] in ("topk", "randomk"):
-        raise ValueError(f"--impl {cfg.impl} --compress {cfg.compress}: PyTorch has no "
-                         "DDP hook for Top-K or Random-K; use --impl engine")
-    if cfg.impl != "engine" and cfg.compress.startswith("powersgd"):
-        # measured with torch 2.13 on Gloo, --model small: with no_sync accumulation, or
-        # after the engine's run in the same launch, the ranks' collectives stopped
-        # matching ("Received data size doesn't match expected size") and a rank aborted
-        raise ValueError(f"--impl {cfg.impl} --compress {cfg.compress}: PyTorch's "
-                         "powerSGD_hook desynchronised the ranks in this trainer (torch "
-                         "2.13, Gloo); compare PowerSGD with --impl engine, or fp16/bf16 "
-                         "with --impl both")
-
-
-# -- the command ----------------------------------------------------------------------------------
-
-
-def _check_checkpointing(cfg: TrainConfig) -> None:
-    """--seed, --timeout, --save/--save-every/--keep/--resume/--reshard and the lab's kill."""
-    non_negative_int("--seed", cfg.seed)
-    positive_number("--timeout", cfg.timeout)
-    positive_int("--keep", cfg.keep)
-    if cfg.save_every is not None:
-        positive_int("--save-every (steps between checkpoints)", cfg.save_every)
-    for flag, value in (("--save-every", cfg.save_every), ("--resume", cfg.resume),
-                        ("--reshard", cfg.reshard)):
-        if value is not None and value is not False and cfg.save is None:
-            raise ValueError(f"{flag} needs --save DIR, the directory of the run's checkpoints")
-    if cfg.reshard and not cfg.resume:
-        raise ValueError("--reshard re-cuts the checkpoint --resume loads: pass --resume too")
-    if cfg.save is not None and (cfg.impl != "engine" or cfg.compress is not None):
-        raise ValueError("--save writes the engine's sharded checkpoints (DDP as --zero 0, "
-                         "ZeRO-1/2/3, TP, PP, 3D, MoE): use --impl engine without --compress")
-    if cfg.kill_at_step is not None:
-        positive_int("--kill-at-step", cfg.kill_at_step)
-    if cfg.kill_rank is not None and not 0 <= non_negative_int("--kill-rank", cfg.kill_rank) \
-            < cfg.world_size:
-        raise ValueError(f"--kill-rank {cfg.kill_rank} is not a rank of this run (0 to "
-                         f"{cfg.world_size - 1})")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -190,8 +160,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=None,
                    help="ranks to launch here (default: dp x ep x tp x pp; under torchrun "
                         "its WORLD_SIZE)")
-    for name, what in (("dp", "data-parallel"), ("ep", "expert-parallel (--model tiny-moe: "
-                       "experts spread over ep ranks, each rank its own data)"),
+    for name, what in (("dp", "data-parallel"),
+                       ("cp", "context-parallel (the composed engine: ring attention or "
+                        "Ulysses over cp ranks, each its tokens of every sequence)"),
+                       ("ep", "expert-parallel (--model tiny-moe: experts spread over ep ranks, "
+                        "each rank its own data; on the composed engine ep borrows its ranks "
+                        "from dp x cp)"),
                        ("tp", "tensor-parallel"), ("pp", "pipeline-parallel")):
         p.add_argument(f"--{name}", type=int, default=getattr(d, name),
                        help=f"{what} degree (default: %(default)s)")
@@ -201,6 +175,7 @@ def parser() -> argparse.ArgumentParser:
                         "nothing and takes 0 (default: %(default)s)")
     p.add_argument("--schedule", default=d.schedule, choices=TRAINER_SCHEDULES,
                    help="pipeline schedule, used when --pp > 1 (default: %(default)s)")
+    add_composed_arguments(p, d)
     p.add_argument("--microbatches", type=int, default=d.microbatches,
                    help="micro-batches per step, m (default: %(default)s)")
     p.add_argument("--micro-batch", type=int, default=d.micro_batch,
@@ -289,7 +264,8 @@ def resolved(cfg: TrainConfig, args: argparse.Namespace, given: set[str], world:
     for name, value in values.items():
         if (name == "schedule" and cfg.pp == 1) or \
                 ((value is None or value is False) and name not in given) or \
-                (name == "ep" and cfg.ep == 1 and name not in given) or \
+                (name in ("ep", "cp") and getattr(cfg, name) == 1 and name not in given) or \
+                (name == "cp_method" and cfg.cp == 1) or \
                 (name == "keep" and cfg.save is None):
             continue
         text = f"auto -> {decided[name]}" if value == "auto" and name in decided else str(value)

@@ -8,11 +8,13 @@ peaks MFU divides by are :mod:`engine.hardware`'s.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 from engine import theory
 from engine.pp import uniform_boundaries
 from engine.pp.link import SHAPE_HEADER_BYTES
+from engine.train_compose import model_config
 
 
 class Formula(NamedTuple):
@@ -32,6 +34,15 @@ def traffic_formulas(strategy, cfg, model_cfg) -> dict[str, Formula]:
         out["dp"] = _dp_formula(strategy, cfg)
     if mesh.tp > 1:
         out["tp"] = _tp_formula(mesh, cfg, model_cfg)
+    if mesh.pp > 1:
+        out.update(pipeline_formulas(mesh, cfg, model_cfg))
+    return out
+
+
+def pipeline_formulas(mesh, cfg, model_cfg) -> dict[str, Formula]:
+    """The activations and their gradients between stages (``pp``) and the tied embedding's
+    all-reduce between the first and the last stage (``embedding``)."""
+    out = {}
     if mesh.pp > 1:
         b, s, h, m = cfg.micro_batch, model_cfg.seq_len, model_cfg.hidden, cfg.microbatches
         sends = (not mesh.is_last_stage) + (not mesh.is_first_stage)
@@ -158,3 +169,49 @@ def model_flops(model_cfg, sequences: int, top_k: int = 1) -> float:
         h, extra = model_cfg.hidden, top_k - 1
         flops += 12 * extra * h * 4 * h * sequences * model_cfg.seq_len * model_cfg.layers
     return flops
+
+
+def gradient_group_name(mesh) -> str:
+    """How the report names the group dense gradients are reduced over on the composed
+    engine (dp x cp): ``dp`` or ``cp`` when the other is 1 (the same ranks)."""
+    return "dp" if mesh.cp == 1 else "cp" if mesh.dp == 1 else "dp x cp"
+
+
+def composed_traffic_formulas(strategy, cfg) -> dict[str, Formula]:
+    """The composed engine's formulas, where one is known (:mod:`engine.train_compose`):
+    the dense gradients over dp x cp (DDP or ZeRO-1: one all-reduce's bytes per step, no
+    pipeline, no experts spread), ring or Ulysses attention over cp, Megatron's all-reduces
+    over tp (S/cp tokens a rank; no pipeline, no experts)."""
+    mesh, model_cfg, out = strategy.mesh, model_config(cfg), {}
+    b, s, m, layers = cfg.micro_batch, model_cfg.seq_len, cfg.microbatches, model_cfg.layers
+    grad = gradient_group_name(mesh)
+    n = mesh.dp * mesh.cp
+    if n > 1 and cfg.zero in (0, 1) and mesh.ep == 1:
+        out[grad] = Formula(theory.zero_comm_elements(strategy.psi, n, cfg.zero) * 4 +
+                            theory.ring_all_reduce_bytes(4, n),
+                            f"ZeRO-{cfg.zero}: 2(N-1)/N x Ψ x 4 B over dp x cp, once per step, "
+                            f"+ 2(N-1)/N x 4 B, the step's loss; N = {n}")
+    if mesh.cp > 1 and mesh.pp == 1:
+        kv = model_cfg.kv_heads_or_heads * model_cfg.head_dim // mesh.tp
+        if cfg.cp_method == "ulysses":
+            per = theory.ulysses_bytes(b * s, model_cfg.hidden // mesh.tp, mesh.cp, 4, kv)
+            text = "Ulysses: 2 x (N-1)/N^2 S (2 h + 2 kv_hidden) x 4 B"
+        else:
+            per = theory.ring_attention_bytes(b * s, kv, mesh.cp, 4)
+            text = "ring attention: 3 x 2 (N-1) (S/N) kv_hidden x 4 B"
+        attention = m * layers * per["total"]
+        before = out.get("cp")
+        out["cp"] = Formula(attention + (before.bytes if before else 0),
+                            f"m x {layers} layers x {text} (theory."
+                            f"{'ulysses' if cfg.cp_method == 'ulysses' else 'ring_attention'}"
+                            f"_bytes), S = b x s = {b * s}, N = {mesh.cp}"
+                            + (f"; + {before.text}" if before else ""))
+    if mesh.tp > 1 and mesh.pp == 1 and not model_cfg.num_experts:  # s: this rank's tokens
+        out["tp"] = _tp_formula(mesh, cfg, replace(model_cfg, seq_len=s // mesh.cp))
+    if mesh.pp > 1 and mesh.cp == 1 and mesh.tp == 1:
+        out.update(pipeline_formulas(mesh, cfg, model_cfg))
+        tied = out.get("embedding")
+        if mesh.pp == 2 and mesh.is_last_stage and tied:  # the pp group's ranks: embedding
+            out["embedding"] = Formula(tied.bytes + 4, tied.text + " + 4 B, the step's loss "
+                                       "broadcast from the last stage")
+    return out

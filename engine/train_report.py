@@ -31,6 +31,8 @@ from engine.pp import measured_bubble, simulate
 from engine.presets import MODELS
 from engine.steps import SCHEDULES
 from engine.trace import to_chrome_trace
+from engine.compose.model import GPT
+from engine.train_compose import global_rows, model_config, uses_composed
 from engine.train_formulas import Formula, memory_formula, model_flops, traffic_formulas
 
 # the formulas and the peaks, re-exported where the report's callers found them
@@ -44,14 +46,22 @@ def report(cfg, results: list[dict], chosen: dict[str, str]) -> dict:
     learner did not choose it."""
     model_cfg = MODELS[cfg.model]
     first = results[0]
-    sequences = cfg.dp * cfg.ep * cfg.microbatches * cfg.micro_batch  # every ep rank: own data
+    composed = uses_composed(cfg)
+    ep = f"ep {cfg.ep} x " if cfg.ep > 1 and not composed else ""
+    sequences = global_rows(cfg) if composed else \
+        cfg.dp * cfg.ep * cfg.microbatches * cfg.micro_batch  # every ep rank: own data
     tokens = sequences * model_cfg.seq_len
-    gpt = TinyMoEGPT(model_cfg, **MOE_MODELS[cfg.model]) if cfg.model in MOE_MODELS else \
-        TinyGPT(model_cfg)
+    if composed:
+        gpt = GPT(model_config(cfg))
+        layout = f"dp {cfg.dp} x cp {cfg.cp} x tp {cfg.tp} x pp {cfg.pp}" + \
+            (f", ep {cfg.ep} borrowed from dp x cp" if cfg.ep > 1 else "")
+    else:
+        gpt = TinyMoEGPT(model_cfg, **MOE_MODELS[cfg.model]) if cfg.model in MOE_MODELS else \
+            TinyGPT(model_cfg)
+        layout = f"dp {cfg.dp} x {ep}tp {cfg.tp} x pp {cfg.pp}"
     params = sum(p.numel() for p in gpt.parameters())
-    ep = f"ep {cfg.ep} x " if cfg.ep > 1 else ""
-    print(f"\n{cfg.model} GPT, {params:,} parameters, on {len(results)} rank(s): dp {cfg.dp} x "
-          f"{ep}tp {cfg.tp} x pp {cfg.pp}; {first['device']}, {first['precision']}")
+    print(f"\n{cfg.model} GPT, {params:,} parameters, on {len(results)} rank(s): {layout}; "
+          f"{first['device']}, {first['precision']}")
     print("configuration: " + "  ".join(f"--{k} {v}" for k, v in chosen.items()))
     print(f"batch: sequence length {model_cfg.seq_len} tokens; micro-batch {cfg.micro_batch} "
           f"sequences; {cfg.microbatches} micro-batches per step; global batch dp {cfg.dp} x "
@@ -81,8 +91,11 @@ def _implementation(impl, cfg, model_cfg, results, tokens, sequences) -> dict:
     first = runs[0].get("first_step", 0)  # > 0: resumed; the steps before, from the checkpoint
     losses = runs[0].get("run_losses", [])[:first] + _losses(runs, cfg)
     print(f"\n[{impl}] {runs[0]['name']}")
-    print("  loss per step (mean over the global batch): " + ", ".join(
-        f"{loss:.4f}" + (_first_label(first, len(losses) - first > len(step_s))
+    composed = uses_composed(cfg)  # the composed engine's losses compare across layouts
+    what, digits = ("mean over every non-padding token of the global batch", 7) if composed \
+        else ("mean over the global batch", 4)
+    print(f"  loss per step ({what}): " + ", ".join(
+        f"{loss:.{digits}f}" + (_first_label(first, len(losses) - first > len(step_s))
                          if i == first else "") for i, loss in enumerate(losses)))
     print(f"  step time: median {median * 1e3:.1f} ms, min {min(step_s) * 1e3:.1f} ms, max "
           f"{max(step_s) * 1e3:.1f} ms over {len(step_s)} timed step(s) (each the slowest "
@@ -99,7 +112,7 @@ def _implementation(impl, cfg, model_cfg, results, tokens, sequences) -> dict:
         _memory_table(runs, cfg)
         if runs[0].get("moe"):
             print_moe_load(runs, cfg, model_cfg)
-        if cfg.pp > 1:
+        if cfg.pp > 1 and not composed:  # the composed loop times a step as one event
             _pipeline_line(runs, cfg)
         _compute_share_note(runs)
     return {"step_s": median, "tokens_per_s": tokens / median, "mfu": mfu, "losses": losses}
@@ -127,7 +140,7 @@ def _coords(c) -> str:
 
 
 def _traffic_table(runs, precision: str) -> None:
-    kinds = [k for k in ("dp", "tp", "pp", "embedding", "ep", "expert-dp")
+    kinds = [k for k in ("dp", "cp", "dp x cp", "tp", "pp", "embedding", "ep", "expert-dp")
              if any(r["traffic"].get(k) or k in r["formulas"] for r in runs)]
     if not kinds:
         return

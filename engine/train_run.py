@@ -42,9 +42,10 @@ from engine.reshard import reshard
 from engine.steps import global_batch, resolve_precision
 from engine.strategy import build
 from engine.timed_steps import StepsRun, run_steps
+from engine.train_compose import composed_strategy, uses_composed
 from engine.topology import Mesh
 from engine.trace import clock_offset, on_clock
-from engine.train_formulas import memory_formula, traffic_formulas
+from engine.train_formulas import composed_traffic_formulas, memory_formula, traffic_formulas
 
 # what a checkpoint must agree with the run on: always, and (without --reshard) the layout
 SAME_TRAINING = ("model", "seed", "lr", "precision")
@@ -160,15 +161,24 @@ def run_implementations(cfg, resume_from: ResumePoint | None, progress_fd: int |
     batch: its strategy, formulas and measurements (:func:`train_on_rank`)."""
     device = rank_device()
     precision = resolve_precision(cfg.precision, device)
-    mesh = Mesh(dp=cfg.dp * cfg.ep, tp=cfg.tp, pp=cfg.pp)  # every ep rank reads its own data
-    inputs, labels = global_batch(MODELS[cfg.model], mesh, cfg.microbatches, cfg.micro_batch,
-                                  device, seed=cfg.seed + 1)
+    composed = uses_composed(cfg)
+    if composed:  # one mesh of every axis; step k draws the global batch of step k itself
+        mesh = Mesh(cfg.dp, cfg.tp, cfg.pp, cp=cfg.cp, ep=cfg.ep)
+        inputs = labels = None
+    else:
+        mesh = Mesh(dp=cfg.dp * cfg.ep, tp=cfg.tp, pp=cfg.pp)  # every ep rank: its own data
+        inputs, labels = global_batch(MODELS[cfg.model], mesh, cfg.microbatches,
+                                      cfg.micro_batch, device, seed=cfg.seed + 1)
     out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
            "precision": precision}
     for impl in cfg.implementations:
-        strategy = build(cfg, MODELS[cfg.model], impl, mesh, device, precision)
-        formulas = traffic_formulas(strategy, cfg, MODELS[cfg.model]) if impl == "engine" \
-            else {}
+        if composed:
+            strategy = composed_strategy(cfg, mesh, device, precision)
+            formulas = composed_traffic_formulas(strategy, cfg)
+        else:
+            strategy = build(cfg, MODELS[cfg.model], impl, mesh, device, precision)
+            formulas = traffic_formulas(strategy, cfg, MODELS[cfg.model]) \
+                if impl == "engine" else {}
         if hasattr(strategy, "moe_stats"):  # expert parallelism: its own gradient rule
             formulas = moe_traffic_formulas(strategy, cfg)
         run, first_step, losses = train(strategy, cfg, inputs, labels,

@@ -161,7 +161,8 @@ LAYERS = (
                     "engine.precision", "engine.fsdp", "engine.optim")),
     ("training", ("engine.steps", "engine.timed_steps", "engine.train_formulas", "engine.hybrid",
                   "engine.moe.strategy", "engine.strategy", "engine.compose", "engine.train_report",
-                  "engine.train_run", "engine.train_endings", "engine.train", "engine.parity",
+                  "engine.train_compose", "engine.train_checks", "engine.train_run",
+                  "engine.train_endings", "engine.train", "engine.parity",
                   "engine.__main__")),
     ("teaching", ("engine.drill", "engine.viz", "engine.grading")),
 )

@@ -1,0 +1,179 @@
+"""``engine train`` on the composed engine (:mod:`engine.compose`): one mesh of named axes,
+one GPT parallelised by functions, one training loop.
+
+A run takes this path when it asks for what only the composed engine has (``--cp``,
+``--varlen``) or when ``--composed`` says so: ZeRO-3 with tensor parallelism (FSDP + TP),
+expert parallelism borrowing its ranks from dp x cp, MoE with tp, the one-process reference
+of any layout (``--composed --world-size 1``). Then:
+
+* the mesh is :class:`engine.topology.Mesh` ``(dp, tp, pp, cp=, ep=)``: world = dp x cp x tp
+  x pp, and expert parallelism *borrows* its ranks from dp x cp (torchtitan's and
+  Megatron-Core's meaning of ``--ep``);
+* the model is :class:`engine.compose.model.GPT` with ``--model``'s sizes (no bias on q, k, v:
+  see :mod:`engine.compose.parity`), parallelised by :func:`engine.compose.parallelize.
+  parallelize` for the :class:`engine.compose.plan.Plan` of the flags;
+* step k trains on :func:`engine.compose.data.global_batch` ``(k, dp x microbatches x
+  micro-batch rows)``: the same sequences whatever the layout, so the loss of every step, the
+  mean over every token that counts in the global batch (:mod:`engine.compose.loss`), can be
+  compared with one process's;
+* the step is :func:`engine.compose.loop.train_step`; the timing of its forward and backward
+  is attached as a hook (:class:`ComputeTimer`), the meter by :func:`engine.timed_steps.
+  run_steps` around it, as for every other strategy.
+
+Every combination the plan cannot carry is refused before any rank starts
+(:func:`check_composed`, :meth:`engine.compose.plan.Plan.check`), naming the flags.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import torch
+
+from engine.clock import Clock
+from engine.compose.data import global_batch
+from engine.compose.loop import train_step
+from engine.compose.model import GPT, ModelConfig
+from engine.compose.parallelize import parallelize
+from engine.compose.pipeline import ONE_CHUNK
+from engine.compose.plan import CP_METHODS, Plan
+from engine.moe.gpt import MOE_MODELS
+from engine.pp import PipelineRun
+from engine.presets import MODELS
+from engine.steps import Strategy, parameter_count
+from engine.topology import Mesh
+from engine.trace import TraceEvent
+
+COMPOSED_SCHEDULES = ONE_CHUNK
+
+
+def uses_composed(cfg) -> bool:
+    """Whether ``cfg`` (a :class:`engine.train.TrainConfig`) runs on the composed engine."""
+    return bool(cfg.composed or cfg.cp > 1 or cfg.varlen)
+
+
+def composed_world(cfg) -> int:
+    """dp x cp x tp x pp: ``--ep`` borrows its ranks from dp x cp."""
+    return cfg.dp * cfg.cp * cfg.tp * cfg.pp
+
+
+def global_rows(cfg) -> int:
+    """Sequences in the global batch of every step: dp x microbatches x micro-batch."""
+    return cfg.dp * cfg.microbatches * cfg.micro_batch
+
+
+def model_config(cfg) -> ModelConfig:
+    """The composed GPT of ``--model``: its sizes, tied embeddings, no bias on q, k, v, and
+    the MoE settings of an MoE model."""
+    choices = dict(qkv_bias=False, **MOE_MODELS.get(cfg.model, {}))
+    return ModelConfig.from_gpt(MODELS[cfg.model], **choices)
+
+
+def plan_of(cfg) -> Plan:
+    """The :class:`engine.compose.plan.Plan` of the flags (a ValueError naming a bad one)."""
+    return Plan(dp=cfg.dp, cp=cfg.cp, ep=cfg.ep, tp=cfg.tp, pp=cfg.pp,
+                cp_method=cfg.cp_method, schedule=cfg.schedule, zero=cfg.zero,
+                micro_batches=cfg.microbatches)
+
+
+def add_composed_arguments(p, defaults) -> None:
+    """The command line's options of the composed engine (``defaults``: a TrainConfig)."""
+    composed = p.add_argument_group("the composed engine (engine.train_compose)")
+    composed.add_argument("--composed", action="store_true",
+                          help="train on the composed engine even where the other path "
+                               "could (e.g. --world-size 1, the reference of any layout) "
+                               "and for what only it runs (--zero 3 with --tp); implied by "
+                               "--cp > 1 and --varlen (default: %(default)s)")
+    composed.add_argument("--cp-method", default=defaults.cp_method, choices=CP_METHODS,
+                          help="context-parallel attention (default: %(default)s)")
+    composed.add_argument("--varlen", action="store_true",
+                          help="documents of random length packed with padding and a loss "
+                               "mask (engine.compose.data) (default: %(default)s)")
+
+
+def check_composed(cfg, world_size: int | None = None) -> None:
+    """Every clear error for a composed run, before any rank starts."""
+    if world_size is not None and composed_world(cfg) != world_size:
+        raise ValueError(f"dp x cp x tp x pp = {cfg.dp} x {cfg.cp} x {cfg.tp} x {cfg.pp} = "
+                         f"{composed_world(cfg)} does not match the world size {world_size} "
+                         "(the composed engine: --ep borrows its ranks from dp x cp)")
+    for flag, value, why in (
+            ("--impl", cfg.impl != "engine", "PyTorch's wrappers compare data parallelism on "
+             "the other path; use --impl engine"),
+            ("--compress", cfg.compress is not None, "gradient compression is not composed "
+             "yet (issue 29, phase 2)"),
+            ("--save", cfg.save is not None, "the composed engine has no sharded checkpoint "
+             "yet; --save runs on dp x tp x pp layouts without --cp, --varlen or --composed"),
+            ("--trace", cfg.trace is not None, "the composed loop records no trace yet")):
+        if value:
+            raise ValueError(f"{flag} with the composed engine (--cp, --varlen or --composed): "
+                             f"{why}")
+    if cfg.pp > 1 and cfg.schedule not in COMPOSED_SCHEDULES:
+        raise ValueError(f"--schedule {cfg.schedule} with --pp {cfg.pp}: the composed loop runs "
+                         f"one chunk per rank, one of {', '.join(COMPOSED_SCHEDULES)}")
+    try:
+        plan = plan_of(cfg)
+        plan.check(model_config(cfg), global_rows(cfg), cfg.varlen)
+    except ValueError as e:
+        raise ValueError(f"--dp {cfg.dp} --cp {cfg.cp} --ep {cfg.ep} --tp {cfg.tp} --pp "
+                         f"{cfg.pp} --zero {cfg.zero} --microbatches {cfg.microbatches} "
+                         f"--model {cfg.model}: {e}") from e
+    if cfg.pp > 1 and cfg.model in MOE_MODELS:  # engine.compose.parallelize refuses it
+        raise ValueError(f"--model {cfg.model} with --pp {cfg.pp}: MoE layers in a pipeline "
+                         "are not composed yet (issue 29, phase 2); use --pp 1")
+    if cfg.pp > 1 and cfg.zero == 3:
+        raise ValueError(f"--zero 3 with --pp {cfg.pp} is not composed yet; use --zero 0-2")
+
+
+def psi_of(par) -> int:
+    """The parameters of this rank's part of the model before ZeRO-3 shards them (its
+    pipeline stage, split over tp; experts counted as this rank holds them)."""
+    units = getattr(par.module, "all_units", None)
+    if units is None:
+        return parameter_count(par.model)
+    return sum(shape.numel() for unit in units for shape in unit.shapes.values())
+
+
+class ComputeTimer:
+    """A loop hook: one ``FB`` compute event per step, from the step's start to the end of
+    its backward (gradients reduced), on this rank's :class:`engine.clock.Clock`."""
+
+    def __init__(self, device, rank: int):
+        self.clock, self.rank, self.start, self.events = Clock(device), rank, None, []
+
+    def on_step_start(self, step: int) -> None:
+        self.start = self.clock.mark()
+
+    def after_backward(self, step: int, par) -> None:
+        start, end = self.clock.seconds(self.start), self.clock.seconds(self.clock.mark())
+        self.events = [TraceEvent("FB", self.rank, start, end, lane="compute",
+                                  args={"kind": "FB", "mb": 0, "chunk": 0})]
+
+
+def composed_strategy(cfg, mesh: Mesh, device: torch.device, precision: str) -> Strategy:
+    """This rank's :class:`engine.steps.Strategy` on the composed engine: ``step`` ignores
+    the inputs the old paths take and trains step k on the global batch of step k."""
+    from engine.moe.layer import single_rank_group
+
+    model_cfg, plan = model_config(cfg), plan_of(cfg)
+    alone = single_rank_group() if model_cfg.num_experts else None  # every rank: every expert
+    gpt = GPT(model_cfg, seed=cfg.seed, expert_group=alone).to(device)
+    par = parallelize(gpt, mesh, plan, torch.optim.AdamW, lr=cfg.lr)
+    timer, rows, counter = ComputeTimer(device, mesh.rank), global_rows(cfg), [0]
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else \
+        contextlib.nullcontext()
+
+    def step(inputs=None, labels=None) -> PipelineRun:
+        k = counter[0]
+        batch = global_batch(k, rows, model_cfg.seq_len, model_cfg.vocab, cfg.seed + 1,
+                             cfg.varlen)
+        with autocast:
+            loss = train_step(par, batch, k, hooks=(timer,))
+        counter[0] += 1
+        return PipelineRun(loss, list(timer.events))
+
+    groups = {"dp x cp": mesh.dp_cp_group, "cp": mesh.cp_group}  # dp = 1: the same ranks, cp
+    if plan.ep > 1:
+        groups.update({"ep": mesh.ep_group, "expert-dp": mesh.expert_dp_group})
+    return Strategy(f"composed engine: {plan.name}" + (" varlen" if cfg.varlen else ""),
+                        par.module, par.optimizer, step, psi_of(par), mesh,
+                        device, engine=False, groups=groups)
