@@ -9,6 +9,7 @@ Fast on purpose: a few exercises (``--only``) and a time limit of a few seconds.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -27,7 +28,7 @@ from engine.grading.isolated import DEFAULT_TIMEOUT_S, SLOWEST_SOLUTION_S, run_i
 from engine.grading.progress import Attempts, attempts_path, root_scores_path
 
 ROOT = Path(__file__).resolve().parent.parent
-LOOP = "def merge(out_1, lse_1, out_2, lse_2):\n    while True:  # line 2\n        pass\n"
+LOOP = "def merge(out_1, lse_1, out_2, lse_2):\n    while True:  # lines 2 and 3\n        pass\n"
 ZIGZAG_LOOP = "def zigzag_indices(seq_len, n, rank):\n    while True:\n        pass\n"
 BY_T = '''import torch
 
@@ -70,7 +71,7 @@ def test_an_endless_loop_fails_its_exercise_in_time_and_the_others_are_graded(tm
     assert code == 1 and time.monotonic() - start < 40  # 5 s, plus the other exercise
     out = capsys.readouterr().out
     assert "took longer than 5 s" in out
-    assert "ch09_online_softmax.py, line 2, in merge" in out  # where it loops
+    assert re.search(r"ch09_online_softmax.py, line [23], in merge", out)  # where it loops
     assert "PASS ch09.zigzag_indices: 3/3" in out
     assert "alice: 3/6 checks passed" in out and "grading alice (" in out
     suites = ET.parse(xml).getroot()
@@ -212,8 +213,6 @@ def test_next_and_the_tables_follow_only_and_hint_asks_for_hints(tmp_path, capsy
 
 
 def test_the_lab_guides_grading_commands_use_only_the_graders_flags():
-    import re
-
     from engine.grading.__main__ import parser
 
     text = (ROOT / "docs" / "lab.md").read_text()
