@@ -135,8 +135,9 @@ def _size(n: float) -> str:
     return f"{n:,.0f} B"
 
 
-def _coords(c) -> str:
-    return f"dp{c.dp} tp{c.tp} pp{c.pp}"
+def _coords(c, composed: bool = False) -> str:
+    """A rank's place in the mesh (the composed engine's: with its cp index)."""
+    return f"dp{c.dp} cp{c.cp} tp{c.tp} pp{c.pp}" if composed else f"dp{c.dp} tp{c.tp} pp{c.pp}"
 
 
 def _traffic_table(runs, precision: str) -> None:
@@ -164,7 +165,8 @@ def _traffic_table(runs, precision: str) -> None:
             if formula:
                 texts.setdefault((kind, formula.text), []).append(rank)
         other = r["traffic"].get("other", 0)
-        print(f"    rank {rank} ({_coords(r['coords'])}, Ψ = {r['psi']:,}): " +
+        print(f"    rank {rank} ({_coords(r['coords'], r.get('composed', False))}, "
+              f"Ψ = {r['psi']:,}): " +
               "; ".join(cells) + (f"; other groups {_size(other)}" if other else ""))
     for (kind, text), ranks in sorted(texts.items(), key=lambda item: kinds.index(item[0][0])):
         which = "" if len(ranks) == len(runs) else \

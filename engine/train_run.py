@@ -194,7 +194,8 @@ def run_implementations(cfg, resume_from: ResumePoint | None, progress_fd: int |
             "activations": run.last.peak_activation_bytes,
             "events": on_clock(run.last.events, offset),
             "cuda_allocated": run.cuda_allocated, "cuda_peak": run.cuda_peak,
-            "moe": strategy.moe_stats() if hasattr(strategy, "moe_stats") else None}
+            "moe": strategy.moe_stats() if hasattr(strategy, "moe_stats") else None,
+            "composed": composed}
     return out
 
 

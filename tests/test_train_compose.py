@@ -73,3 +73,21 @@ def test_what_the_composed_engine_cannot_carry_is_refused_naming_the_flags(args,
                                                                           capsys):
     assert engine_main(["train", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_bytes_per_group_are_counted_beside_their_formulas(capsys):
+    """cp2 x tp2: ring attention's K/V blocks and the gradients' all-reduce over cp, Megatron's
+    all-reduces over tp (on S/cp tokens a rank), each counted on the wire equal to its
+    formula; the ranks named by their cp index too."""
+    assert engine_main(["train", "--cp", "2", "--tp", "2", *STEPS]) == 0
+    out = capsys.readouterr().out
+    ranks = [line for line in out.splitlines() if line.startswith("    rank ")]
+    assert [line.split("(")[1].split(",")[0] for line in ranks] == [
+        "dp0 cp0 tp0 pp0", "dp0 cp0 tp1 pp0", "dp0 cp1 tp0 pp0", "dp0 cp1 tp1 pp0"]
+    for line in ranks:
+        cells = dict(re.findall(r"(cp|tp) ([\d,]+ B = [\d,]+ B)", line))
+        assert set(cells) == {"cp", "tp"}, line
+        for kind, cell in cells.items():
+            counted, formula = cell.split(" = ")
+            assert counted == formula, (kind, line)
+    assert "ring attention: 3 x 2 (N-1) (S/N) kv_hidden x 4 B" in out
