@@ -1,8 +1,11 @@
 """The parity matrix (issue 29): every composed layout trains the same model as one process.
 
 Each row: 3 AdamW steps in fp32, the largest loss and parameter differences on any rank at
-most 1e-6 (:mod:`engine.compose.parity`). The list of expected rows is explicit: a row that
-goes missing from the matrix fails here. Seconds per row are printed (``-s``)."""
+most 1e-6 (:mod:`engine.compose.parity`); the bytes each kind of group sent, counted on the
+wire, zero for a dimension of one rank and equal to the formula for the data-parallel
+gradients where one is given (:mod:`engine.compose.traffic`). The list of expected rows is
+explicit: a row that goes missing from the matrix fails here. Seconds per row are printed
+(``-s``)."""
 
 from __future__ import annotations
 
@@ -39,3 +42,11 @@ def test_row_equals_one_process(row):
     print("\n" + table([result]))
     assert result.loss_diff <= TOLERANCE, result
     assert result.param_diff <= TOLERANCE, result
+    plan = row.plan
+    degrees = {"dp": plan.dp * plan.cp, "cp": plan.cp, "ep": plan.ep, "tp": plan.tp,
+               "pp": plan.pp}  # dp: the gradients, over dp x cp
+    for kind, degree in degrees.items():  # a dimension of one rank sends nothing
+        assert degree > 1 or result.sent[kind] == 0, (kind, result.sent)
+        assert degree == 1 or kind == "dp" or result.sent[kind] > 0, (kind, result.sent)
+    if result.dp_formula is not None:  # the data-parallel bytes, counted = formula
+        assert result.sent["dp"] == result.dp_formula, (result.sent, result.dp_formula)

@@ -5,8 +5,10 @@ A step, whatever the layout: this rank's micro-batches of the step's global batc
 count (:mod:`engine.compose.loss`) and a backward (gradients kept local but for the last
 micro-batch, where the data-parallel wrapper reduces them over ``mesh.dp_cp_group``; experts'
 over ``mesh.expert_dp_group``), then the optimizer step. An MoE model's router losses (per
-rank, GShard's groups) are added to each micro-batch's loss, over the micro-batches. The reported loss is the sum of every rank's local sums over the global
-count: one all-reduce of one number, after the step.
+rank, GShard's groups) are added to each micro-batch's loss, over the micro-batches (in a
+pipeline each stage adds its own: :class:`engine.compose.pipeline.RouterLossScaler`). The
+reported loss is the sum of every rank's local sums over the global count: one all-reduce of
+one number, after the step.
 
 What measures the run (the meter, the trace, memory accounting) is attached from outside as
 *hooks*: any object with some of ``on_step_start(step)``, ``after_backward(step, par)``

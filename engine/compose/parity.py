@@ -8,7 +8,10 @@ most 8 CPU ranks launched by :func:`engine.launch`, through :func:`engine.compos
 parallelize` and :func:`engine.compose.loop.train`. The reference is a plain single-process
 loop: the whole global batch, the mean over its tokens that count, ``loss.backward()``, the
 optimizer step. A row reports the largest difference of the loss at any step and of any
-parameter on any rank, and the seconds it took (launch included).
+parameter on any rank, the seconds it took (launch included), and the bytes each kind of group
+(dp, cp, ep, tp, pp) sent, counted on the wire by a :class:`engine.comm.CommMeter` (its
+collectives run on the engine's point-to-point rings) and summed over the ranks, beside the
+formula for the data-parallel gradients where there is one (:mod:`engine.compose.traffic`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from engine.compose.model import GPT, ModelConfig
 from engine.compose.parallelize import parallelize
 from engine.compose.plan import Plan
 from engine.compose.state import dense_state
+from engine.compose.traffic import KINDS, bytes_by_kind, dp_formula
+from engine.comm import CommMeter
+from engine.zero import ZeroDataParallel
 
 # No bias on q, k, v: the key bias's gradient is exactly zero in exact arithmetic (each
 # query adds q . b_k to every score, and softmax ignores a shift), so in floating point it is
@@ -86,6 +92,8 @@ class Result:
     param_diff: float
     seconds: float
     losses: list[float] = field(default_factory=list)
+    sent: dict[str, int] = field(default_factory=dict)  # bytes per kind, summed over ranks
+    dp_formula: float | None = None  # the same for dp, by engine.compose.traffic.dp_formula
 
     @property
     def holds(self) -> bool:
@@ -113,8 +121,22 @@ def run_layout(rank: int, world_size: int, row: Row, steps: int = STEPS) -> dict
     alone = single_rank_group() if row.moe else None  # every rank builds every expert
     par = parallelize(GPT(cfg, seed=SEED, expert_group=alone), mesh, plan, torch.optim.AdamW,
                       lr=LR)
-    losses = train(par, steps, ROWS, seed=SEED + 1, varlen=row.varlen)
-    return {"losses": losses, "state": dense_state(par)}
+    with CommMeter(count="wire") as meter:
+        losses = train(par, steps, ROWS, seed=SEED + 1, varlen=row.varlen)
+    root = getattr(par.module, "root", None)
+    formula = dp_formula(parameter_bytes(par), mesh.dp_cp_size, plan.zero, steps,
+                         plan.micro_batches, plan.pp, plan.ep,
+                         0 if root is None else root.padded * root.shard.element_size())
+    return {"losses": losses, "state": dense_state(par), "formula": formula,
+            "bytes": bytes_by_kind(meter.events, mesh, row.moe)}
+
+
+def parameter_bytes(par) -> int:
+    """The bytes of the parameters this rank's data-parallel wrapper reduces (ZeRO-3: its
+    units, padded to a multiple of the group)."""
+    if isinstance(par.module, ZeroDataParallel):
+        return sum(u.padded * u.shard.element_size() for u in par.module.all_units)
+    return sum(p.numel() * p.element_size() for p in par.model.parameters())
 
 
 def reference(cfg: ModelConfig, varlen: bool, steps: int = STEPS) -> dict:
@@ -151,16 +173,24 @@ def run_row(row: Row, steps: int = STEPS, timeout: float = 120) -> Result:
     missing = set(ref["state"]) - {n for r in ranks for n in r["state"]}
     if missing:  # a parameter no rank holds
         param_diff = float("inf")
-    return Result(row, row.plan.world, loss_diff, param_diff, seconds, ranks[0]["losses"])
+    sent = {k: sum(r["bytes"][k] for r in ranks) for k in KINDS}
+    formulas = [r["formula"] for r in ranks]
+    formula = None if None in formulas else sum(formulas)
+    return Result(row, row.plan.world, loss_diff, param_diff, seconds, ranks[0]["losses"],
+                  sent, formula)
 
 
 def table(results: list[Result]) -> str:
-    """One line per row: layout, world size, max |loss diff|, max |param diff|, seconds."""
+    """One line per row: layout, world size, max |loss diff|, max |param diff|, seconds, the
+    bytes sent per kind of group (summed over ranks) and the dp formula."""
     lines = [f"{'layout':<34} {'world':>5} {'loss diff':>10} {'param diff':>10} "
-             f"{'s':>5}  holds"]
+             f"{'s':>5}  holds  " + " ".join(f"{k + ' B':>8}" for k in KINDS)
+             + f" {'dp formula':>10}"]
     for r in results:
+        formula = "-" if r.dp_formula is None else f"{r.dp_formula:.0f}"
         lines.append(f"{r.row.name:<34} {r.world:>5} {r.loss_diff:>10.1e} "
-                     f"{r.param_diff:>10.1e} {r.seconds:>5.1f}  {'yes' if r.holds else 'NO'}")
+                     f"{r.param_diff:>10.1e} {r.seconds:>5.1f}  {'yes' if r.holds else 'NO ':<5}"
+                     + "".join(f" {r.sent.get(k, 0):>8}" for k in KINDS) + f" {formula:>10}")
     return "\n".join(lines)
 
 

@@ -54,8 +54,10 @@ def sum_tied_embedding(model: nn.Module, mesh: Mesh, optimizer=None) -> None:
     if holder is None:
         return
     weight = holder.weight
-    if weight.grad is not None:
-        ops.all_reduce(weight.grad, group=mesh.embedding_group)
+    if weight.grad is not None:  # a copy: under zero-bubble W the gradient is a view of a
+        grad = weight.grad.detach().clone()  # split, which the counted ring may not modify
+        ops.all_reduce(grad, group=mesh.embedding_group)
+        weight.grad = grad
         return
     bucket = optimizer.launcher.bucket_of[weight]
     full = bucket.new_flat()
