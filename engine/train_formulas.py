@@ -65,14 +65,7 @@ def _dp_formula(strategy, cfg) -> Formula:
     if cfg.compress is not None:
         return _compressed_formula(strategy.model, n)
     if cfg.zero == 3:
-        root = strategy.model.root
-        kept = sum(shape.numel() for shape in root.shapes.values()) if root else 0
-        return Formula(
-            m * (theory.zero_comm_elements(psi, n, 3) - (n - 1) / n * kept) * 4,
-            f"ZeRO-3: m x (N-1)/N x (3Ψ - Ψ_root) x 4 B: per micro-batch two all-gathers "
-            f"(forward, backward) and one reduce-scatter (theory.zero_comm_elements), except "
-            f"the root unit's Ψ_root = {kept:,} parameters (the tied embedding), gathered once "
-            f"and kept through backward; N = {n}, m = {m}")
+        return zero3_formula(strategy.model, psi, n, m)
     if cfg.zero == 2:
         tied = _tied_bucket(strategy)
         return Formula(m * theory.ring_reduce_scatter_bytes(psi * 4, n) +
@@ -86,6 +79,19 @@ def _dp_formula(strategy, cfg) -> Formula:
     return Formula(theory.zero_comm_elements(psi, n, cfg.zero) * 4,
                    f"ZeRO-{cfg.zero}: 2(N-1)/N x Ψ x 4 B (theory.zero_comm_elements), once per "
                    f"step (gradients accumulate over the m micro-batches); N = {n}")
+
+
+def zero3_formula(model, psi: int, n: int, m: int) -> Formula:
+    """ZeRO-3's bytes per step over ``n`` ranks, ``model`` a
+    :class:`engine.zero.ZeroDataParallel` whose root unit is gathered once per step."""
+    root = model.root
+    kept = sum(shape.numel() for shape in root.shapes.values()) if root else 0
+    return Formula(
+        m * (theory.zero_comm_elements(psi, n, 3) - (n - 1) / n * kept) * 4,
+        f"ZeRO-3: m x (N-1)/N x (3Ψ - Ψ_root) x 4 B: per micro-batch two all-gathers "
+        f"(forward, backward) and one reduce-scatter (theory.zero_comm_elements), except "
+        f"the root unit's Ψ_root = {kept:,} parameters (the tied embedding), gathered once "
+        f"and kept through backward; N = {n}, m = {m}")
 
 
 def _tied_bucket(strategy) -> int:
@@ -191,6 +197,10 @@ def composed_traffic_formulas(strategy, cfg) -> dict[str, Formula]:
                             theory.ring_all_reduce_bytes(4, n),
                             f"ZeRO-{cfg.zero}: 2(N-1)/N x Ψ x 4 B over dp x cp, once per step, "
                             f"+ 2(N-1)/N x 4 B, the step's loss; N = {n}")
+    if n > 1 and cfg.zero == 3 and mesh.ep == 1 and mesh.pp == 1:
+        zero3 = zero3_formula(strategy.model, strategy.psi, n, cfg.microbatches)
+        out[grad] = Formula(zero3.bytes + theory.ring_all_reduce_bytes(4, n),
+                            zero3.text + "; + 2(N-1)/N x 4 B, the step's loss")
     if mesh.cp > 1 and mesh.pp == 1:
         kv = model_cfg.kv_heads_or_heads * model_cfg.head_dim // mesh.tp
         if cfg.cp_method == "ulysses":
