@@ -176,4 +176,4 @@ def composed_strategy(cfg, mesh: Mesh, device: torch.device, precision: str) -> 
         groups.update({"ep": mesh.ep_group, "expert-dp": mesh.expert_dp_group})
     return Strategy(f"composed engine: {plan.name}" + (" varlen" if cfg.varlen else ""),
                         par.module, par.optimizer, step, psi_of(par), mesh,
-                        device, engine=False, groups=groups)
+                        device, engine=plan.ep == 1, groups=groups)

@@ -156,11 +156,13 @@ def _compressed_formula(model, n: int) -> Formula:
 
 def memory_formula(strategy, cfg) -> dict[str, float] | None:
     """ZeRO's per-rank model states for fp32 AdamW (4 + 4 + 8 B per parameter; Rajbhandari et
-    al., SC 2020, section 5.1) for this rank's ``psi`` parameters over dp."""
+    al., SC 2020, section 5.1) for this rank's ``psi`` parameters over dp (x cp: the
+    composed engine shards over every rank that holds the same parameters)."""
     if not strategy.engine:
         return None
     stage = 0 if cfg.compress is not None else cfg.zero
-    return theory.zero_model_state_bytes(strategy.psi, strategy.mesh.dp, stage, k=8,
+    return theory.zero_model_state_bytes(strategy.psi, strategy.mesh.dp * strategy.mesh.cp,
+                                         stage, k=8,
                                          param_bytes=4, grad_bytes=4)
 
 

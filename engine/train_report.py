@@ -190,15 +190,19 @@ def _memory_table(runs, cfg) -> None:
     print("  model states per rank, counted by unique storage (formula after '='):")
     for rank, r in enumerate(runs):
         s, f = r["state"], r["memory_formula"]
-        print(f"    rank {rank} ({_coords(r['coords'])}, Ψ = {r['psi']:,}): params "
+        print(f"    rank {rank} ({_coords(r['coords'], r.get('composed', False))}, "
+              f"Ψ = {r['psi']:,}): params "
               f"{_size(s.params)} = {_size(f['params'])}; grads {_size(s.grads)} = "
               f"{_size(f['grads'])}; optimizer {_size(s.optimizer)} = "
-              f"{_size(f['optimizer'])}; activations {_size(r['activations'])}"
+              f"{_size(f['optimizer'])}"
+              + ("" if r.get("composed") else f"; activations {_size(r['activations'])}")
               + (f"; CUDA peak {r['cuda_peak'] / 1e9:.3f} GB over the timed steps, "
                  f"{r['cuda_allocated'] / 1e9:.3f} GB allocated once sharded"
                  if r["cuda_peak"] is not None else ""))
     split = {0: "", 1: ", optimizer ÷ dp", 2: ", grads and optimizer ÷ dp",
              3: ", all three ÷ dp"}[stage]
+    if stage and runs[0].get("composed"):  # sharded over every rank with the same parameters
+        split += " x cp"
     print(f"    formula: params 4 B/param x Ψ, grads 4 B/param, optimizer 8 B/param (AdamW's "
           f"two moments) under ZeRO-{stage}{split}; measured adds bucket padding and AdamW's "
           "step counters")

@@ -81,7 +81,8 @@ def test_bytes_per_group_are_counted_beside_their_formulas(capsys):
     formula; the ranks named by their cp index too."""
     assert engine_main(["train", "--cp", "2", "--tp", "2", *STEPS]) == 0
     out = capsys.readouterr().out
-    ranks = [line for line in out.splitlines() if line.startswith("    rank ")]
+    traffic = out.split("bytes sent per step", 1)[1]
+    ranks = [line for line in traffic.splitlines() if line.startswith("    rank ")][:4]
     assert [line.split("(")[1].split(",")[0] for line in ranks] == [
         "dp0 cp0 tp0 pp0", "dp0 cp0 tp1 pp0", "dp0 cp1 tp0 pp0", "dp0 cp1 tp1 pp0"]
     for line in ranks:
@@ -91,3 +92,23 @@ def test_bytes_per_group_are_counted_beside_their_formulas(capsys):
             counted, formula = cell.split(" = ")
             assert counted == formula, (kind, line)
     assert "ring attention: 3 x 2 (N-1) (S/N) kv_hidden x 4 B" in out
+
+
+def test_zero3_with_tp_holds_and_sends_what_its_formulas_say(capsys):
+    """dp2 x tp2 ZeRO-3 (FSDP + TP): the bytes over dp and tp equal their formulas, and each
+    rank's parameters and gradients are ZeRO-3's 1/dp of its tensor-parallel part."""
+    assert engine_main(["train", "--composed", "--dp", "2", "--tp", "2", "--zero", "3",
+                        *STEPS]) == 0
+    out = capsys.readouterr().out
+    traffic, memory = (out.split(heading, 1)[1] for heading in ("bytes sent per step",
+                                                                "model states per rank"))
+    ranks = [line for line in traffic.splitlines() if line.startswith("    rank ")][:4]
+    for line in ranks:
+        cells = dict(re.findall(r"(dp|tp) ([\d,]+ B = [\d,]+ B)", line))
+        assert set(cells) == {"dp", "tp"} and all(
+            a == b for a, b in (cell.split(" = ") for cell in cells.values())), line
+    states = [line for line in memory.splitlines() if line.startswith("    rank ")][:4]
+    for line in states:
+        for field in ("params", "grads"):
+            counted, formula = re.search(field + r" ([\d,]+ B) = ([\d,]+ B)", line).groups()
+            assert counted == formula == "28,800 B", line  # 14,400 parameters / 2 x 4 B
