@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.compose.parity import ROWS_PHASE_1, TOLERANCE, run_row, table
+from engine.compose.parity import (COMPRESSED_ROWS, ROWS_PHASE_1, TOLERANCE, drift_bound,
+                                   run_row, table)
 
 EXPECTED = [
     "dp2", "tp2", "tp2 sp", "dp2xtp2", "dp2 zero1", "dp2 zero2", "dp2 zero3", "dp2xtp2 zero1",
@@ -50,3 +51,25 @@ def test_row_equals_one_process(row):
         assert degree == 1 or kind == "dp" or result.sent[kind] > 0, (kind, result.sent)
     if result.dp_formula is not None:  # the data-parallel bytes, counted = formula
         assert result.sent["dp"] == result.dp_formula, (result.sent, result.dp_formula)
+
+
+COMPRESSED = ["dp2 fp16", "dp2 bf16", "dp2xtp2 fp16", "dp2xcp2 ring-zigzag bf16",
+              "dp2 powersgd:1", "dp2 topk:0.1"]
+
+
+def test_no_compressed_row_is_missing():
+    assert sorted(row.name for row in COMPRESSED_ROWS) == sorted(COMPRESSED)
+
+
+@pytest.mark.parametrize("row", COMPRESSED_ROWS, ids=lambda row: row.name.replace(" ", "-"))
+def test_compressed_row_differs_within_its_bound_and_sends_less(row):
+    """Lossy compression is expected to differ from one process: by at most how far two AdamW
+    runs can drift apart whatever their gradients (engine.compose.parity.drift_bound)."""
+    result = run_row(row)
+    print("\n" + table([result]))
+    assert result.param_tolerance == drift_bound() < 1e-3
+    assert result.loss_diff <= result.loss_tolerance, result
+    assert result.param_diff <= result.param_tolerance, result
+    assert result.param_diff > TOLERANCE  # lossy: it does differ
+    # 16 bits a gradient element or fewer (+ the fp32 loss, 4 bytes a step): half DDP's bytes
+    assert result.sent["dp"] <= 0.51 * result.dp_formula, (result.sent, result.dp_formula)

@@ -22,7 +22,8 @@ compile, then FSDP): each step changes modules the next one wraps, never the oth
 5. **the data-parallel wrapper** over ``mesh.dp_cp_group`` (every rank that holds the same
    dense parameters and saw other tokens), :func:`apply_data_parallel`: ZeRO-0 is
    :class:`engine.dp.DataParallel`, ZeRO-1/2 :class:`engine.zero.ZeroOptimizer`, ZeRO-3
-   :class:`engine.zero.ZeroDataParallel` (FSDP; over a tensor-parallel model: the 2D layout).
+   :class:`engine.zero.ZeroDataParallel` (FSDP; over a tensor-parallel model: the 2D layout);
+   ``plan.compress``: DDP's all-reduce through a compressor (:mod:`engine.compress`).
    Each averages over the group; :mod:`engine.compose.loss` scales the loss to match. In a
    pipeline ZeRO-0 is :class:`engine.zero.ZeroOptimizer` at stage 0 (one all-reduce at the
    step: the schedule runs many backward passes, some of weights only). With
@@ -48,6 +49,7 @@ from engine.compose.experts import (Optimizers, apply_expert_parallel, dense_par
 from engine.compose.model import GPT
 from engine.compose.pipeline import ONE_CHUNK, apply_pipeline, sum_tied_embedding
 from engine.compose.plan import Plan
+from engine.compress.experiment import make_compressor
 from engine.cp.ring import ring_attention
 from engine.cp.ulysses import ulysses_attention
 from engine.dp import DataParallel
@@ -137,11 +139,18 @@ def apply_context_parallel(model: GPT, mesh: Mesh, method: str = "ring-zigzag") 
         block.attn.core = core
 
 
-def apply_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls, **kwargs
-                        ) -> tuple[nn.Module, Any, Callable[[], Any]]:
+def apply_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls, compress=None,
+                        **kwargs) -> tuple[nn.Module, Any, Callable[[], Any]]:
     """Step 5: ``(module, optimizer, no_sync)`` for ZeRO stage ``zero`` over
-    ``mesh.dp_cp_group``."""
+    ``mesh.dp_cp_group``; ``compress``: a spec of :func:`engine.compress.experiment.
+    make_compressor` for DDP's all-reduce (zero = 0, pp = 1)."""
     group = mesh.dp_cp_group
+    if compress is not None:
+        if zero or mesh.pp > 1:
+            raise ValueError(f"compress={compress!r} compresses DDP's all-reduce: it needs "
+                             f"zero = 0 and pp = 1, got zero = {zero}, pp = {mesh.pp}")
+        module = DataParallel(model, group=group, compressor=make_compressor(compress))
+        return module, optimizer_cls(model.parameters(), **kwargs), module.no_sync
     if mesh.pp > 1:
         if zero > 2:
             raise ValueError(f"zero = {zero} with pp > 1 is not composed yet (phase 2 of issue "
@@ -191,9 +200,9 @@ def parallelize(model: GPT, mesh: Mesh, plan: Plan, optimizer_cls=torch.optim.Ad
     if plan.pp > 1 and plan.schedule not in ONE_CHUNK:
         raise ValueError(f"schedule={plan.schedule!r}: the composed loop runs one chunk per "
                          f"rank, one of {', '.join(ONE_CHUNK)}")
-    if plan.compress is not None:
-        raise ValueError(f"compress={plan.compress!r} is not composed yet (phase 2 of issue "
-                         "29)")
+    if plan.compress is not None and plan.ep > 1:
+        raise ValueError(f"compress={plan.compress!r} with ep = {plan.ep}: the experts' "
+                         "gradients are reduced without DDP; use ep = 1")
     if (mesh.dp, mesh.cp, mesh.tp, mesh.pp, mesh.ep) != (plan.dp, plan.cp, plan.tp, plan.pp,
                                                          plan.ep):
         raise ValueError(f"the plan {plan.name!r} does not match {mesh!r}")
@@ -212,6 +221,6 @@ def parallelize(model: GPT, mesh: Mesh, plan: Plan, optimizer_cls=torch.optim.Ad
         return Parallel(model, module, optimizer, mesh, plan, contextlib.nullcontext, tp_group,
                         mesh.dp_cp_size, finish)
     module, optimizer, no_sync = apply_data_parallel(model, mesh, plan.zero, optimizer_cls,
-                                                     **optimizer_kwargs)
+                                                     plan.compress, **optimizer_kwargs)
     return Parallel(model, module, optimizer, mesh, plan, no_sync, tp_group, mesh.dp_cp_size,
                     lambda: sum_tied_embedding(model, mesh, optimizer))
