@@ -10,7 +10,11 @@ of any layout (``--composed --world-size 1``). Then:
   x pp, and expert parallelism *borrows* its ranks from dp x cp (torchtitan's and
   Megatron-Core's meaning of ``--ep``);
 * the model is :class:`engine.compose.model.GPT` with ``--model``'s sizes (no bias on q, k, v:
-  see :mod:`engine.compose.parity`), parallelised by :func:`engine.compose.parallelize.
+  see :mod:`engine.compose.parity`). An MoE model runs *dropless* (capacity E/k: no token is
+  dropped, so the routing does not depend on which tokens share a rank) and without the
+  balancing and z-losses (statistics of each rank's tokens: their gradients would depend on
+  the layout), as DeepSeek-V3 drops no token and balances its experts mostly without an
+  auxiliary loss (DeepSeek-AI 2024, section 2.1.2); parallelised by :func:`engine.compose.parallelize.
   parallelize` for the :class:`engine.compose.plan.Plan` of the flags;
 * step k trains on :func:`engine.compose.data.global_batch` ``(k, dp x microbatches x
   micro-batch rows)``: the same sequences whatever the layout, so the loss of every step, the
@@ -62,9 +66,14 @@ def global_rows(cfg) -> int:
 
 
 def model_config(cfg) -> ModelConfig:
-    """The composed GPT of ``--model``: its sizes, tied embeddings, no bias on q, k, v, and
-    the MoE settings of an MoE model."""
-    choices = dict(qkv_bias=False, **MOE_MODELS.get(cfg.model, {}))
+    """The composed GPT of ``--model``: its sizes, tied embeddings, no bias on q, k, v; an MoE
+    model's experts and top-k, *dropless* and without router losses (below)."""
+    choices = dict(qkv_bias=False)
+    moe = MOE_MODELS.get(cfg.model)
+    if moe is not None:
+        choices.update(num_experts=moe["num_experts"], top_k=moe["top_k"],
+                       capacity_factor=moe["num_experts"] / moe["top_k"], aux_loss_coef=0.0,
+                       z_loss_coef=0.0)
     return ModelConfig.from_gpt(MODELS[cfg.model], **choices)
 
 
@@ -72,7 +81,7 @@ def plan_of(cfg) -> Plan:
     """The :class:`engine.compose.plan.Plan` of the flags (a ValueError naming a bad one)."""
     return Plan(dp=cfg.dp, cp=cfg.cp, ep=cfg.ep, tp=cfg.tp, pp=cfg.pp,
                 cp_method=cfg.cp_method, schedule=cfg.schedule, zero=cfg.zero,
-                micro_batches=cfg.microbatches)
+                compress=cfg.compress, micro_batches=cfg.microbatches)
 
 
 def add_composed_arguments(p, defaults) -> None:
@@ -99,8 +108,6 @@ def check_composed(cfg, world_size: int | None = None) -> None:
     for flag, value, why in (
             ("--impl", cfg.impl != "engine", "PyTorch's wrappers compare data parallelism on "
              "the other path; use --impl engine"),
-            ("--compress", cfg.compress is not None, "gradient compression is not composed "
-             "yet (issue 29, phase 2)"),
             ("--save", cfg.save is not None, "the composed engine has no sharded checkpoint "
              "yet; --save runs on dp x tp x pp layouts without --cp, --varlen or --composed"),
             ("--trace", cfg.trace is not None, "the composed loop records no trace yet")):
@@ -110,6 +117,8 @@ def check_composed(cfg, world_size: int | None = None) -> None:
     if cfg.pp > 1 and cfg.schedule not in COMPOSED_SCHEDULES:
         raise ValueError(f"--schedule {cfg.schedule} with --pp {cfg.pp}: the composed loop runs "
                          f"one chunk per rank, one of {', '.join(COMPOSED_SCHEDULES)}")
+    if cfg.compress is not None:
+        check_composed_compress(cfg)
     try:
         plan = plan_of(cfg)
         plan.check(model_config(cfg), global_rows(cfg), cfg.varlen)
@@ -117,9 +126,6 @@ def check_composed(cfg, world_size: int | None = None) -> None:
         raise ValueError(f"--dp {cfg.dp} --cp {cfg.cp} --ep {cfg.ep} --tp {cfg.tp} --pp "
                          f"{cfg.pp} --zero {cfg.zero} --microbatches {cfg.microbatches} "
                          f"--model {cfg.model}: {e}") from e
-    if cfg.pp > 1 and cfg.model in MOE_MODELS:  # engine.compose.parallelize refuses it
-        raise ValueError(f"--model {cfg.model} with --pp {cfg.pp}: MoE layers in a pipeline "
-                         "are not composed yet (issue 29, phase 2); use --pp 1")
     if cfg.pp > 1 and cfg.zero == 3:
         raise ValueError(f"--zero 3 with --pp {cfg.pp} is not composed yet; use --zero 0-2")
 
@@ -131,6 +137,19 @@ def psi_of(par) -> int:
     if units is None:
         return parameter_count(par.model)
     return sum(shape.numel() for unit in units for shape in unit.shapes.values())
+
+
+def check_composed_compress(cfg) -> None:
+    """``--compress`` plugs into DDP's bucket all-reduce over dp x cp: ZeRO-0, no pipeline,
+    no experts spread (:func:`engine.compose.parallelize.apply_data_parallel`)."""
+    from engine.compress.experiment import make_compressor
+
+    make_compressor(cfg.compress)  # a bad spec is a clear ValueError naming it
+    for flag, value, wanted in (("--zero", cfg.zero, 0), ("--pp", cfg.pp, 1),
+                                ("--ep", cfg.ep, 1)):
+        if value != wanted:
+            raise ValueError(f"--compress {cfg.compress} compresses DDP's all-reduce over dp x "
+                             f"cp: it needs {flag} {wanted}, got {flag} {value}")
 
 
 class ComputeTimer:

@@ -194,7 +194,11 @@ def composed_traffic_formulas(strategy, cfg) -> dict[str, Formula]:
     b, s, m, layers = cfg.micro_batch, model_cfg.seq_len, cfg.microbatches, model_cfg.layers
     grad = gradient_group_name(mesh)
     n = mesh.dp * mesh.cp
-    if n > 1 and cfg.zero in (0, 1) and mesh.ep == 1:
+    if n > 1 and cfg.compress is not None:
+        compressed = _compressed_formula(strategy.model, n)
+        out[grad] = Formula(compressed.bytes + theory.ring_all_reduce_bytes(4, n),
+                            compressed.text + "; + 2(N-1)/N x 4 B, the step's loss")
+    elif n > 1 and cfg.zero in (0, 1) and mesh.ep == 1:
         out[grad] = Formula(theory.zero_comm_elements(strategy.psi, n, cfg.zero) * 4 +
                             theory.ring_all_reduce_bytes(4, n),
                             f"ZeRO-{cfg.zero}: 2(N-1)/N x Ψ x 4 B over dp x cp, once per step, "

@@ -40,6 +40,11 @@ ACCEPTANCE = {
                           "--micro-batch", "2"],
                          ["--varlen", "--world-size", "1", "--microbatches", "2",
                           "--micro-batch", "4"]),
+    # MoE (dropless, no router losses: engine.train_compose) with ep borrowed from dp
+    "tiny-moe ep2 x pp2": (["--composed", "--model", "tiny-moe", "--dp", "2", "--ep", "2",
+                            "--pp", "2", "--microbatches", "2", "--micro-batch", "2"],
+                           ["--composed", "--model", "tiny-moe", "--world-size", "1",
+                            "--microbatches", "2", "--micro-batch", "4"]),
 }
 
 
@@ -63,11 +68,13 @@ def test_every_layout_has_the_loss_of_one_process(name, capsys):
     (["--composed", "--world-size", "4", "--dp", "2"], "dp x cp x tp x pp = 2 x 1 x 1 x 1 = "
                                                        "2 does not match the world size 4"),
     (["--varlen", "--dp", "2", "--save", "/tmp/nowhere"], "--save with the composed engine"),
-    (["--cp", "2", "--compress", "fp16", "--zero", "0"], "--compress with the composed"),
+    (["--cp", "2", "--pp", "2", "--compress", "fp16", "--zero", "0"],
+     "--compress fp16 compresses DDP's all-reduce over dp x cp: it needs --pp 1, got --pp 2"),
+    (["--cp", "2", "--compress", "zip", "--zero", "0"], "unknown compressor spec 'zip'"),
     (["--varlen", "--dp", "2", "--pp", "2", "--zero", "3"], "--zero 3 with --pp 2"),
     (["--varlen", "--pp", "2", "--microbatches", "1"], "at least 2 micro-batches"),
-    (["--composed", "--dp", "2", "--ep", "2", "--pp", "2", "--model", "tiny-moe"],
-     "MoE layers in a pipeline are not composed yet"),
+    (["--composed", "--dp", "2", "--ep", "2", "--zero", "3", "--model", "tiny-moe"],
+     "zero = 3 with ep > 1 is not composed yet"),
 ])
 def test_what_the_composed_engine_cannot_carry_is_refused_naming_the_flags(args, message,
                                                                           capsys):
@@ -112,3 +119,16 @@ def test_zero3_with_tp_holds_and_sends_what_its_formulas_say(capsys):
         for field in ("params", "grads"):
             counted, formula = re.search(field + r" ([\d,]+ B) = ([\d,]+ B)", line).groups()
             assert counted == formula == "28,800 B", line  # 14,400 parameters / 2 x 4 B
+
+
+def test_compressed_gradients_over_dp_send_what_the_compressor_keeps(capsys):
+    """--compress on the composed engine: DDP's all-reduce over dp x cp through the
+    compressor, its bytes counted equal to the compressor's formula."""
+    assert engine_main(["train", "--composed", "--dp", "2", "--zero", "0", "--compress",
+                        "topk:0.1", *STEPS]) == 0
+    out = capsys.readouterr().out
+    assert "composed engine: dp2 topk:0.1" in out
+    traffic = out.split("bytes sent per step", 1)[1]
+    for line in [line for line in traffic.splitlines() if line.startswith("    rank ")][:2]:
+        counted, formula = re.search(r"dp ([\d,]+ B) = ([\d,]+ B)", line).groups()
+        assert counted == formula, line
