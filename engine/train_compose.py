@@ -109,8 +109,7 @@ def check_composed(cfg, world_size: int | None = None) -> None:
             ("--impl", cfg.impl != "engine", "PyTorch's wrappers compare data parallelism on "
              "the other path; use --impl engine"),
             ("--save", cfg.save is not None, "the composed engine has no sharded checkpoint "
-             "yet; --save runs on dp x tp x pp layouts without --cp, --varlen or --composed"),
-            ("--trace", cfg.trace is not None, "the composed loop records no trace yet")):
+             "yet; --save runs on dp x tp x pp layouts without --cp, --varlen or --composed")):
         if value:
             raise ValueError(f"{flag} with the composed engine (--cp, --varlen or --composed): "
                              f"{why}")
