@@ -24,6 +24,7 @@ EXPECTED = [
 ]
 MOE = ["moe dp2", "moe dp2xep2", "moe dp2xep2 zero1", "moe dp2xep2 zero2",
        "moe cp2xep2 ring-zigzag", "moe dp2xep2xtp2", "moe dp2xep2xpp2 1f1b"]
+EXPECTED += ["pp2 interleaved", "pp2 zb_v", "pp2 dualpipe_v"]  # 4 layers: 2 chunks a rank
 EXPECTED = [*EXPECTED, *(f"{name} varlen" for name in EXPECTED), "dp2xtp2 untied",
             "tp2 sp untied varlen", *MOE, *(f"{name} varlen" for name in MOE)]
 

@@ -25,7 +25,7 @@ from engine.comm import ops
 from engine.compose.data import Batch, global_batch, rank_slice
 from engine.compose.loss import global_token_loss, masked_sum, micro_batch_mean
 from engine.compose.parallelize import Parallel
-from engine.compose.pipeline import pipeline_backward
+from engine.compose.pipeline import loss_stage, pipeline_backward
 from engine.validation import one_of
 
 NORMALISATIONS = ("global", "micro-batch-mean")
@@ -64,8 +64,9 @@ def train_step(par: Parallel, batch: Batch, step: int = 0, hooks=(),
     par.optimizer.step()
     if par.replicas > 1:
         ops.all_reduce(local, group=par.mesh.dp_cp_group)
-    if par.plan.pp > 1:  # the last stage has the loss: every stage reports it
-        ops.broadcast(local, ops.group_ranks(par.mesh.pp_group)[-1], group=par.mesh.pp_group)
+    if par.plan.pp > 1:  # the last virtual stage has the loss: every stage reports it
+        holder = loss_stage(par.plan.schedule, par.mesh.pp)
+        ops.broadcast(local, ops.group_ranks(par.mesh.pp_group)[holder], group=par.mesh.pp_group)
     loss = local.item() / global_tokens
     call_hooks(hooks, "on_step_end", step, loss)
     return loss

@@ -171,21 +171,32 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None
                 ) -> torch.Tensor:
-        if self.tok is None:  # a later pipeline stage: the previous stage's hidden state
-            x = idx
-        else:
-            if positions is None:
-                positions = torch.arange(idx.shape[1], device=idx.device)
-            pos = self.pos(positions)
-            if self.sp_group is not None:  # this rank's s/t positions, as its tokens
-                pos = scatter_to_sequence_parallel(pos, self.sp_group, dim=0)
-            x = self.tok(idx) + pos
-        for block in self.blocks:
-            x = block(x)
-        return x if self.head is None else self.head(self.ln_f(x))
+        x = idx if self.tok is None else self.embed(idx, positions)  # None: a later stage
+        x = self.run_blocks(x, 0, len(self.blocks))
+        return x if self.head is None else self.output(x)
 
-    def router_losses(self) -> torch.Tensor | float:
-        """Every MoE layer's balancing loss and z-loss from the last forward (0: dense)."""
-        moes = [getattr(b, "moe", None) for b in self.blocks]  # a pipeline's other stages:
-        return sum((m.aux_loss + m.z_loss for m in moes  # nn.Identity, no moe
+    def embed(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The token and position embeddings of ``idx`` at ``positions``."""
+        if positions is None:
+            positions = torch.arange(idx.shape[1], device=idx.device)
+        pos = self.pos(positions)
+        if self.sp_group is not None:  # this rank's s/t positions, as its tokens
+            pos = scatter_to_sequence_parallel(pos, self.sp_group, dim=0)
+        return self.tok(idx) + pos
+
+    def run_blocks(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Blocks ``start`` to ``end - 1`` on the hidden state ``x`` (a pipeline chunk)."""
+        for block in self.blocks[start:end]:
+            x = block(x)
+        return x
+
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits of the hidden state ``x``."""
+        return self.head(self.ln_f(x))
+
+    def router_losses(self, start: int = 0, end: int | None = None) -> torch.Tensor | float:
+        """Every MoE layer's balancing loss and z-loss from the last forward (0: dense), of
+        blocks ``start`` to ``end - 1`` (default: all)."""
+        moes = [getattr(b, "moe", None) for b in self.blocks[start:end]]  # other pipeline
+        return sum((m.aux_loss + m.z_loss for m in moes  # stages' blocks: nn.Identity
                     if m is not None and m.aux_loss is not None), 0.0)

@@ -47,7 +47,7 @@ from torch import nn
 from engine.compose.experts import (Optimizers, apply_expert_parallel, dense_parameters,
                                     expert_parameters, reduce_gradients)
 from engine.compose.model import GPT
-from engine.compose.pipeline import ONE_CHUNK, apply_pipeline, sum_tied_embedding
+from engine.compose.pipeline import apply_pipeline, sum_tied_embedding, tied_across_ranks
 from engine.compose.plan import Plan
 from engine.compress.experiment import make_compressor
 from engine.cp.ring import ring_attention
@@ -169,15 +169,16 @@ def apply_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls, compre
     return module, module.optimizer, contextlib.nullcontext
 
 
-def apply_expert_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls, **kwargs
-                                ) -> tuple[nn.Module, Any, Callable[[], None]]:
+def apply_expert_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls,
+                               across: bool = True, **kwargs
+                               ) -> tuple[nn.Module, Any, Callable[[], None]]:
     """Step 5 with experts spread over ``mesh.ep_group``: ``(module, optimizer,
     finish_gradients)``; the dense parameters over ``mesh.dp_cp_group``, the experts' over
     ``mesh.expert_dp_group`` (:mod:`engine.compose.experts`)."""
     if zero == 0:
         def finish():
             reduce_gradients(model, mesh)
-            sum_tied_embedding(model, mesh)
+            sum_tied_embedding(model, mesh, across_ranks=across)
 
         return model, optimizer_cls(model.parameters(), **kwargs), finish
     if zero == 3:
@@ -190,16 +191,14 @@ def apply_expert_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls,
                       group=mesh.dp_cp_group, **kwargs),
         ZeroOptimizer(expert_parameters(model), optimizer_cls, stage=zero,
                       group=mesh.expert_dp_group, **kwargs))
-    return model, optimizers, lambda: sum_tied_embedding(model, mesh, optimizers.optimizers[0])
+    return model, optimizers, lambda: sum_tied_embedding(model, mesh, optimizers.optimizers[0],
+                                                         across)
 
 
 def parallelize(model: GPT, mesh: Mesh, plan: Plan, optimizer_cls=torch.optim.AdamW,
                 **optimizer_kwargs) -> Parallel:
     """This rank's :class:`Parallel` of ``model`` (built whole, from the same seed, on every
     rank; changed in place) for ``plan`` on ``mesh``, with ``optimizer_cls(**kwargs)``."""
-    if plan.pp > 1 and plan.schedule not in ONE_CHUNK:
-        raise ValueError(f"schedule={plan.schedule!r}: the composed loop runs one chunk per "
-                         f"rank, one of {', '.join(ONE_CHUNK)}")
     if plan.compress is not None and plan.ep > 1:
         raise ValueError(f"compress={plan.compress!r} with ep = {plan.ep}: the experts' "
                          "gradients are reduced without DDP; use ep = 1")
@@ -214,13 +213,14 @@ def parallelize(model: GPT, mesh: Mesh, plan: Plan, optimizer_cls=torch.optim.Ad
     if plan.ep > 1:
         apply_expert_parallel(model, mesh)
     if plan.pp > 1:
-        apply_pipeline(model, mesh)
+        apply_pipeline(model, mesh, plan.schedule)
+    across = plan.pp == 1 or tied_across_ranks(plan.schedule)
     if plan.ep > 1:
-        module, optimizer, finish = apply_expert_data_parallel(model, mesh, plan.zero,
-                                                               optimizer_cls, **optimizer_kwargs)
+        module, optimizer, finish = apply_expert_data_parallel(
+            model, mesh, plan.zero, optimizer_cls, across, **optimizer_kwargs)
         return Parallel(model, module, optimizer, mesh, plan, contextlib.nullcontext, tp_group,
                         mesh.dp_cp_size, finish)
     module, optimizer, no_sync = apply_data_parallel(model, mesh, plan.zero, optimizer_cls,
                                                      plan.compress, **optimizer_kwargs)
     return Parallel(model, module, optimizer, mesh, plan, no_sync, tp_group, mesh.dp_cp_size,
-                    lambda: sum_tied_embedding(model, mesh, optimizer))
+                    lambda: sum_tied_embedding(model, mesh, optimizer, across))

@@ -58,6 +58,7 @@ class Row:
     varlen: bool = False
     tied: bool = True
     moe: bool = False
+    layers: int = 2  # multi-chunk schedules: 4 (two chunks of one layer on each of 2 ranks)
 
     @property
     def name(self) -> str:
@@ -80,7 +81,10 @@ PHASE_1 = [_p(dp=2), _p(tp=2), _p(tp=2, sequence_parallel=True), _p(dp=2, tp=2),
            _p(dp=2, tp=2, pp=2, zero=1), _p(dp=2, tp=2, pp=2, zero=2)]
 MOE_LAYOUTS = [_p(dp=2), _p(dp=2, ep=2), _p(dp=2, ep=2, zero=1), _p(dp=2, ep=2, zero=2),
                _p(cp=2, ep=2), _p(dp=2, ep=2, tp=2), _p(dp=2, ep=2, pp=2)]
+MULTI_CHUNK = [Plan(pp=2, schedule=name, micro_batches=4)
+               for name in ("interleaved", "zb_v", "dualpipe_v")]
 ROWS_PHASE_1 = [Row(plan, varlen) for varlen in (False, True) for plan in PHASE_1] + \
+    [Row(plan, varlen, layers=4) for varlen in (False, True) for plan in MULTI_CHUNK] + \
     [Row(_p(dp=2, tp=2), tied=False), Row(_p(tp=2, sequence_parallel=True), True, False)] + \
     [Row(plan, varlen, moe=True) for varlen in (False, True) for plan in MOE_LAYOUTS]
 # Lossy gradient compression (engine.compress has no lossless spec): expected to differ from
@@ -142,7 +146,7 @@ MOE = dict(num_experts=4, top_k=2, capacity_factor=2.0, aux_loss_coef=0.0, z_los
 
 
 def model_config(row: Row) -> ModelConfig:
-    return replace(MODEL, tied=row.tied, **(MOE if row.moe else {}))
+    return replace(MODEL, tied=row.tied, layers=row.layers, **(MOE if row.moe else {}))
 
 
 def run_layout(rank: int, world_size: int, row: Row, steps: int = STEPS) -> dict:

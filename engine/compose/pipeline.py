@@ -23,32 +23,63 @@ from torch import nn
 from engine.comm import ops
 from engine.compose.loss import global_token_loss, masked_sum
 from engine.pp import SCHEDULES, run_pipeline, uniform_boundaries
+from engine.pp.actions import virtual_stages
 from engine.topology import Mesh
 
 ONE_CHUNK = ("gpipe", "1f1b", "zb_h1")  # schedules with one model chunk per rank
+INTERLEAVED_CHUNKS = 2  # chunks per rank of the interleaved 1F1B (the caller's choice)
 
 
-def apply_pipeline(model: nn.Module, mesh: Mesh) -> None:
-    """In place: keep this rank's stage of ``model`` (module docstring)."""
+def chunks_per_rank(schedule: str) -> int:
+    """Model chunks each rank holds under ``schedule`` (2 for the interleaved 1F1B)."""
+    return SCHEDULES[schedule].chunks or INTERLEAVED_CHUNKS
+
+
+def chunk_layout(layers: int, mesh: Mesh, schedule: str) -> list[tuple[int, int, int]]:
+    """``(virtual stage, first block, end block)`` of each chunk this rank holds, in chunk
+    order: the model cut into ``pp x v`` near-equal pieces, placed as the schedule says
+    (:func:`engine.pp.actions.virtual_stages`: interleaved, or the V of ZB-V / DualPipeV)."""
+    v = chunks_per_rank(schedule)
+    starts = uniform_boundaries(layers, mesh.pp * v) + [layers]
+    mine = virtual_stages(mesh.coords.pp, mesh.pp, v, SCHEDULES[schedule].placement)
+    return [(vs, starts[vs], starts[vs + 1]) for vs in mine]
+
+
+def apply_pipeline(model: nn.Module, mesh: Mesh, schedule: str = "1f1b") -> None:
+    """In place: keep this rank's chunks of ``model`` (module docstring): their blocks, the
+    embeddings with virtual stage 0, the output layer with the last."""
     layers = len(model.blocks)
-    starts = uniform_boundaries(layers, mesh.pp) + [layers]
-    stage = mesh.coords.pp
+    chunks = chunk_layout(layers, mesh, schedule)
+    last = mesh.pp * chunks_per_rank(schedule) - 1
     for i in range(layers):
-        if not starts[stage] <= i < starts[stage + 1]:
+        if not any(a <= i < b for _, a, b in chunks):
             model.blocks[i] = nn.Identity()
-    if not mesh.is_first_stage:
+    if all(vs != 0 for vs, _, _ in chunks):
         model.tok = model.pos = None  # a tied head keeps the weight it shares
-    if not mesh.is_last_stage:
+    if all(vs != last for vs, _, _ in chunks):
         model.ln_f = model.head = None
 
 
-def sum_tied_embedding(model: nn.Module, mesh: Mesh, optimizer=None) -> None:
+def loss_stage(schedule: str, pp: int) -> int:
+    """The pipeline rank holding the last virtual stage, where the loss is: the last rank,
+    or rank 0 under the V placement."""
+    return 0 if SCHEDULES[schedule].placement == "v" else pp - 1
+
+
+def tied_across_ranks(schedule: str) -> bool:
+    """Whether the first and the last virtual stage, which share a tied embedding, live on
+    two ranks (the V placement puts both on rank 0: its gradient is whole there)."""
+    return SCHEDULES[schedule].placement != "v"
+
+
+def sum_tied_embedding(model: nn.Module, mesh: Mesh, optimizer=None,
+                       across_ranks: bool = True) -> None:
     """The tied weight's gradient summed over the first and the last stage. At ZeRO-2 its
     bucket reduce-scattered it over dp x cp during backward, cut at other places on the two
     stages: the bucket's gradient is gathered, the weight's part summed over the two stages,
     and each rank keeps its shard again (as :meth:`engine.hybrid.GPTStage.
     sync_tied_embedding`)."""
-    if mesh.embedding_group is None or not model.cfg.tied:
+    if mesh.embedding_group is None or not model.cfg.tied or not across_ranks:
         return
     holder = model.tok if mesh.is_first_stage else model.head if mesh.is_last_stage else None
     if holder is None:
@@ -83,31 +114,40 @@ class RouterLossScaler(torch.autograd.Function):
                                        device=grad_output.device), None
 
 
-class StageCall(nn.Module):
-    """What the runtime calls: this rank's stage (or its data-parallel wrapper) on a
-    micro-batch, with the positions of this rank's tokens. With MoE layers, their router
-    losses ride on the output (:class:`RouterLossScaler`, weight ``1 / m`` each as in
+class ChunkCall(nn.Module):
+    """What the runtime calls: one chunk of this rank's model (blocks ``start`` to ``end -
+    1``, the embeddings when ``first``, the output layer when ``last``) on a micro-batch,
+    with the positions of this rank's tokens. With MoE layers, the chunk's router losses
+    ride on its output (:class:`RouterLossScaler`, weight ``1 / m`` each as in
     :func:`engine.compose.loop.accumulate`)."""
 
-    def __init__(self, module: nn.Module, positions: torch.Tensor, model=None,
-                 router_scale: float = 1.0):
+    def __init__(self, model: nn.Module, start: int, end: int, first: bool, last: bool,
+                 positions: torch.Tensor, router_scale: float = 1.0):
         super().__init__()
-        self.module, self.positions = module, positions
-        self.model, self.router_scale = model, router_scale
+        self.model, self.start, self.end = model, start, end
+        self.first, self.last, self.positions = first, last, positions
+        self.router_scale = router_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.module(x, self.positions)
-        losses = self.model.router_losses() if self.model is not None else 0.0
+        if self.first:
+            x = self.model.embed(x, self.positions)
+        out = self.model.run_blocks(x, self.start, self.end)
+        losses = self.model.router_losses(self.start, self.end)
         if isinstance(losses, torch.Tensor) and losses.requires_grad:
             out = RouterLossScaler.apply(out, losses, self.router_scale)
-        return out
+        return self.model.output(out) if self.last else out
 
 
 def pipeline_backward(par, micro: list, global_tokens: int) -> torch.Tensor:
     """Forward and backward of every micro-batch through ``par.plan.schedule``; returns this
     rank's sum of token losses (0 off the last stage)."""
-    m, mesh = len(micro), par.mesh
-    schedule = SCHEDULES[par.plan.schedule].make(mesh.pp, m)
+    m, mesh, name = len(micro), par.mesh, par.plan.schedule
+    v = chunks_per_rank(name)
+    spec = SCHEDULES[name]
+    schedule = spec.make(mesh.pp, m) if spec.chunks else spec.make(mesh.pp, m, v)
+    last = mesh.pp * v - 1
+    chunks = [ChunkCall(par.model, a, b, vs == 0, vs == last, micro[0].positions, 1.0 / m)
+              for vs, a, b in chunk_layout(len(par.model.blocks), mesh, name)]
     sums = []
 
     def loss_fn(logits, labels):
@@ -116,8 +156,7 @@ def pipeline_backward(par, micro: list, global_tokens: int) -> torch.Tensor:
         return global_token_loss(summed, global_tokens, par.replicas) * m
 
     labels = [torch.stack([mb.targets, mb.mask.to(mb.targets.dtype)]) for mb in micro]
-    run_pipeline([StageCall(par.module, micro[0].positions, par.model, 1.0 / m)], schedule,
-                 [mb.ids for mb in micro], labels, loss_fn, stage=mesh.coords.pp,
-                 group=mesh.pp_group)
+    run_pipeline(chunks, schedule, [mb.ids for mb in micro], labels, loss_fn,
+                 stage=mesh.coords.pp, group=mesh.pp_group, placement=spec.placement)
     local = torch.stack(sums).sum() if sums else torch.zeros(())
     return local.to(micro[0].mask.device)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.pp.registry import SCHEDULES
 from engine.topology import check_mesh
 from engine.validation import one_of, positive_int
 
@@ -116,7 +117,14 @@ class Plan:
             raise ValueError(f"schedule {self.schedule!r} on pp = {self.pp} stages needs at "
                              f"least {self.pp} micro-batches to keep every stage busy, got "
                              f"micro_batches = {self.micro_batches}")
-        if self.pp > cfg.layers:
-            raise ValueError(f"pp = {self.pp} pipeline stages need at least {self.pp} "
-                             f"layers, the model has {cfg.layers}")
+        if self.pp > 1:
+            one_of("schedule", self.schedule, tuple(SCHEDULES))
+            chunks = self.pp * (SCHEDULES[self.schedule].chunks or 2)  # interleaved: 2 a rank
+            if self.pp > cfg.layers:
+                raise ValueError(f"pp = {self.pp} pipeline stages need at least {self.pp} "
+                                 f"layers, the model has {cfg.layers}")
+            if chunks > cfg.layers:
+                raise ValueError(f"pp = {self.pp} with schedule {self.schedule!r} cuts the model "
+                                 f"into {chunks} chunks of at least one layer each, the model "
+                                 f"has {cfg.layers} layers")
         check_divides("dp x micro_batches", self.dp * self.micro_batches, "rows", rows)
