@@ -108,8 +108,10 @@ def check_composed(cfg, world_size: int | None = None) -> None:
     for flag, value, why in (
             ("--impl", cfg.impl != "engine", "PyTorch's wrappers compare data parallelism on "
              "the other path; use --impl engine"),
-            ("--save", cfg.save is not None, "the composed engine has no sharded checkpoint "
-             "yet; --save runs on dp x tp x pp layouts without --cp, --varlen or --composed")):
+            ("--save", cfg.save is not None and not checkpointable(cfg), "its checkpoints "
+             "(every rank its own state, engine.checkpoint.per_rank) cover --zero 0 without "
+             "--pp, --ep or --compress so far"),
+            ("--reshard", cfg.reshard, "it resumes its checkpoints on their own layout only")):
         if value:
             raise ValueError(f"{flag} with the composed engine (--cp, --varlen or --composed): "
                              f"{why}")
@@ -136,6 +138,13 @@ def psi_of(par) -> int:
     if units is None:
         return parameter_count(par.model)
     return sum(shape.numel() for unit in units for shape in unit.shapes.values())
+
+
+def checkpointable(cfg) -> bool:
+    """Whether ``--save`` covers this composed run: DDP (ZeRO-0) and plain AdamW, whose
+    ``state_dict`` on every rank is its whole state; no pipeline, experts spread or compressor
+    state."""
+    return cfg.zero == 0 and cfg.pp == 1 and cfg.ep == 1 and cfg.compress is None
 
 
 def check_composed_compress(cfg) -> None:
@@ -176,17 +185,16 @@ def composed_strategy(cfg, mesh: Mesh, device: torch.device, precision: str) -> 
     alone = single_rank_group() if model_cfg.num_experts else None  # every rank: every expert
     gpt = GPT(model_cfg, seed=cfg.seed, expert_group=alone).to(device)
     par = parallelize(gpt, mesh, plan, torch.optim.AdamW, lr=cfg.lr)
-    timer, rows, counter = ComputeTimer(device, mesh.rank), global_rows(cfg), [0]
+    timer, rows = ComputeTimer(device, mesh.rank), global_rows(cfg)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else \
         contextlib.nullcontext()
 
-    def step(inputs=None, labels=None) -> PipelineRun:
-        k = counter[0]
+    def step(steps, labels=None) -> PipelineRun:  # steps: the indices of the run's steps
+        k = next(steps)
         batch = global_batch(k, rows, model_cfg.seq_len, model_cfg.vocab, cfg.seed + 1,
                              cfg.varlen)
         with autocast:
             loss = train_step(par, batch, k, hooks=(timer,))
-        counter[0] += 1
         return PipelineRun(loss, list(timer.events))
 
     groups = {"dp x cp": mesh.dp_cp_group, "cp": mesh.cp_group}  # dp = 1: the same ranks, cp
@@ -194,4 +202,5 @@ def composed_strategy(cfg, mesh: Mesh, device: torch.device, precision: str) -> 
         groups.update({"ep": mesh.ep_group, "expert-dp": mesh.expert_dp_group})
     return Strategy(f"composed engine: {plan.name}" + (" varlen" if cfg.varlen else ""),
                         par.module, par.optimizer, step, psi_of(par), mesh,
-                        device, engine=plan.ep == 1, groups=groups)
+                        device, engine=plan.ep == 1, groups=groups,
+                        per_rank_checkpoint=checkpointable(cfg))

@@ -23,6 +23,7 @@ which re-cuts it through the whole model (:mod:`engine.reshard`).
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import time
@@ -50,6 +51,9 @@ from engine.train_formulas import composed_traffic_formulas, memory_formula, tra
 # what a checkpoint must agree with the run on: always, and (without --reshard) the layout
 SAME_TRAINING = ("model", "seed", "lr", "precision")
 SAME_LAYOUT = ("dp", "ep", "tp", "pp", "zero", "schedule", "microbatches", "micro_batch")
+# the composed engine's (engine.train_compose) besides: a checkpoint written before they
+# existed has their defaults
+COMPOSED_LAYOUT = {"cp": 1, "cp_method": "ring-zigzag", "varlen": False, "engine": "per-layout"}
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,18 @@ def resume_point(cfg) -> ResumePoint | None:
         raise ValueError(f"--resume: {path} holds {saved['step']} steps, more than this run's "
                          f"{total_steps(cfg)} (--steps {cfg.steps})")
     changed = [name for name in SAME_LAYOUT if config.get(name) != getattr(cfg, name, None)]
+    ours = composed_record(cfg)
+    composed = [name for name, default in COMPOSED_LAYOUT.items()
+                if config.get(name, default) != ours[name]]
+    if composed:
+        raise ValueError(f"--resume: {path} was saved with " + ", ".join(
+            f"{name} {config.get(name, COMPOSED_LAYOUT[name])}" for name in composed) +
+            ", this run has " + ", ".join(f"{name} {ours[name]}" for name in composed) +
+            "; the composed engine resumes its own checkpoints on their own layout only")
+    if changed and uses_composed(cfg):
+        raise ValueError(f"--resume --reshard: {path} is a checkpoint of the composed engine, "
+                         "which has no re-cut yet; run with the saved layout: "
+                         f"{_layout(config)}")
     if changed and not cfg.reshard:
         raise ValueError(f"--resume: {path} was saved at {_layout(config)}, this run asks for "
                          f"{_layout(vars(cfg))}; a sharded checkpoint fits only its own "
@@ -107,6 +123,12 @@ def resume_point(cfg) -> ResumePoint | None:
     if changed and _is_moe(config.get("model")):  # per-rank checkpoints: nothing to re-cut
         raise ValueError("--reshard re-cuts the dense GPT's checkpoints; not an MoE run's")
     return ResumePoint(str(path), saved["step"], saved["losses"], reshard=bool(changed))
+
+
+def composed_record(cfg) -> dict:
+    """What a checkpoint records of the composed engine's layout (:data:`COMPOSED_LAYOUT`)."""
+    return {"cp": cfg.cp, "cp_method": cfg.cp_method, "varlen": cfg.varlen,
+            "engine": "composed" if uses_composed(cfg) else "per-layout"}
 
 
 def _is_moe(model: str | None) -> bool:
@@ -247,6 +269,8 @@ def train(strategy, cfg, inputs, labels, point: ResumePoint | None = None,
         kill_point(done, cfg.kill_at_step, dist.get_world_size() - 1 if cfg.kill_rank is None
                    else cfg.kill_rank)
 
+    if inputs is None:  # the composed engine: each step draws step k's global batch itself
+        inputs = itertools.count(first)
     run = run_steps(strategy, inputs, labels, remaining - warmup, warmup, first_step=first,
                     after_step=after_step)
     if bar:
@@ -268,7 +292,8 @@ def global_loss(loss: float | None, mesh, device: torch.device) -> float:
 def trainer_record(cfg, losses: list[float]) -> dict:
     """What ``trainer.json`` keeps besides the step: the configuration that shapes the
     training and the loss of every step so far."""
-    return {"config": {name: getattr(cfg, name, None) for name in SAME_TRAINING + SAME_LAYOUT},
+    return {"config": {**{name: getattr(cfg, name, None) for name in SAME_TRAINING +
+                          SAME_LAYOUT}, **composed_record(cfg)},
             "losses": list(losses)}
 
 

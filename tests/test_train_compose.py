@@ -132,3 +132,47 @@ def test_compressed_gradients_over_dp_send_what_the_compressor_keeps(capsys):
     for line in [line for line in traffic.splitlines() if line.startswith("    rank ")][:2]:
         counted, formula = re.search(r"dp ([\d,]+ B) = ([\d,]+ B)", line).groups()
         assert counted == formula, line
+
+
+def test_a_resumed_composed_run_is_bit_identical_to_an_uninterrupted_one(tmp_path, capsys):
+    """cp2 x tp2 at ZeRO-0 (every rank its own state, engine.checkpoint.per_rank): 2 steps,
+    then 2 more from the checkpoint, equal bit for bit to 4 steps in one go."""
+    import json
+
+    import torch
+
+    from engine.checkpoint.per_rank import read_rank_state
+
+    layout = ["--cp", "2", "--tp", "2", "--zero", "0"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert engine_main(["train", *layout, "--steps", "4", "--save", str(whole)]) == 0
+    assert engine_main(["train", *layout, "--steps", "2", "--save", str(split)]) == 0
+    assert engine_main(["train", *layout, "--steps", "4", "--save", str(split),
+                        "--resume"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    final = {name: root / "step-00000004" for name, root in (("whole", whole),
+                                                               ("split", split))}
+    curves = {name: json.loads((path / "trainer.json").read_text())["losses"]
+              for name, path in final.items()}
+    assert curves["whole"] == curves["split"] and len(curves["whole"]) == 4
+    for rank in range(4):
+        a, b = (read_rank_state(final[name], rank) for name in ("whole", "split"))
+        assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+        assert a["optimizer"]["state"].keys() == b["optimizer"]["state"].keys()
+        for key, state in a["optimizer"]["state"].items():
+            assert all(torch.equal(state[n], b["optimizer"]["state"][key][n]) for n in state)
+
+
+def test_what_the_composed_engine_cannot_save_or_resume_is_refused(tmp_path, capsys):
+    assert engine_main(["train", "--cp", "2", "--steps", "2", "--save", str(tmp_path)]) == 2
+    assert "--save with the composed engine" in capsys.readouterr().err  # ZeRO-1 by default
+    assert engine_main(["train", "--cp", "2", "--zero", "0", "--steps", "2", "--save",
+                        str(tmp_path)]) == 0
+    capsys.readouterr()
+    assert engine_main(["train", "--world-size", "2", "--dp", "2", "--zero", "0", "--steps",
+                        "3", "--save", str(tmp_path), "--resume"]) == 2
+    assert "the composed engine resumes its own checkpoints on their own layout only" in \
+        capsys.readouterr().err
+    assert engine_main(["train", "--cp", "2", "--zero", "0", "--steps", "3", "--save",
+                        str(tmp_path), "--resume", "--reshard"]) == 2
+    assert "--reshard with the composed engine" in capsys.readouterr().err
