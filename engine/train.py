@@ -19,8 +19,8 @@ Every rank builds one :class:`engine.steps.Strategy` from the configuration: the
 composition of :mod:`engine.hybrid` (a tensor-parallel pipeline stage, ZeRO-0/1/2 over dp),
 ZeRO-3, the composed engine (:mod:`engine.train_compose`: ``--cp``, ``--varlen``,
 ``--composed``), :class:`engine.dp.DataParallel` with a chapter-03 gradient compressor
-(``--compress``), the tiny MoE GPT under expert x data parallelism (``--model tiny-moe --ep E --dp D``,
-:mod:`engine.moe.strategy`), or, with ``--impl torch``, PyTorch's own DDP /
+(``--compress``), the tiny MoE GPT under expert x data parallelism (``--model tiny-moe --ep E
+--dp D``, :mod:`engine.moe.strategy`), or, with ``--impl torch``, PyTorch's own DDP /
 ZeroRedundancyOptimizer / FSDP for the same
 data-parallel configuration (``--impl both`` runs the two one after the other in the same
 launch). Each runs through the one loop of :mod:`engine.timed_steps`. Only global rank 0

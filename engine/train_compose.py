@@ -14,15 +14,19 @@ of any layout (``--composed --world-size 1``). Then:
   dropped, so the routing does not depend on which tokens share a rank) and without the
   balancing and z-losses (statistics of each rank's tokens: their gradients would depend on
   the layout), as DeepSeek-V3 drops no token and balances its experts mostly without an
-  auxiliary loss (DeepSeek-AI 2024, section 2.1.2); parallelised by :func:`engine.compose.parallelize.
-  parallelize` for the :class:`engine.compose.plan.Plan` of the flags;
+  auxiliary loss (DeepSeek-AI 2024, section 2.1.2); parallelised by
+  :func:`engine.compose.parallelize.parallelize` for the :class:`engine.compose.plan.Plan` of
+  the flags;
 * step k trains on :func:`engine.compose.data.global_batch` ``(k, dp x microbatches x
   micro-batch rows)``: the same sequences whatever the layout, so the loss of every step, the
   mean over every token that counts in the global batch (:mod:`engine.compose.loss`), can be
   compared with one process's;
 * the step is :func:`engine.compose.loop.train_step`; the timing of its forward and backward
   is attached as a hook (:class:`ComputeTimer`), the meter by :func:`engine.timed_steps.
-  run_steps` around it, as for every other strategy.
+  run_steps` around it, as for every other strategy;
+* ``--save``/``--resume`` (ZeRO-0 without pp, ep or a compressor, :func:`checkpointable`):
+  every rank its own state (:mod:`engine.checkpoint.per_rank`), bit-identical to an
+  uninterrupted run; on the same layout only.
 
 Every combination the plan cannot carry is refused before any rank starts
 (:func:`check_composed`, :meth:`engine.compose.plan.Plan.check`), naming the flags.
@@ -31,6 +35,7 @@ Every combination the plan cannot carry is refused before any rank starts
 from __future__ import annotations
 
 import contextlib
+
 import torch
 
 from engine.clock import Clock
