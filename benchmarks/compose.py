@@ -39,7 +39,7 @@ from engine.compose.data import global_batch, rank_slice
 from engine.compose.loop import train_step
 from engine.compose.model import GPT, ModelConfig
 from engine.compose.parallelize import parallelize, qkv_heads_slice
-from engine.compose.parity import LR, ROWS, ROWS_PHASE_1, SEED, Row, model_config
+from engine.compose.parity import ALL_ROWS, LR, ROWS, SEED, Row, model_config
 from engine.compose.plan import Plan
 
 BENCH = ModelConfig(vocab=2048, seq_len=128, layers=4, heads=8, hidden=256, kv_heads=4,
@@ -169,7 +169,7 @@ def main(argv=None) -> int:
     print("loss per step, PyTorch: " + " ".join(f"{x:.6f}" for x in theirs))
     if args.no_rows:
         return 0
-    rows = [row for row in ROWS_PHASE_1 if args.only in row.name]
+    rows = [row for row in ALL_ROWS if args.only in row.name]
     print(f"\n{'parity row':<34} {'world':>5} {'step ms':>9} {'tokens/s':>9}")
     for row in rows:
         t = statistics.median(launch(row_speed, row.plan.world, row, args.steps, args.warmup,
