@@ -57,6 +57,7 @@ bench: setup
 	$(BIN)/python benchmarks/compression.py
 	$(BIN)/python benchmarks/zero.py
 	$(BIN)/python benchmarks/pipeline.py
+	$(BIN)/python benchmarks/compose.py
 
 clean:
 	rm -rf $(VENV) grade-report.xml
