@@ -9,10 +9,11 @@ explicit: a row that goes missing from the matrix fails here. Seconds per row ar
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from engine.compose.parity import (COMPRESSED_ROWS, ROWS_PHASE_1, TOLERANCE, drift_bound,
-                                   run_row, table)
+from engine.compose.parity import COMPRESSED_ROWS, ROWS_PHASE_1, TOLERANCE, run_row, table
 
 EXPECTED = [
     "dp2", "tp2", "tp2 sp", "dp2xtp2", "dp2 zero1", "dp2 zero2", "dp2 zero3", "dp2xtp2 zero1",
@@ -64,13 +65,15 @@ def test_no_compressed_row_is_missing():
 
 @pytest.mark.parametrize("row", COMPRESSED_ROWS, ids=lambda row: row.name.replace(" ", "-"))
 def test_compressed_row_differs_within_its_bound_and_sends_less(row):
-    """Lossy compression is expected to differ from one process: by at most how far two AdamW
-    runs can drift apart whatever their gradients (engine.compose.parity.drift_bound)."""
+    """Lossy compression is expected to differ from one process; the difference is printed,
+    not bounded here: engine.compose.parity.drift_bound, how far two AdamW runs can drift
+    apart whatever their gradients, holds for any run (only a NaN would break it), so it is
+    shown in the table but asserting it would test nothing. What is asserted: the row does
+    differ (the compressor really ran), its numbers are finite, and it sent at most half the
+    bytes of plain DDP, counted on the wire."""
     result = run_row(row)
     print("\n" + table([result]))
-    assert result.param_tolerance == drift_bound() < 1e-3
-    assert result.loss_diff <= result.loss_tolerance, result
-    assert result.param_diff <= result.param_tolerance, result
+    assert math.isfinite(result.loss_diff) and math.isfinite(result.param_diff), result
     assert result.param_diff > TOLERANCE  # lossy: it does differ
     # 16 bits a gradient element or fewer (+ the fp32 loss, 4 bytes a step): half DDP's bytes
     assert result.sent["dp"] <= 0.51 * result.dp_formula, (result.sent, result.dp_formula)
