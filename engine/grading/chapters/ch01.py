@@ -11,6 +11,7 @@ import torch.distributed as dist
 from engine import theory
 from engine.comm import CommMeter
 from engine.comm import ops as engine_ops
+from engine.comm.patching import patched
 from engine.grading.core import POINT_TO_POINT, CheckFailed, Exercise, passed, run_ranks
 from engine.grading.drill import Drill
 
@@ -25,20 +26,15 @@ _BUILT_INS = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "a
 def _built_in_collectives_blocked():
     """Inside a rank being graded, a collective raises, torch.distributed's or the engine's
     (engine.comm.ops'): the point is to build one."""
-    saved = {(module, name): getattr(module, name) for module in (dist, engine_ops)
-             for name in _BUILT_INS if hasattr(module, name)}
-
     def refuse(*args, **kwargs):
         raise RuntimeError("this exercise builds the all-reduce from point-to-point sends; "
                            "collectives are switched off while it is graded")
 
-    for module, name in saved:
-        setattr(module, name, refuse)
-    try:
+    with contextlib.ExitStack() as stack:
+        for module in (dist, engine_ops):
+            stack.enter_context(patched(module, **{name: refuse for name in _BUILT_INS
+                                                   if hasattr(module, name)}))
         yield
-    finally:
-        for (module, name), fn in saved.items():
-            setattr(module, name, fn)
 
 
 def _ring_on_rank(rank, world_size, impl, numel, subgroup):
