@@ -125,6 +125,8 @@ def check_composed(cfg, world_size: int | None = None) -> None:
                          f"one chunk per rank, one of {', '.join(COMPOSED_SCHEDULES)}")
     if cfg.compress is not None:
         check_composed_compress(cfg)
+    if cfg.pp > 1 and cfg.zero == 3:
+        raise ValueError(f"--zero 3 with --pp {cfg.pp} is not composed yet; use --zero 0-2")
     try:
         plan = plan_of(cfg)
         plan.check(model_config(cfg), global_rows(cfg), cfg.varlen)
@@ -132,8 +134,6 @@ def check_composed(cfg, world_size: int | None = None) -> None:
         raise ValueError(f"--dp {cfg.dp} --cp {cfg.cp} --ep {cfg.ep} --tp {cfg.tp} --pp "
                          f"{cfg.pp} --zero {cfg.zero} --microbatches {cfg.microbatches} "
                          f"--model {cfg.model}: {e}") from e
-    if cfg.pp > 1 and cfg.zero == 3:
-        raise ValueError(f"--zero 3 with --pp {cfg.pp} is not composed yet; use --zero 0-2")
 
 
 def psi_of(par) -> int:

@@ -69,8 +69,25 @@ def test_the_plan_refuses_bad_degrees_before_any_rank_starts():
         Plan(sequence_parallel=True)
     with pytest.raises(ValueError, match="cp_method must be one of"):
         Plan(cp=2, cp_method="ring")
-    with pytest.raises(ValueError, match="compress='fp16' .* needs zero = 0, got zero = 1"):
+    with pytest.raises(ValueError, match="compress='fp16' .* needs zero = 0, pp = 1 and ep = 1, "
+                                         "got zero = 1, pp = 1, ep = 1"):
         Plan(dp=2, zero=1, compress="fp16")
+    with pytest.raises(ValueError, match="compress='bf16' .* got zero = 0, pp = 2, ep = 1"):
+        Plan(dp=2, pp=2, compress="bf16")
+
+
+@pytest.mark.parametrize("plan, message", [
+    (Plan(pp=2, schedule="dualpipe_v", micro_batches=2),
+     r"schedule 'dualpipe_v' on pp = 2 with micro_batches = 2: DualPipeV needs m "
+     r"\(micro-batches\) >= 2p = 4"),
+    (Plan(pp=2, schedule="interleaved", micro_batches=3),
+     r"schedule 'interleaved' on pp = 2 with micro_batches = 3: .*multiple"),
+    (Plan(dp=2, pp=2, zero=3, micro_batches=2), r"zero = 3 with pp = 2 is not composed yet"),
+])
+def test_the_plan_refuses_what_a_schedule_rejects_before_any_rank_starts(plan, message):
+    cfg = ModelConfig(layers=4)
+    with pytest.raises(ValueError, match=message):
+        plan.check(cfg, rows=4)
 
 
 def test_every_layout_sees_the_same_tokens():

@@ -153,8 +153,8 @@ def apply_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls, compre
         return module, optimizer_cls(model.parameters(), **kwargs), module.no_sync
     if mesh.pp > 1:
         if zero > 2:
-            raise ValueError(f"zero = {zero} with pp > 1 is not composed yet (phase 2 of issue "
-                             "29); use zero 0, 1 or 2")
+            raise ValueError(f"zero = {zero} with pp > 1 is not composed yet; use zero 0, 1 "
+                             "or 2")
         optimizer = ZeroOptimizer(list(model.parameters()), optimizer_cls, stage=zero,
                                   group=group, **kwargs)
         return model, optimizer, contextlib.nullcontext
@@ -183,7 +183,7 @@ def apply_expert_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls,
         return model, optimizer_cls(model.parameters(), **kwargs), finish
     if zero == 3:
         raise ValueError("zero = 3 with ep > 1: ZeRO-3 over experts spread by expert "
-                         "parallelism is not composed yet (phase 2 of issue 29); use zero 0-2")
+                         "parallelism is not composed yet; use zero 0-2")
     for p in expert_parameters(model):  # averaged over R / ep ranks: a sum over R after this
         p.register_hook(lambda grad, ep=mesh.ep: grad / ep)
     optimizers = Optimizers(

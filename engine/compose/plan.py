@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.pp.registry import SCHEDULES
+from engine.pp.registry import SCHEDULES, build_schedule
 from engine.topology import check_mesh
 from engine.validation import one_of, positive_int
 
@@ -51,9 +51,10 @@ class Plan:
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel=True splits the sequence over the tensor-"
                              "parallel ranks: it needs tp > 1, got tp = 1")
-        if self.compress is not None and self.zero:
+        if self.compress is not None and (self.zero or self.pp > 1 or self.ep > 1):
             raise ValueError(f"compress={self.compress!r} compresses DDP's all-reduce: it needs "
-                             f"zero = 0, got zero = {self.zero}")
+                             f"zero = 0, pp = 1 and ep = 1, got zero = {self.zero}, "
+                             f"pp = {self.pp}, ep = {self.ep}")
 
     @property
     def world(self) -> int:
@@ -119,6 +120,14 @@ class Plan:
                              f"micro_batches = {self.micro_batches}")
         if self.pp > 1:
             one_of("schedule", self.schedule, tuple(SCHEDULES))
+            try:  # the schedule's own demands (DualPipeV: m >= 2p; interleaved: p divides m)
+                build_schedule(self.schedule, self.pp, self.micro_batches)
+            except ValueError as e:
+                raise ValueError(f"schedule {self.schedule!r} on pp = {self.pp} with "
+                                 f"micro_batches = {self.micro_batches}: {e}") from None
+            if self.zero == 3:
+                raise ValueError(f"zero = 3 with pp = {self.pp} is not composed yet; use zero "
+                                 "0, 1 or 2")
             chunks = self.pp * (SCHEDULES[self.schedule].chunks or 2)  # interleaved: 2 a rank
             if self.pp > cfg.layers:
                 raise ValueError(f"pp = {self.pp} pipeline stages need at least {self.pp} "

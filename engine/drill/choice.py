@@ -298,7 +298,7 @@ CHOICE = [
             "Fine: 32 is divisible by 16"), 0,
            "The all-to-all hands each rank a/N heads; KV heads too.",
            (C09, "Ulysses and its head constraint")),
-    # -- added for issue 31 --------------------------------------------------------------------
+    # -- more misconceptions -------------------------------------------------------------------
     Choice("zero-redundancy-optimizer", "zero",
            "A common answer calls PyTorch's ZeroRedundancyOptimizer ZeRO-1. Next to ZeRO-1's "
            "2(N-1)/N psi, what does each GPU send per step with it behind DDP?",

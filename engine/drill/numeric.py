@@ -383,7 +383,7 @@ def _zigzag_speedup(rng):
             "N blocks of (S/N)^2 against 2N+1 of (S/2N)^2: 4N/(2N+1).")
 
 
-# -- added for issue 31: every topic at least 15 items ---------------------------------------------
+# -- every topic at least 15 items ---------------------------------------------------------------
 
 def _reduce_scatter_bytes(rng):
     n, m = rng.choice([2, 4, 8, 16, 64]), rng.choice([64, 256, 1000])
@@ -695,7 +695,6 @@ NUMERIC = [
     Numeric("sp-activation-saving", "long context", _sp_activation_saving, unit="MB"),
     Numeric("causal-imbalance", "long context", _causal_imbalance, unit="x"),
     Numeric("zigzag-speedup", "long context", _zigzag_speedup, unit="x"),
-    # added for issue 31
     Numeric("reduce-scatter-bytes", "collectives", _reduce_scatter_bytes, unit="MB"),
     Numeric("all-to-all-bytes", "collectives", _all_to_all_bytes, unit="MB"),
     Numeric("tree-root-bytes", "collectives", _tree_root_bytes, unit="MB"),

@@ -34,7 +34,7 @@ from engine.launch import die_with_parent
 
 # The slowest exercise on the reference solutions (ch03.topk_error_feedback) took 6.5 s on a
 # busy 2-core CPU machine, ch00 and ch02.overlap_hook about 6 s, most under 3 s (measured with
-# run_checks, issue 31). The default leaves three times that, for slower machines.
+# run_checks). The default leaves three times that, for slower machines.
 SLOWEST_SOLUTION_S = 6.5
 DEFAULT_TIMEOUT_S = 20.0
 
