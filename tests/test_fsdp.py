@@ -296,3 +296,56 @@ def test_fp16_gradients_are_divided_around_the_sum_as_pytorchs(world_size):
         # at 3 ranks one element of the root's `scale` gradient rounds one 16-bit ulp apart,
         # as in bf16 (test_a_mixed_precision_policy_trains_as_pytorchs_does)
         assert _worst(ours, torchs) == 0.0 if world_size == 2 else _worst(ours, torchs) <= 1e-4
+
+
+class DictBlock(nn.Module):
+    """A block whose output is a dict: its parameters must survive until backward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.up = nn.Linear(7, 13)
+
+    def forward(self, x):
+        return {"h": torch.tanh(self.up(x)), "note": "not a tensor"}
+
+
+class DictNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = DictBlock()
+        torch.manual_seed(4)
+        self.inp, self.out = nn.Linear(7, 7), nn.Linear(13, 5)
+
+    def forward(self, x):  # inp first: backward needs the block's weight for inp's gradient
+        return self.out(self.block(self.inp(x))["h"])
+
+
+def _dict_net():
+    return DictNet()
+
+
+def _dict_grads(model, x, y):
+    nn.functional.mse_loss(model(x), y).backward()
+
+
+def _dict_output_on_rank(rank, world_size):
+    model, (x, y) = _dict_net(), _data()
+    fully_shard(model.block)
+    fully_shard(model)
+    mine = slice(rank * ROWS // world_size, (rank + 1) * ROWS // world_size)
+    _dict_grads(model, x[mine], y[mine])
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, \
+        {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def test_a_block_that_returns_a_dict_keeps_its_parameters_for_backward():
+    """The tensors of any output, however nested, tell the block a backward will come (a
+    dict's were missed: its gathered storage was freed, and backward failed)."""
+    reference, (x, y) = _dict_net(), _data()
+    _dict_grads(reference, x, y)
+    results = run_ranks(_dict_output_on_rank, 2)
+    for name, p in reference.named_parameters():
+        shards = [grads[name] for grads, _ in results]
+        whole = torch.cat(shards)[: p.shape[0]]  # dim-0 shards, the last one padded or short
+        assert (whole - p.grad).abs().max().item() <= 1e-6, name

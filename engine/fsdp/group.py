@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves  # how PyTorch's FSDP2 finds outputs too
 
 from engine.comm import ops
 from engine.fsdp.policy import MixedPrecisionPolicy
@@ -190,8 +191,10 @@ class ShardGroup:
         for p in self.params:
             p.point_at(p.shard)
         gathered = self.last
-        outputs = output if isinstance(output, (tuple, list)) else (output,)
-        needs_grad = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+        # every tensor of the output, however nested (dicts, dataclasses registered with
+        # torch's pytree, tuples): a backward through any of them needs the parameters again
+        needs_grad = [o for o in tree_leaves(output) if isinstance(o, torch.Tensor)
+                      and o.requires_grad]
         if not needs_grad:  # no backward will come: nothing to keep
             gathered.free()
         elif self.reshard_after_forward and not self.is_root:
