@@ -188,8 +188,11 @@ def _check(results: list[dict], faults: dict, verb: str) -> None:
 
 
 def _not_complete(directory: Path, kind: str) -> None:
+    """No manifest, no temporary file; a save that failed while serialising made no
+    directory at all."""
     assert not (directory / MANIFEST).exists()
-    assert not [p.name for p in directory.iterdir() if p.name.endswith(".tmp")]
+    if directory.exists():
+        assert not [p.name for p in directory.iterdir() if p.name.endswith(".tmp")]
     with pytest.raises(CheckpointError, match="manifest.json does not exist"):
         consolidate(directory) if kind == "sharded" else read_rank_state(directory, 0)
 
@@ -210,6 +213,32 @@ def test_a_failed_load_on_one_rank_reaches_every_rank(kind, tmp_path):
     for rank, found in enumerate(results):
         assert all(found[name][3] for name in LOAD_FAULTS), f"rank {rank} loaded a part"
         assert found["afterwards"], rank
+
+
+def _resave_that_cannot_serialise(rank, world_size, kind, root):
+    build, save, load = KINDS[kind]
+    directory = Path(root)
+    model, optimizer = build(rank, seed=0)
+    _step(model, optimizer)
+    save(directory, model, optimizer)  # a good checkpoint
+    saved = _params(model)
+    _step(model, optimizer)  # the run goes on; its next save into the same place fails
+    message, _ = _attempt(lambda: save(directory, model, optimizer), SAVE_FAULTS["serialise"],
+                          directory, rank)
+    fresh, fresh_optimizer = build(rank, seed=7)
+    load(directory, fresh, fresh_optimizer)
+    return message, torch.equal(_params(fresh), saved)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_save_that_cannot_serialise_leaves_the_earlier_checkpoint_whole(kind, tmp_path):
+    """Serialising is agreed before the old manifest is removed: a rank that cannot serialise
+    its state costs nothing already on disk (the old manifest, its files, still loadable)."""
+    results = run_ranks(_resave_that_cannot_serialise, 2, kind, tmp_path,
+                        timeout=PROCESS_GROUP_TIMEOUT_S)
+    for rank, (message, loaded_the_earlier) in enumerate(results):
+        assert message is not None and "torch.save failed (injected)" in message, message
+        assert loaded_the_earlier, f"rank {rank} could not load the earlier checkpoint"
 
 
 def failure_latencies(tmp_path) -> dict:

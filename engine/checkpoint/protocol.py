@@ -14,20 +14,24 @@ collective. PyTorch's distributed checkpoint wraps its steps the same way
 
 **Save** (:func:`save_files`), every rank writing one file, the manifest last::
 
-    1. serialise this rank's state; rank 0 makes the directory, removes an old manifest  agree
-    2. write this rank's file atomically                                                 agree,
+    1. serialise this rank's state                                                       agree
+    2. rank 0 makes the directory and removes an old manifest                            agree
+    3. write this rank's file atomically                                                 agree,
        sharing its name, SHA-256 and layout
-    3. rank 0 writes the manifest                                                        agree
+    4. rank 0 writes the manifest                                                        agree
 
 The manifest exists only once every file is in place, and a save that fails at any step
-leaves none: never a directory that looks complete.
+leaves none: never a directory that looks complete. A save that fails in step 1 (a rank
+cannot serialise) leaves the directory as it was: an earlier checkpoint there stays whole.
 
 **Load** (:func:`load_files`)::
 
     1. read this rank's file, verify it against the manifest, deserialise it              agree
     2. apply it to the model and the optimizer                                           agree
 
-So no rank changes its model unless every rank could read its file.
+So no rank changes its model unless every rank could read its file. A failure in step 2 (a
+rank that read its state but cannot apply it) is raised on every rank too, but the ranks that
+applied theirs have changed: load again, or restart.
 
 The agreements span the whole world (every rank calls a save or a load): a checkpoint that
 one part of the mesh cannot use is one the run cannot resume from.
@@ -125,8 +129,9 @@ def save_files(directory, prepare: Callable[[], RankFile],
     complete, or raises on every rank."""
     directory = Path(directory)
     first = dist.get_rank() == 0
-    with Agreement("save", directory):  # nobody writes while an old manifest could vouch
+    with Agreement("save", directory):  # a rank that cannot serialise leaves the old one be
         mine = prepare()
+    with Agreement("save", directory):  # nobody writes while an old manifest could vouch
         if first:  # from here until the new manifest is in place, the directory is incomplete
             directory.mkdir(parents=True, exist_ok=True)
             (directory / MANIFEST).unlink(missing_ok=True)
