@@ -100,3 +100,21 @@ def test_the_best_checkpoint_interval_is_youngs():
     assert means[young] <= 1.01 * min(means.values())  # Young's interval wastes < 1% more
     assert abs(theory.daly_checkpoint_interval(c, m) - young) / young < 0.1
     assert simulate_wall_time(100, 0, 1e12, 1000) == 1000  # no failure, free checkpoints
+
+
+def _failing_loss(model, step, rank):
+    raise RuntimeError("a bug in the loss (injected)")
+
+
+def test_an_error_in_the_loss_is_raised_not_taken_for_a_lost_peer():
+    """Only communication errors abort a round and retry it; the caller's own error surfaces
+    at once, with its message (it was retried ten times and reported as a failed step)."""
+    import torch.distributed as dist
+
+    from engine.ft.replica import FaultTolerantReplica
+
+    store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True)
+    model = _model()
+    replica = FaultTolerantReplica(store, 0, 1, model, _optimizer(model), deadline_s=1.0)
+    with pytest.raises(RuntimeError, match="a bug in the loss"):
+        replica.train_step(lambda step: _failing_loss(model, step, 0))

@@ -52,8 +52,8 @@ class QuorumGroup:
         self.pg, self.qid = None, None
 
     def average(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The mean of ``tensor`` over the quorum (a new tensor; the input is left intact, so
-        a failed attempt can be retried with it)."""
+        """The mean of ``tensor`` over the quorum, as a new tensor (the input is left
+        intact)."""
         out = tensor.detach().clone()
         self.pg.allreduce([out]).wait()
         self.allreduce_bytes += round(theory.ring_all_reduce_bytes(out.numel() * out.element_size(),

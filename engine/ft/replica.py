@@ -16,8 +16,9 @@ shape: reduce inside, then across). Per step (:meth:`FaultTolerantReplica.train_
    inside the group;
 5. **commit**: the step is applied only if every rank of every member finished (a two-phase
    commit on the store). A member that died mid-step makes the others' all-reduce raise or
-   its commit never come: the round is aborted and retried as attempt + 1 without it, on the
-   same gradients. No survivor restarts.
+   its commit never come: the round is aborted and retried as attempt + 1 without it (the
+   gradient of the same batch at the same parameters, computed again). No survivor restarts.
+   Only communication errors abort a round: an error in the caller's loss is raised at once.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ class FaultTolerantReplica:
             step, attempt = self.completed, 0
         else:
             step, attempt = self._open_round()
-        broken = False
+        broken, failure = False, None
         while True:
             quorum = self._decide(step, attempt, broken)
             step, attempt = quorum.step, quorum.attempt
@@ -109,15 +110,21 @@ class FaultTolerantReplica:
                     step, attempt = self._open_round(not_this=f"{step}.{attempt}")
                 continue
             average, ok = None, False
-            try:
+            try:  # the network: a peer may be gone while connecting or sending the state
                 self.group.use(quorum)
                 self._recover(quorum)
-                grad = self._gradient(loss_of_step, step)
-                if before_average is not None:
-                    before_average(step, quorum)
-                average, ok = self._average(grad), True
-            except RuntimeError:
+            except RuntimeError as e:
                 self.group.drop()
+                failure = e
+            else:  # the loss is the caller's code: an error there is raised, never retried
+                grad = self._gradient(loss_of_step, step)
+                try:
+                    if before_average is not None:
+                        before_average(step, quorum)
+                    average, ok = self._average(grad), True
+                except RuntimeError as e:  # a peer gone during the all-reduce
+                    self.group.drop()
+                    failure = e
             parties = [f"{m}.{r}" for m in quorum.members for r in range(self.group_size)]
             if commit_round(self.store, quorum, ok, f"{self.replica}.{self.local_rank}",
                             parties, self.deadline_s):
@@ -130,7 +137,7 @@ class FaultTolerantReplica:
             attempt, broken = attempt + 1, True
             if attempt >= self.max_attempts:
                 raise RuntimeError(f"replica {self.replica}: step {step} failed {attempt} "
-                                   "times in a row; giving up")
+                                   "times in a row; giving up") from failure
 
     # -- the parts of a step ----------------------------------------------------------------
 
