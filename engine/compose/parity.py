@@ -48,6 +48,14 @@ MODEL = ModelConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32, kv_heads
 # parameter still moves by about 3e-4, 300 times the tolerance, and the noise stays below it.
 STEPS, ROWS, LR, SEED = 3, 4, 1e-4, 0
 TOLERANCE = 1e-6
+# Adam's step m/sqrt(v) does not change when a gradient is multiplied by a constant (only eps
+# notices), so AdamW rows cannot see a gradient off by a factor: a tied embedding averaged
+# instead of summed over its two stages (x 0.5) moves the parameters by 1.8e-7 in 3 steps,
+# under the tolerance. Every row therefore runs once more with plain SGD, whose step is the
+# gradient itself: at lr 0.1 a gradient off by any factor moves its parameter by lr times the
+# error, far above 1e-6, while SGD adds no noise of its own to the rounding of the sums.
+SGD_LR = 0.1
+OPTIMIZERS = {"adamw": (torch.optim.AdamW, {"lr": LR}), "sgd": (torch.optim.SGD, {"lr": SGD_LR})}
 
 
 @dataclass(frozen=True)
@@ -59,11 +67,13 @@ class Row:
     tied: bool = True
     moe: bool = False
     layers: int = 2  # multi-chunk schedules: 4 (two chunks of one layer on each of 2 ranks)
+    optimizer: str = "adamw"  # or "sgd": sees a gradient off by a constant factor
 
     @property
     def name(self) -> str:
         return ("moe " if self.moe else "") + self.plan.name + \
-            ("" if self.tied else " untied") + (" varlen" if self.varlen else "")
+            ("" if self.tied else " untied") + (" varlen" if self.varlen else "") + \
+            ("" if self.optimizer == "adamw" else f" {self.optimizer}")
 
 
 def _p(**kw) -> Plan:
@@ -92,7 +102,9 @@ ROWS_PHASE_1 = [Row(plan, varlen) for varlen in (False, True) for plan in PHASE_
 COMPRESSED_ROWS = [Row(_p(dp=2, compress="fp16")), Row(_p(dp=2, compress="bf16")),
                    Row(_p(dp=2, tp=2, compress="fp16")), Row(_p(dp=2, cp=2, compress="bf16")),
                    Row(_p(dp=2, compress="powersgd:1")), Row(_p(dp=2, compress="topk:0.1"))]
-ALL_ROWS = ROWS_PHASE_1 + COMPRESSED_ROWS
+# Every layout without varlen once more with SGD (see OPTIMIZERS): the gradients themselves
+SGD_ROWS = [replace(row, optimizer="sgd") for row in ROWS_PHASE_1 if not row.varlen]
+ALL_ROWS = ROWS_PHASE_1 + SGD_ROWS + COMPRESSED_ROWS
 
 
 def adam_step_bound(t: int, beta1: float = 0.9, beta2: float = 0.999) -> float:
@@ -158,8 +170,9 @@ def run_layout(rank: int, world_size: int, row: Row, steps: int = STEPS) -> dict
     plan, cfg = row.plan, model_config(row)
     mesh = Mesh(dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp, ep=plan.ep)
     alone = single_rank_group() if row.moe else None  # every rank builds every expert
-    par = parallelize(GPT(cfg, seed=SEED, expert_group=alone), mesh, plan, torch.optim.AdamW,
-                      lr=LR)
+    optimizer_cls, kwargs = OPTIMIZERS[row.optimizer]
+    par = parallelize(GPT(cfg, seed=SEED, expert_group=alone), mesh, plan, optimizer_cls,
+                      **kwargs)
     with CommMeter(count="wire") as meter:
         losses = train(par, steps, ROWS, seed=SEED + 1, varlen=row.varlen)
     root = getattr(par.module, "root", None)
@@ -178,10 +191,12 @@ def parameter_bytes(par) -> int:
     return sum(p.numel() * p.element_size() for p in par.model.parameters())
 
 
-def reference(cfg: ModelConfig, varlen: bool, steps: int = STEPS) -> dict:
+def reference(cfg: ModelConfig, varlen: bool, steps: int = STEPS,
+              optimizer_name: str = "adamw") -> dict:
     """One process, no parallelism of any kind: the losses and the parameters."""
     model = GPT(cfg, seed=SEED)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    optimizer_cls, kwargs = OPTIMIZERS[optimizer_name]
+    optimizer = optimizer_cls(model.parameters(), **kwargs)
     losses, grad_l1 = [], 0.0
     for k in range(steps):
         batch = global_batch(k, ROWS, cfg.seq_len, cfg.vocab, SEED + 1, varlen)
@@ -204,7 +219,7 @@ def run_row(row: Row, steps: int = STEPS, timeout: float = 120) -> Result:
     row.plan.check(cfg, ROWS, row.varlen)
     ranks = launch(run_layout, row.plan.world, row, steps, backend="gloo", timeout=timeout,
                    quiet=True)
-    ref = reference(cfg, row.varlen, steps)
+    ref = reference(cfg, row.varlen, steps, row.optimizer)
     seconds = time.perf_counter() - start
     loss_diff = max(abs(a - b) for r in ranks for a, b in zip(r["losses"], ref["losses"],
                                                                strict=True))
