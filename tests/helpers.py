@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine import launch
+from engine.grading.isolated import descendants as engine_descendants
 
 RANK_TIMEOUT_S = 30  # per launch; each test also has pytest-timeout's limit around it
 CUDA_TIMEOUT_S = 180  # spawned ranks initialise CUDA first
@@ -75,28 +76,14 @@ def _under_nccl_rules(rank, world_size, fn, *args):
 
 
 def descendants(pid: int | None = None) -> list[int]:
-    """Pids of every process below ``pid`` (default: this one), zombies included, from /proc.
+    """Pids of every process below ``pid`` (default: this one), zombies included, from /proc
+    (:func:`engine.grading.isolated.descendants`).
 
     Python's own multiprocessing resource tracker (started once by any spawn) is not counted:
     it is a helper of this process that lives as long as it does, not a leftover rank.
     """
-    pid = os.getpid() if pid is None else pid
     tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        children.setdefault(int(fields[1]), []).append(int(entry.name))
-    found, stack = [], list(children.get(pid, []))
-    while stack:
-        p = stack.pop()
-        found.append(p)
-        stack.extend(children.get(p, []))
+    found = engine_descendants(os.getpid() if pid is None else pid)
     return [p for p in found if p != tracker]
 
 

@@ -16,8 +16,9 @@ expert data parallelism). Each rank differentiates ``local_sum * R / N``
   all-to-alls, so the rank holding the expert already has the sum over its ep group; what is
   missing is the other copies of the expert, on ``mesh.expert_dp_group`` (``R / ep`` ranks).
   Summing there and dividing by ``R`` gives ``sum / N``; averaging there, as a data-parallel
-  wrapper does, leaves it ``ep`` times too large, so :func:`scale_expert_gradients` divides
-  by ``ep`` first.
+  wrapper does, leaves it ``ep`` times too large, so :func:`engine.compose.parallelize.
+  parallelize` puts a hook on each expert parameter that divides its gradient by ``ep`` as
+  backward produces it.
 
 Routing is per rank (GShard's groups): with no token dropped (``capacity_factor >= E / k``)
 every token meets the same experts with the same gates whatever the layout, which is what
@@ -51,13 +52,6 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
 def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
     experts = {id(p) for p in expert_parameters(model)}
     return [p for p in model.parameters() if id(p) not in experts]
-
-
-def scale_expert_gradients(model: nn.Module, ep: int) -> None:
-    """Divide the experts' local gradients by ``ep`` (module docstring)."""
-    for p in expert_parameters(model):
-        if p.grad is not None:
-            p.grad.div_(ep)
 
 
 def reduce_gradients(model: nn.Module, mesh: Mesh) -> None:
