@@ -20,14 +20,15 @@ import torch
 import torch.distributed as dist
 
 from engine.comm import ops
+from engine.device import rank_device
 from engine.validation import positive_int, positive_number
 
 
 def gather_step_times(seconds: float, group=None) -> list[float]:
     """Every rank's ``seconds`` (this step's time), in group rank order."""
-    n = dist.get_world_size(group)
-    mine = torch.tensor([float(seconds)], dtype=torch.float64)
-    everyone = torch.empty(n, dtype=torch.float64)
+    n, device = dist.get_world_size(group), rank_device()  # NCCL moves only the rank's GPU's
+    mine = torch.tensor([float(seconds)], dtype=torch.float64, device=device)
+    everyone = torch.empty(n, dtype=torch.float64, device=device)
     ops.all_gather_into_tensor(everyone, mine, group=group)
     return everyone.tolist()
 
