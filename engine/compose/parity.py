@@ -22,6 +22,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from engine.comm import CommMeter
+from engine.comm.nccl_rules import nccl_rules
 from engine.compose.data import global_batch
 from engine.compose.loss import masked_sum
 from engine.compose.loop import train
@@ -30,7 +32,6 @@ from engine.compose.parallelize import parallelize
 from engine.compose.plan import Plan
 from engine.compose.state import dense_state
 from engine.compose.traffic import KINDS, bytes_by_kind, dp_formula
-from engine.comm import CommMeter
 from engine.zero import ZeroDataParallel
 
 # No bias on q, k, v: the key bias's gradient is exactly zero in exact arithmetic (each
@@ -173,7 +174,9 @@ def run_layout(rank: int, world_size: int, row: Row, steps: int = STEPS) -> dict
     optimizer_cls, kwargs = OPTIMIZERS[row.optimizer]
     par = parallelize(GPT(cfg, seed=SEED, expert_group=alone), mesh, plan, optimizer_cls,
                       **kwargs)
-    with CommMeter(count="wire") as meter:
+    # under NCCL's rules (engine.comm.nccl_rules) on Gloo too: every tensor handed to a
+    # collective is on the rank's device, as a GPU run of the same row needs
+    with nccl_rules(), CommMeter(count="wire") as meter:
         losses = train(par, steps, ROWS, seed=SEED + 1, varlen=row.varlen)
     root = getattr(par.module, "root", None)
     formula = dp_formula(parameter_bytes(par), mesh.dp_cp_size, plan.zero, steps,
