@@ -646,3 +646,6 @@ def daly_checkpoint_interval(checkpoint_s: float, mtbf_s: float) -> float:
         return mtbf_s
     x = checkpoint_s / (2 * mtbf_s)
     return young * (1 + math.sqrt(x) / 3 + x / 9) - checkpoint_s
+
+
+# -- chapter 12: precision and memory -----------------------------------------------------------

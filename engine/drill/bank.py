@@ -15,12 +15,15 @@ import os
 import random
 from pathlib import Path
 
+from engine.drill import long_context, moe_frontier, precision, slow_links, zero_bubble
 from engine.drill.choice import CHOICE
 from engine.drill.items import TOPICS, Question
 from engine.drill.numeric import NUMERIC
 from engine.drill.outline import OUTLINE
 
-BANK = NUMERIC + CHOICE + OUTLINE
+# The first bank, then the items of the later rounds, one module per subject.
+BANK = (NUMERIC + CHOICE + OUTLINE + zero_bubble.ITEMS + long_context.ITEMS + moe_frontier.ITEMS
+        + slow_links.ITEMS + precision.ITEMS)
 
 
 KINDS = ("numeric", "choice", "outline")

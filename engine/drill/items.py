@@ -12,7 +12,8 @@ from typing import Callable
 from engine.drill import answers
 
 TOPICS = ("collectives", "data parallel", "compression", "zero", "tensor parallel",
-          "pipeline", "3d and scale", "moe", "long context")
+          "pipeline", "3d and scale", "moe", "long context", "slow links and failures",
+          "precision and memory")
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ CHAPTER_TOPICS: dict[str, tuple[str, ...]] = {
     "ch00": ("collectives",), "ch01": ("collectives",), "ch02": ("data parallel",),
     "ch03": ("compression",), "ch04": ("zero",), "ch05": ("tensor parallel",),
     "ch06": ("pipeline",), "ch07": ("3d and scale",), "ch08": TOPICS,
-    "ch09": ("long context",), "ch10": ("moe",),
+    "ch09": ("long context",), "ch10": ("moe",), "ch11": ("slow links and failures",),
+    "ch12": ("precision and memory",),
 }
 _ITEMS = {item.item_id: item for item in BANK}
 
