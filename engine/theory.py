@@ -637,6 +637,18 @@ def young_checkpoint_interval(checkpoint_s: float, mtbf_s: float) -> float:
     return math.sqrt(2 * checkpoint_s * mtbf_s)
 
 
+def checkpoint_waste(interval_s: float, checkpoint_s: float, mtbf_s: float) -> float:
+    """The first-order share of wall time wasted when checkpointing every ``interval_s``
+    seconds of compute (Young, 1974): ``C/T`` writing checkpoints plus ``T/(2M)``, the half
+    interval of work lost per failure on average. Least at ``T = sqrt(2CM)``
+    (:func:`young_checkpoint_interval`), where it is ``sqrt(2C/M)``."""
+    from engine.validation import positive_number
+    positive_number("interval_s", interval_s)
+    positive_number("checkpoint_s", checkpoint_s)
+    positive_number("mtbf_s", mtbf_s)
+    return checkpoint_s / interval_s + interval_s / (2 * mtbf_s)
+
+
 def daly_checkpoint_interval(checkpoint_s: float, mtbf_s: float) -> float:
     """Daly's higher-order optimum (Daly, "A higher order estimate of the optimum checkpoint
     interval for restart dumps", FGCS 22(3), 2006, eq. 37): for ``C < 2M``,
