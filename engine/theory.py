@@ -383,6 +383,72 @@ def zb_h1_bubble_fraction(p: int, m: int, t_f: float, t_b: float, t_w: float) ->
     return idle / (m * (t_f + t_b + t_w) + idle)
 
 
+def zb_h2_bubble_time(p: int, t_f: float, t_b: float, t_w: float) -> float:
+    """Idle time of each stage under ZB-H2 (Qi et al., ICLR 2024, "Zero bubble schedule", and
+    the paper's table of bubble and peak memory per schedule): ``(p-1)(T_F + T_B - 2T_W)``,
+    ``T_B`` the input gradient alone; zero when ``T_F = T_B = T_W``. Derivation: stage ``s``
+    receives its first B after ``2(p-1-s)+1`` slots and fills them with forwards; in the tail
+    the last B's reach stage 0 one B per stage late, and stage ``s`` fills the ``2s`` slots by
+    running its W's ``2s`` backwards late. What is left per stage, measured within the stage's
+    own span (its first forward to its last W) or per step when steps follow each other with
+    no synchronised optimizer step (section 4, post-validation): ``p-1`` times the mismatch
+    ``T_F + T_B - 2T_W``. Exact (the simulator's :func:`engine.pp.zero_bubble.zb_h2` matches
+    it) when ``m >= 2p-1`` and ``T_W <= T_F, T_B``; other times are refused."""
+    _check_n(p)
+    _stage_times(t_f, t_b, t_w)
+    if t_w > min(t_f, t_b):
+        raise ValueError(f"the ZB-H2 formula holds for T_W <= T_F and T_W <= T_B (input "
+                         f"gradient); got T_F={t_f}, T_B={t_b}, T_W={t_w}")
+    return (p - 1) * (t_f + t_b - 2 * t_w)
+
+
+# Peak activations on the busiest pipeline rank, in M_B: one micro-batch's activations for
+# the rank's whole share of the model (both chunks of a V schedule together); the source of each.
+PEAK_ACTIVATIONS = {
+    "1f1b": ("p", "Narayanan et al. 2021 (PipeDream-Flush): p warm-up micro-batches on stage 0"),
+    "zb_h1": ("p", "Qi et al. 2024, ZB-H1: 1F1B's count on stage 0; holds when W keeps less "
+                   "than B (their Table 1: 32sbh against 34sbh + 5as^2b per layer)"),
+    "zb_h2": ("2p-1", "Qi et al. 2024, ZB-H2: 2p-1 warm-up forwards on stage 0"),
+    "zb_v": ("p", "Qi et al. 2024, section 6 (ZB-V): 2p chunk micro-batches of half a stage, "
+                  "1F1B's amount, on every rank"),
+    "dualpipe_v": ("p+1/2", "deepseek-ai/DualPipe README: PP+1 chunk micro-batches per device "
+                            "for PP = 2p chunk stages"),
+}
+
+
+def pipeline_peak_activations(schedule: str, p: int) -> float:
+    """Peak activations of the busiest rank (stage 0) under ``schedule`` (a key of
+    :data:`PEAK_ACTIVATIONS`), in units of ``M_B`` (see there): ``p`` for 1F1B, ZB-H1 and
+    ZB-V, ``2p-1`` for ZB-H2, ``p + 1/2`` for DualPipeV. Counted as micro-batches between F
+    and B; a split backward's W-stash (each linear layer's input and output gradient, held
+    from B to W) comes on top."""
+    from engine.validation import one_of
+
+    one_of("schedule", schedule, tuple(PEAK_ACTIVATIONS))
+    _check_n(p)
+    return {"1f1b": p, "zb_h1": p, "zb_h2": 2 * p - 1, "zb_v": p,
+            "dualpipe_v": p + 0.5}[schedule]
+
+
+def pipeline_p2p_hops(schedule: str, p: int, v: int = 2) -> int:
+    """Point-to-point messages between ranks per micro-batch per step: one activation forward
+    and one gradient backward at every boundary between two virtual stages on different
+    ranks. One chunk per rank (1F1B, ZB-H1, ZB-H2): ``2(p-1)``. A V (ZB-V, DualPipeV): ``2p``
+    virtual stages, whose middle boundary stays on rank ``p-1``: ``2(2p-2) = 4(p-1)``, twice
+    as many. Interleaved with ``v`` chunks: ``2(vp-1)``."""
+    from engine.validation import one_of
+
+    one_of("schedule", schedule, ("gpipe", "1f1b", "zb_h1", "zb_h2", "zb_v", "dualpipe_v",
+                                  "interleaved"))
+    _check_n(p)
+    if schedule in ("zb_v", "dualpipe_v"):
+        return 4 * (p - 1)
+    if schedule == "interleaved":
+        positive_int("v", v)
+        return 2 * (v * p - 1)
+    return 2 * (p - 1)
+
+
 # -- model size, compute and time at scale (chapters 07-08) -------------------------------------
 
 
@@ -496,6 +562,103 @@ def ulysses_bytes(seq: int, hidden: int, n: int, dtype_bytes: float = 2,
     return {"forward": forward, "backward": forward, "total": 2 * forward}
 
 
+def ulysses_sent_kv_heads(heads: int, kv_heads: int, n: int) -> int:
+    """KV heads that travel in Ulysses over ``n`` ranks: ``lcm(kv_heads, n)``. ``n`` must
+    divide the query heads (a rank takes whole query heads); when it does not divide
+    ``kv_heads`` each KV head is replicated ``lcm / kv_heads`` times so that every rank gets
+    the KV heads of its query heads (``kv_heads`` itself when ``n`` divides it)."""
+    _check_n(n)
+    if heads % n or heads % kv_heads:
+        raise ValueError(f"Ulysses needs n = {n} and kv_heads = {kv_heads} to divide the "
+                         f"{heads} query heads")
+    return math.lcm(kv_heads, n)
+
+
+def ulysses_beats_ring(heads: int, kv_heads: int, n: int) -> bool:
+    """Whether Ulysses sends fewer bytes per rank than the ring, from :func:`ulysses_bytes`
+    and :func:`ring_attention_bytes`: ``(N-1)/N^2 S (2 h_q + 2 h_kv') d < 2 (N-1)/N S h_kv d``,
+    that is ``h_q + h_kv' < N h_kv``. When ``n`` divides ``kv_heads`` (``h_kv' = h_kv``):
+    ``N > 1 + h_q / h_kv``. Llama-3-8B (32 query, 8 KV heads): only from N > 5."""
+    travelling = ulysses_sent_kv_heads(heads, kv_heads, n)
+    return n > 1 and heads + travelling < n * kv_heads
+
+
+def allgather_cp_bytes(seq: int, kv_hidden: int, n: int, dtype_bytes: float = 2
+                       ) -> dict[str, float]:
+    """Bytes each rank sends (and receives) per attention layer in all-gather context
+    parallelism (Llama 3, section 3.3.2; PyTorch ``context_parallel``'s default). Forward: one
+    all-gather of the rank's ``S/N`` tokens of K and V, ``(N-1)/N * 2 S kv_hidden``, the ring's
+    forward bytes. Backward: K/V gathered again and the whole-sequence dK/dV reduce-scattered,
+    twice the forward, as the ring."""
+    _check_n(n)
+    forward = (n - 1) / n * 2 * seq * kv_hidden * dtype_bytes
+    return {"forward": forward, "backward": 2 * forward, "total": 3 * forward}
+
+
+def usp_bytes(seq: int, heads: int, kv_heads: int, head_dim: int, ulysses: int, ring: int,
+              dtype_bytes: float = 2) -> dict[str, float]:
+    """Bytes each rank sends per attention layer in 2D attention ("USP", Fang & Zhao 2024):
+    Ulysses over ``ulysses`` ranks (:func:`ulysses_bytes` on the group's ``S/ring`` tokens,
+    ``lcm(kv_heads, ulysses)`` KV heads travelling) plus ring attention over ``ring`` groups
+    on ``heads/ulysses`` heads, each ring rank holding ``S/ring`` tokens
+    (:func:`ring_attention_bytes` with ``lcm / ulysses`` KV heads)."""
+    travelling = ulysses_sent_kv_heads(heads, kv_heads, ulysses)
+    uly = ulysses_bytes(seq / ring, heads * head_dim, ulysses, dtype_bytes,
+                        travelling * head_dim)
+    rng = ring_attention_bytes(seq, travelling // ulysses * head_dim, ring, dtype_bytes)
+    return {key: uly[key] + rng[key] for key in ("forward", "backward", "total")}
+
+
+CP_METHODS = ("ring", "ulysses", "allgather", "usp")
+
+
+def cp_memory_bytes(method: str, seq: int, heads: int, kv_heads: int, head_dim: int, n: int,
+                    dtype_bytes: float = 2, acc_bytes: float = 4, ulysses: int = 1
+                    ) -> dict[str, float]:
+    """The most bytes of sequence-sized working buffers a rank holds at once per attention
+    layer (besides its own ``S/N`` tokens of q, k, v and output), as :class:`engine.cp.buffers.
+    BufferCount` counts them; ``seq`` = batch x sequence tokens, ``acc_bytes`` the accumulation
+    dtype's size (4, or 8 for fp64 inputs).
+
+    * ``"ring"``: forward, the K/V block in use and the one arriving, ``2 x 2 (S/N) kv d``
+      (double buffering); backward, those two, this rank's own dK/dV and the step's share in
+      the accumulation dtype, and the travelling dK/dV accumulator's send and receive buffers
+      (``2 (S/N) kv d (b (3 + [N > 2]) + 2 acc)``; on 2 ranks the last step has no next block).
+    * ``"ulysses"`` (forward): whole-sequence q and output of ``heads/N`` heads, k and v of the
+      ``lcm(kv, N)/N`` travelling KV heads, ``S d (2 heads + 2 lcm) / N``; backward holds their
+      gradients, the same size (not counted by the engine: autograd holds them).
+    * ``"allgather"``: forward the whole K/V, ``2 S kv d b``; backward that, whole-sequence
+      dK/dV in the accumulation dtype (and its copy in the input dtype when narrower), and
+      the reduce-scattered ``2 (S/N) kv d``.
+    * ``"usp"`` (``n`` ranks, ``ulysses`` per group): forward the larger of the scattered q, k,
+      v (``S/r`` tokens, ``heads/u`` and ``2 lcm/u`` heads) and the ring's two K/V blocks on
+      them; backward the ring's backward on ``S/r`` tokens of ``lcm/u`` KV heads.
+    """
+    if method not in CP_METHODS:
+        raise ValueError(f"method must be one of {CP_METHODS}, got {method!r}")
+    _check_n(n)
+    b, acc, d = dtype_bytes, acc_bytes, head_dim
+    if method == "ring":
+        if n == 1:
+            return {"forward": 0, "backward": 0}
+        block = 2 * seq / n * kv_heads * d
+        return {"forward": 2 * block * b, "backward": block * (b * (3 + (n > 2)) + 2 * acc)}
+    if method == "ulysses":
+        travelling = ulysses_sent_kv_heads(heads, kv_heads, n)
+        size = seq * d * (2 * heads + 2 * travelling) / n * b
+        return {"forward": size, "backward": size}
+    if method == "allgather":
+        whole = 2 * seq * kv_heads * d
+        copy = whole * b if b != acc else 0
+        return {"forward": whole * b,
+                "backward": whole * b + whole * acc + copy + whole / n * b}
+    u, r = ulysses, n // ulysses
+    travelling = ulysses_sent_kv_heads(heads, kv_heads, u)
+    scattered = seq / r * d * (heads + 2 * travelling) / u * b
+    ring = cp_memory_bytes("ring", seq, heads // u, travelling // u, d, r, b, acc)
+    return {"forward": max(scattered, ring["forward"]), "backward": ring["backward"]}
+
+
 def ring_attention_flops(seq: int, n: int, rank: int, layout: str = "zigzag",
                          causal: bool = True, heads: int = 1, head_dim: int = 1,
                          batch: int = 1) -> float:
@@ -514,6 +677,30 @@ def ring_attention_flops(seq: int, n: int, rank: int, layout: str = "zigzag",
     else:
         pairs = (2 * n + 1) * (seq / (2 * n)) ** 2
     return 4 * batch * heads * head_dim * pairs
+
+
+def ring_critical_path(seq: int, n: int, layout: str = "zigzag", skip_masked: bool = True
+                       ) -> float:
+    """Query-key pairs on causal ring attention's critical path: the sum over the N lock-step
+    ring steps of the busiest rank's pairs. With ``c = S/(2N)``:
+
+    * ``skip_masked=True`` (FlashAttention-style kernels compute only the visible half of a
+      diagonal block): contiguous ``(4N-2) c^2 + c`` (N-1 full blocks of ``(2c)^2`` and one
+      diagonal), zig-zag ``2N c^2 + c`` (two sub-blocks per step): a speed-up tending to
+      ``2 - 1/N``; striped (Brandon et al. 2023) ``N (2c)(2c+1)/2``, about the zig-zag's;
+    * ``skip_masked=False`` (diagonal blocks computed whole and masked, as the engine does):
+      contiguous ``4N c^2``, zig-zag ``(2N+1) c^2`` (ratio ``4N/(2N+1)``), striped ``4N c^2``."""
+    _check_n(n)
+    if layout not in ("zigzag", "contiguous", "striped"):
+        raise ValueError(f"layout must be 'zigzag', 'contiguous' or 'striped', got {layout!r}")
+    c = seq / (2 * n)
+    if not skip_masked:
+        return (2 * n + 1) * c * c if layout == "zigzag" else 4 * n * c * c
+    if layout == "contiguous":
+        return (4 * n - 2) * c * c + c
+    if layout == "zigzag":
+        return 2 * n * c * c + c
+    return n * (2 * c) * (2 * c + 1) / 2
 
 
 # -- mixture of experts (chapter 10) ------------------------------------------------------------
@@ -578,6 +765,72 @@ def moe_forward_flops_per_token(layers: int, hidden: int, ffn_hidden: int, num_e
                         kv_hidden=kv_hidden, gated_ffn=gated_ffn)
     return 2 * counts["active"] + 2 * layers * seq_len * hidden
 
+
+
+def max_violation(load) -> float:
+    """MaxVio, the imbalance of one batch's expert loads: ``max_i load_i / mean_i load_i - 1``
+    (Wang et al., "Auxiliary-loss-free load balancing strategy for mixture-of-experts", 2024,
+    eq. 4; DeepSeek-V3 plots it). 0 is perfect balance; 1: the busiest expert does twice the
+    mean work, so under expert parallelism its rank takes about twice as long."""
+    load = [float(x) for x in load]
+    mean = sum(load) / len(load)
+    if mean <= 0:
+        raise ValueError(f"max_violation needs some load, got {load}")
+    return max(load) / mean - 1
+
+
+def fine_grained(ffn_hidden: int, num_experts: int, top_k: int, split: int) -> dict[str, int]:
+    """Fine-grained experts (Dai et al., "DeepSeekMoE", 2024, section 3.1): each expert cut into
+    ``split`` smaller ones (``ffn_hidden / split`` wide), ``split`` times as many experts and a
+    top-k ``split`` times as large. Parameters and FLOPs per token stay the same; the number of
+    expert combinations a token can use, ``C(E, k)``, grows enormously."""
+    if split < 1 or ffn_hidden % split:
+        raise ValueError(f"split = {split} must be a positive divisor of ffn_hidden = "
+                         f"{ffn_hidden}")
+    return {"ffn_hidden": ffn_hidden // split, "num_experts": num_experts * split,
+            "top_k": top_k * split,
+            "combinations": math.comb(num_experts * split, top_k * split)}
+
+
+def mla_attention_params(hidden: int = 7168, heads: int = 128, q_lora_rank: int = 1536,
+                         kv_lora_rank: int = 512, qk_nope_dim: int = 128, qk_rope_dim: int = 64,
+                         v_head_dim: int = 128) -> int:
+    """Parameters of one multi-head latent attention layer (DeepSeek-V2, 2024, section 2.1;
+    DeepSeek-V3 keeps it), as the released model's weights are laid out: queries through a
+    rank-``q_lora_rank`` bottleneck (down, its RMSNorm, up to ``heads`` x (nope + rope)); keys
+    and values from one ``kv_lora_rank`` latent plus a shared rope key (down, its RMSNorm, up
+    to ``heads`` x (nope + v)); the output projection ``heads v -> h``. Defaults: DeepSeek-V3."""
+    q = hidden * q_lora_rank + q_lora_rank + q_lora_rank * heads * (qk_nope_dim + qk_rope_dim)
+    kv = (hidden * (kv_lora_rank + qk_rope_dim) + kv_lora_rank
+          + kv_lora_rank * heads * (qk_nope_dim + v_head_dim))
+    return q + kv + heads * v_head_dim * hidden
+
+
+def deepseek_moe_params(layers: int = 61, dense_layers: int = 3, hidden: int = 7168,
+                        dense_ffn: int = 18432, moe_ffn: int = 2048, routed: int = 256,
+                        shared: int = 1, top_k: int = 8, vocab: int = 129280,
+                        attention: int | None = None) -> dict[str, float]:
+    """Total and active parameters of a DeepSeekMoE decoder (DeepSeek-V3 by default, from its
+    published configuration: 61 layers, the first 3 dense with a SwiGLU MLP of 18432, the
+    others 1 shared + 256 routed SwiGLU experts of 2048, top-8, a router of ``E h`` weights and
+    ``E`` balancing biases, multi-head latent attention (:func:`mla_attention_params`), two
+    RMSNorms a layer, untied embeddings of 129280; the multi-token-prediction module is not
+    counted). ``active`` counts both embedding tables; ``active_compute`` leaves out the input
+    embedding, a row lookup that does no multiply. DeepSeek-V3 publishes 671 B total, 37 B
+    activated."""
+    attn = mla_attention_params(hidden) if attention is None else attention
+    expert = 3 * hidden * moe_ffn
+    common = attn + 2 * hidden
+    dense = common + 3 * hidden * dense_ffn
+    router = routed * hidden + routed
+    moe_total = common + router + (shared + routed) * expert
+    moe_active = common + router + (shared + top_k) * expert
+    embeddings = 2 * vocab * hidden + hidden  # input, output, final norm
+    sparse = layers - dense_layers
+    total = dense_layers * dense + sparse * moe_total + embeddings
+    active = dense_layers * dense + sparse * moe_active + embeddings
+    return {"total": total, "active": active, "active_compute": active - vocab * hidden,
+            "attention": attn, "expert": expert}
 
 # -- chapter 11: training across slow links and failures --------------------------------------
 
@@ -661,6 +914,18 @@ def daly_checkpoint_interval(checkpoint_s: float, mtbf_s: float) -> float:
 
 
 # -- chapter 12: precision and memory -----------------------------------------------------------
+
+
+def selective_activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int,
+                                         tp: int = 1, sequence_parallel: bool = True) -> float:
+    """Activation bytes per layer per GPU with selective recomputation (Korthikanti et al.,
+    MLSys 2023, section 5 and table 2): the attention core's ``5 a s^2 b / t`` is recomputed,
+    the rest kept: ``34 s b h / t`` with sequence parallelism, ``s b h (10 + 24/t)`` without;
+    both ``34 sbh`` at ``t = 1``. (No recomputation: :func:`activation_bytes_per_layer`; full:
+    its ``recompute=True``, ``2 sbh``.)"""
+    _check_n(tp)
+    s, b, h, t = seq_len, micro_batch, hidden, tp
+    return 34 * s * b * h / t if sequence_parallel else s * b * h * (10 + 24 / t)
 
 
 def mixed_precision_bytes_per_parameter(low_bytes: int = 2, master_gradient: bool = True,

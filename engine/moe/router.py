@@ -12,13 +12,27 @@ routed together (:func:`engine.theory.expert_capacity`). Assignments claim slots
 priority order: every token's first choice, in token order, then every second choice, and so
 on (GShard, section 2.2). An assignment that finds its expert full is **dropped**: it
 contributes nothing, and a token whose every assignment is dropped leaves the layer as zeros,
-so the block's residual connection carries it through unchanged.
+so the block's residual connection carries it through unchanged. Capacity bounds the work
+(and the buffers) of the busiest expert; the shapes need not be fixed, since the dispatch
+exchanges counts first and sends uneven splits (:mod:`engine.moe.dispatch`).
+
+**Dropless** (``capacity_factor=None``): every assignment is kept, and each expert runs on
+however many rows it received, as GPU MoE training usually does (Gale et al., "MegaBlocks",
+MLSys 2023; Megatron-Core's dropless MoE; DeepSeek-V3, section 2.1.2: it "does not drop any
+tokens").
+
+**Aux-loss-free bias** (``bias``): added to the probabilities only to choose the experts, the
+gates stay unbiased (:mod:`engine.moe.balance`, DeepSeek-V3 section 2.1.2).
 
 **Losses.** The load-balancing loss (Switch, eq. 4) is ``alpha E sum_i f_i P_i``: ``f_i`` the
 fraction of assignments routed to expert i, ``P_i`` the mean router probability of expert i.
-Only ``P`` carries a gradient; the loss is smallest, ``alpha``, when both are uniform. The
-router z-loss (Zoph et al., "ST-MoE", 2022, eq. 5) is the mean squared log-sum-exp of the
-logits: it keeps them small, where the softmax is numerically tame.
+Only ``P`` carries a gradient. It equals ``alpha`` when both are uniform, but uniform is not
+its minimum: it is a heuristic whose gradient pushes probability away from busy experts
+(two experts, three top-1 tokens with probabilities (0.51, 0.49), (0.51, 0.49), (0, 1) give
+``0.893 alpha``: f = (2/3, 1/3), P = (0.34, 0.66)). DeepSeek-V3's sequence-wise variant
+(eq. 17-20) is the same loss per sequence (:func:`sequence_balance_loss`). The router z-loss
+(Zoph et al., "ST-MoE", 2022, eq. 5) is the mean squared log-sum-exp of the logits: it keeps
+them small, where the softmax is numerically tame.
 """
 
 from __future__ import annotations
@@ -29,17 +43,20 @@ import torch
 import torch.nn.functional as F
 
 from engine import theory
+from engine.moe.balance import biased_top_k
 from engine.validation import positive_int, positive_number
 
 
-def check_routing(num_experts: int, top_k: int, capacity_factor: float) -> None:
-    """A ValueError naming the bad value, for any argument the router cannot work with."""
+def check_routing(num_experts: int, top_k: int, capacity_factor: float | None) -> None:
+    """A ValueError naming the bad value, for any argument the router cannot work with
+    (``capacity_factor=None``: dropless)."""
     positive_int("num_experts", num_experts)
     positive_int("top_k", top_k)
     if top_k > num_experts:
         raise ValueError(f"top_k = {top_k} is larger than num_experts = {num_experts}: a token "
                          "cannot go to more experts than there are")
-    positive_number("capacity_factor", capacity_factor)
+    if capacity_factor is not None:
+        positive_number("capacity_factor", capacity_factor)
 
 
 @dataclass
@@ -51,7 +68,7 @@ class Routing:
     keep: torch.Tensor  # [T, k] bool: the assignment got a slot (False: dropped)
     slot: torch.Tensor  # [T, k] int64: its place in the expert's queue, in priority order
     probs: torch.Tensor  # [T, E]: the router's softmax (differentiable)
-    capacity: int  # slots per expert
+    capacity: int | None  # slots per expert (None: dropless, no limit)
 
     @property
     def num_experts(self) -> int:
@@ -64,7 +81,7 @@ class Routing:
 
     @property
     def load(self) -> torch.Tensor:
-        """[E]: assignments each expert processes (at most ``capacity``)."""
+        """[E]: assignments each expert processes (at most ``capacity``, if any)."""
         return torch.bincount(self.expert[self.keep], minlength=self.num_experts)
 
     @property
@@ -77,19 +94,22 @@ class Routing:
         return self.dropped / max(self.keep.numel(), 1)
 
 
-def route(logits: torch.Tensor, top_k: int, capacity_factor: float) -> Routing:
-    """Route ``T`` tokens from their router logits ``[T, E]`` (see the module docstring)."""
+def route(logits: torch.Tensor, top_k: int, capacity_factor: float | None,
+          bias: torch.Tensor | None = None) -> Routing:
+    """Route ``T`` tokens from their router logits ``[T, E]`` (see the module docstring).
+    ``capacity_factor=None`` drops nothing; ``bias`` [E] shifts the choice, not the gates."""
     tokens, num_experts = logits.shape
     check_routing(num_experts, top_k, capacity_factor)
     probs = logits.softmax(dim=-1)
-    top, expert = probs.topk(top_k, dim=-1)
-    gate = top / top.sum(dim=-1, keepdim=True) if top_k > 1 else top
-    capacity = theory.expert_capacity(tokens, num_experts, top_k, capacity_factor)
+    expert, gate = biased_top_k(probs, bias, top_k)
     # Priority order: all first choices (token order), then all second choices, ...
     in_priority_order = expert.T.reshape(-1)
     claimed = F.one_hot(in_priority_order, num_experts).cumsum(dim=0)
     slot = claimed.gather(1, in_priority_order[:, None]).squeeze(1) - 1
     slot = slot.view(top_k, tokens).T
+    if capacity_factor is None:
+        return Routing(expert, gate, torch.ones_like(slot, dtype=torch.bool), slot, probs, None)
+    capacity = theory.expert_capacity(tokens, num_experts, top_k, capacity_factor)
     return Routing(expert, gate, slot < capacity, slot, probs, capacity)
 
 
@@ -111,3 +131,18 @@ def load_balancing_loss(probs: torch.Tensor, expert: torch.Tensor, alpha: float 
 def router_z_loss(logits: torch.Tensor, coef: float = 1e-3) -> torch.Tensor:
     """ST-MoE's router z-loss (eq. 5): ``coef * mean_t (log sum_i exp logits[t, i])^2``."""
     return coef * logits.logsumexp(dim=-1).square().mean()
+
+
+def sequence_balance_loss(probs: torch.Tensor, expert: torch.Tensor, alpha: float,
+                          sequences: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss (eq. 17-20): :func:`load_balancing_loss` over
+    each of ``sequences`` equal runs of consecutive tokens of ``probs`` [T, E] and ``expert``
+    [T, k], averaged over the sequences. DeepSeek-V3 keeps ``alpha`` tiny (1e-4) beside its
+    bias. ``sequences = 1`` is the Switch loss over all T tokens."""
+    tokens = probs.shape[0]
+    if sequences < 1 or tokens % sequences:
+        raise ValueError(f"sequences = {sequences} must be a positive divisor of the {tokens} "
+                         "tokens routed together")
+    per = [load_balancing_loss(p, e, alpha)
+           for p, e in zip(probs.chunk(sequences), expert.chunk(sequences))]
+    return torch.stack(per).mean()
