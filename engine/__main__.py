@@ -1,5 +1,11 @@
 """``python -m engine <command>``. Commands: ``train`` (the GPT on a dp x tp x pp mesh) and
-``drill`` (the interview drill)."""
+``drill`` (the interview drill).
+
+:func:`main` is the commands as Python calls them (a notebook, a test): a failed launch raises.
+:func:`command_line` is what the shell runs: there the lab's deliberate kill of a rank
+(``train --kill-at-step K``) ends with what happened and what to do, no traceback
+(:func:`engine.train_endings.killed_on_purpose`); any other failure keeps its traceback.
+"""
 
 from __future__ import annotations
 
@@ -21,5 +27,29 @@ def main(argv=None) -> int:
     return module.main(argv[1:])
 
 
+def command_line(argv=None) -> int:
+    """:func:`main` as ``python -m engine`` runs it; its exit code."""
+    from engine.launch import RankDiedError
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return main(argv)
+    except RankDiedError as error:
+        if argv[:1] != ["train"]:
+            raise
+        from engine.launch import LaunchEnv
+        from engine.train import parse
+        from engine.train_endings import KILLED_EXIT, killed_on_purpose
+
+        cfg, args, _ = parse(argv[1:])
+        world = args.world_size or cfg.world_size
+        said = None if LaunchEnv.read().under_torchrun else \
+            killed_on_purpose(error, cfg, world, argv[1:])
+        if said is None:
+            raise  # a rank that died unexpectedly: its traceback is the evidence
+        print(said, file=sys.stderr, flush=True)
+        return KILLED_EXIT
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command_line())

@@ -8,6 +8,10 @@ says what happened and what to do next, instead of a traceback.
 * **A lost peer** under torchrun (:func:`lost_peer`): each surviving rank prints the one
   :class:`engine.elastic.PeerLostError` line, which names the ranks that are gone, and the
   log file where it wrote the full traceback; torchrun's failure summary shows the same line.
+* **The lab's kill** (``--kill-at-step K`` outside torchrun, :func:`killed_on_purpose`): the
+  rank killed on purpose, at which step, what an elastic run would do instead and the command
+  that resumes here; exit code 137 (a shell's for SIGKILL, as the killed rank got). Any other
+  death of a rank keeps its ``RankDiedError`` traceback.
 * **A refused start** (``--save DIR`` already holds checkpoints, a bad flag) and **nothing to
   do** (``--resume`` from a checkpoint that holds every step): one line on the console, and
   under torchrun in the agent's failure summary too (:func:`tell_torchrun`).
@@ -26,6 +30,9 @@ from engine import checkpoints
 from engine.launch import LaunchEnv
 
 INTERRUPTED_EXIT = 130  # what a shell reports for a process ended by SIGINT
+KILLED_EXIT = 137  # what a shell reports for a process ended by SIGKILL (128 + 9)
+# what engine.elastic.kill_point prints on the rank it is about to kill
+KILL_SAID = "killed by --kill-at-step"
 # flags a resumed run drops: the lab's kill would strike again outside torchrun
 ONE_SHOT_FLAGS = ("--kill-at-step", "--kill-rank")
 
@@ -75,6 +82,37 @@ def interrupted(cfg, argv: list[str], step: int | None, under_torchrun: bool = F
                 f"start again with: {resume_command(argv, under_torchrun)}")
     return (f"stopped by Ctrl-C {where}; the newest complete checkpoint: {newest}; resume "
             f"with: {resume_command(argv, under_torchrun)}")
+
+
+def killed_on_purpose(error: BaseException, cfg, world: int, argv: list[str]) -> str | None:
+    """What a local run (no torchrun) says when ``error`` is the lab's own kill: a
+    :class:`~engine.launch.RankDiedError` of the rank ``--kill-rank`` names (default: the last),
+    killed by SIGKILL after saying so. None for any other failure, which keeps its traceback."""
+    from engine.launch import RankDiedError
+
+    if cfg.kill_at_step is None or not isinstance(error, RankDiedError):
+        return None
+    rank = world - 1 if cfg.kill_rank is None else cfg.kill_rank
+    said = error.outputs.get(rank, "")
+    if error.ranks != [rank] or "by signal SIGKILL" not in str(error) or \
+            f"rank {rank}: {KILL_SAID} {cfg.kill_at_step} " not in said:
+        return None
+    newest = checkpoints.latest(cfg.save) if cfg.save is not None else None
+    if cfg.save is None:
+        restart = "start over at step 1 (this run had no --save DIR, so no checkpoint)"
+        here = "nothing to resume: a new run starts at step 1"
+    elif newest is None:
+        restart = f"start over at step 1 (no complete checkpoint in {cfg.save} yet)"
+        here = f"start again with: {resume_command(argv, under_torchrun=False)}"
+    else:
+        restart = f"continue from the newest complete checkpoint, {newest}"
+        here = f"resume here with: {resume_command(argv, under_torchrun=False)}"
+    return (f"rank {rank} was killed on purpose by --kill-at-step {cfg.kill_at_step} (a lab "
+            f"option), after step {cfg.kill_at_step} of {cfg.steps}; a local run has no agent "
+            f"to restart it, so the run stopped (exit code {KILLED_EXIT}).\n"
+            "Under torchrun with --max-restarts 1 or more and --resume (an elastic run: "
+            "docs/lab.md, \"Elastic restarts\"), the agent would restart every rank and "
+            f"{restart}.\n{here}")
 
 
 def lost_peer(error: BaseException, rank: int) -> int:
