@@ -1,4 +1,5 @@
-"""Precision: mixed precision with loss scaling, and FP8 numerics (chapter 12).
+"""Precision and memory: mixed precision with loss scaling, FP8 numerics, activation
+recomputation measured (chapter 12).
 
 The layers, bottom first::
 
@@ -7,6 +8,8 @@ The layers, bottom first::
     fp8           quantize with per-tensor / per-row / DeepSeek-V3 tile scales; fp8_matmul
     fp8_comm      an FP8 all-gather through engine.comm.ops (half of bf16's bytes)
     fp8_linear    Fp8Linear (E4M3 forward, E5M2 gradients); the tiny GPT trained in FP8
+    recompute     activation checkpointing (none, full, selective, a memory budget): bytes
+                  saved for backward and FLOPs counted (import engine.precision.recompute)
 """
 
 from engine.precision.fp8 import (FORMATS, SCALINGS, TILE, dequantize, fp8_matmul,
