@@ -20,6 +20,10 @@ written (``os.replace`` of a directory is atomic on one filesystem). So a crash 
 leaves only a temporary directory, which :func:`latest` ignores and the next save removes:
 a ``step-*`` directory is always complete. Only the newest ``keep`` are kept.
 
+**Asynchronous** (``--async-save``, :class:`AsyncSaver`): the step waits only for a copy of
+the state in host memory; the same write then runs in a background thread, and a crash
+during it leaves the previous checkpoint the newest complete one.
+
 On several nodes ``DIR`` must be one filesystem every node sees (NFS, Lustre): each rank
 writes its own shard there and rank 0 renames the whole.
 """
@@ -29,14 +33,17 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import torch.distributed as dist
 
 from engine.checkpoint.files import MANIFEST, CheckpointError, write_json
-from engine.checkpoint.per_rank import load_per_rank, save_per_rank
+from engine.checkpoint.per_rank import load_per_rank, per_rank_snapshot
 from engine.checkpoint.protocol import finish_on_first
-from engine.zero.checkpoint import load_sharded, save_sharded
+from engine.checkpoint.snapshot import Snapshot, save_snapshot, take_agreed
+from engine.zero.checkpoint import load_sharded, sharded_snapshot
 
 TRAINER = "trainer.json"
 _STEP = re.compile(r"step-(\d{8})")
@@ -78,15 +85,27 @@ def save(root, step: int, strategy, trainer: dict, keep: int) -> Path:
     """Write checkpoint ``step`` of ``strategy`` (an :class:`engine.strategy.Strategy`) under
     ``root``; ``trainer``: what ``trainer.json`` records besides the step. Keeps the newest
     ``keep``. Call on every rank; returns once the checkpoint is in place."""
+    return write(root, step, lambda: snapshot(strategy), trainer, keep)
+
+
+def snapshot(strategy, host: bool = False) -> Snapshot:
+    """This rank's part of a checkpoint of ``strategy``, taken now (copied into host memory
+    with ``host``): what :func:`write` writes."""
+    if strategy.per_rank_checkpoint:
+        return per_rank_snapshot(strategy.model, strategy.optimizer, host=host)
+    return sharded_snapshot(strategy.model, strategy.optimizer, mesh=strategy.mesh, host=host)
+
+
+def write(root, step: int, taken, trainer: dict, keep: int, group=None) -> Path:
+    """Write checkpoint ``step`` from ``taken`` (this rank's :class:`Snapshot`, or the
+    function that takes it) under ``root``, atomically, keeping the newest ``keep``; the
+    ranks agree on ``group`` (default: the world). Call on every rank."""
     final = step_dir(root, step)
     temporary = final.with_name(f".{final.name}.tmp")
     if dist.get_rank() == 0:
         shutil.rmtree(temporary, ignore_errors=True)  # a save that died before
     # each save lines every rank up before anyone writes, and again once all is written
-    if strategy.per_rank_checkpoint:
-        save_per_rank(temporary, strategy.model, strategy.optimizer)
-    else:
-        save_sharded(temporary, strategy.model, strategy.optimizer, mesh=strategy.mesh)
+    save_snapshot(temporary, taken, group=group)
 
     def finish() -> None:  # on rank 0; every rank returns once it is done, or raises
         write_json(temporary / TRAINER, {"step": step, **trainer})
@@ -97,8 +116,63 @@ def save(root, step: int, strategy, trainer: dict, keep: int) -> Path:
         temporary.rename(final)
         _prune(Path(root), keep)
 
-    finish_on_first(temporary, finish)
+    finish_on_first(temporary, finish, group=group)
     return final
+
+
+class AsyncSaver:
+    """``engine train --save DIR --async-save``: each save blocks the step only while this rank
+    copies its state into host memory (:func:`snapshot` with ``host``); a background thread
+    then writes it by the same protocol as :func:`save` (files written atomically, the
+    manifest, ``trainer.json``, the rename into ``step-NNNNNNNN``), agreeing on a Gloo group
+    of its own, so that its collectives never interleave with the training's on the world's.
+
+    One write at a time: a save first waits for the previous write (so at most one snapshot
+    sits in host memory) and :meth:`wait` (at the end of training) for the last. A write's
+    error is raised there, on every rank. A crash during a write leaves only the temporary
+    directory, so the previous checkpoint stays the newest complete one (:func:`latest`).
+
+    ``blocked_s``: for each save, the seconds the step was held (waiting for the previous
+    write, then the snapshot); ``written_s``: each background write's seconds."""
+
+    def __init__(self):
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.group = None
+        self.blocked_s: list[float] = []
+        self.written_s: list[float] = []
+
+    def save(self, root, step: int, strategy, trainer: dict, keep: int) -> None:
+        """Snapshot ``strategy`` now, write checkpoint ``step`` in the background. Call on
+        every rank, at the same step."""
+        start = time.perf_counter()
+        self.wait()
+        if self.group is None:  # every rank creates it here, at the same save
+            self.group = dist.new_group(backend="gloo")
+        temporary = step_dir(root, step).with_name(f".step-{step:08d}.tmp")
+        taken = take_agreed(temporary, lambda: snapshot(strategy, host=True))
+        self.blocked_s.append(time.perf_counter() - start)
+        self.thread = threading.Thread(target=self._write, name=f"checkpoint-{step}",
+                                       args=(root, step, taken, dict(trainer), keep),
+                                       daemon=True)
+        self.thread.start()
+
+    def _write(self, root, step: int, taken: Snapshot, trainer: dict, keep: int) -> None:
+        start = time.perf_counter()
+        try:
+            write(root, step, taken, trainer, keep, group=self.group)
+        except BaseException as e:  # raised in the training thread, by wait()
+            self.error = e
+        self.written_s.append(time.perf_counter() - start)
+
+    def wait(self) -> None:
+        """Return once the last write is done; raise its error if it failed."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
 
 
 def _prune(root: Path, keep: int) -> None:

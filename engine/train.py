@@ -88,6 +88,7 @@ class TrainConfig:
     save: str | None = None
     save_every: int | None = None
     keep: int = 2
+    async_save: bool = False
     resume: bool = False
     reshard: bool = False
     timeout: float = 300.0
@@ -223,6 +224,11 @@ def parser() -> argparse.ArgumentParser:
                                     "last)")
     checkpointing.add_argument("--keep", type=int, default=d.keep, metavar="N",
                                help="keep the newest N checkpoints (default: %(default)s)")
+    checkpointing.add_argument("--async-save", action="store_true",
+                               help="block the step only while the state is copied to host "
+                                    "memory, and write it in a background thread; the next "
+                                    "save and the run's end wait for the write "
+                                    "(default: %(default)s)")
     checkpointing.add_argument("--resume", action="store_true",
                                help="continue from the newest complete checkpoint in --save "
                                     "(none yet: start at step 0, so a torchrun restart can "

@@ -31,14 +31,16 @@ def check_compress(cfg) -> None:
 
 
 def check_checkpointing(cfg) -> None:
-    """--seed, --timeout, --save/--save-every/--keep/--resume/--reshard and the lab's kill."""
+    """--seed, --timeout, --save/--save-every/--keep/--async-save/--resume/--reshard and the
+    lab's kill."""
     non_negative_int("--seed", cfg.seed)
     positive_number("--timeout", cfg.timeout)
     positive_int("--keep", cfg.keep)
     if cfg.save_every is not None:
         positive_int("--save-every (steps between checkpoints)", cfg.save_every)
     for flag, value in (("--save-every", cfg.save_every), ("--resume", cfg.resume),
-                        ("--reshard", cfg.reshard)):
+                        ("--reshard", cfg.reshard),
+                        ("--async-save", getattr(cfg, "async_save", False))):
         if value is not None and value is not False and cfg.save is None:
             raise ValueError(f"{flag} needs --save DIR, the directory of the run's checkpoints")
     if cfg.reshard and not cfg.resume:

@@ -203,14 +203,15 @@ def run_implementations(cfg, resume_from: ResumePoint | None, progress_fd: int |
                 if impl == "engine" else {}
         if hasattr(strategy, "moe_stats"):  # expert parallelism: its own gradient rule
             formulas = moe_traffic_formulas(strategy, cfg)
-        run, first_step, losses = train(strategy, cfg, inputs, labels,
-                                        resume_from if impl == "engine" else None, progress_fd,
-                                        step_file)
+        run, first_step, losses, blocked_s = train(
+            strategy, cfg, inputs, labels, resume_from if impl == "engine" else None,
+            progress_fd, step_file)
         offset = clock_offset(device)  # each rank's events on rank 0's clock (several nodes)
         out[impl] = {"first_step": first_step, "run_losses": losses,
             "name": strategy.name, "coords": mesh.coords, "device_type": device.type,
             "step_s": run.step_s, "compute_s": run.compute_s, "losses": run.losses,
             "traffic": run.traffic, "counted": run.counted, "formulas": formulas,
+            "save_blocked_s": blocked_s,
             "psi": strategy.psi, "memory_formula": memory_formula(strategy, cfg),
             "state": strategy.state_bytes(),
             "activations": run.last.peak_activation_bytes,
@@ -240,9 +241,10 @@ def start(strategy, cfg, point: ResumePoint | None) -> tuple[int, list[float]]:
 
 def train(strategy, cfg, inputs, labels, point: ResumePoint | None = None,
           progress_fd: int | None = None, step_file: str | None = None
-          ) -> tuple[StepsRun, int, list[float]]:
-    """Run ``strategy`` to the last step; return the timed run, the step it started from and
-    the loss of every step of the run (those before it from the checkpoint)."""
+          ) -> tuple[StepsRun, int, list[float], list[float]]:
+    """Run ``strategy`` to the last step; return the timed run, the step it started from,
+    the loss of every step of the run (those before it from the checkpoint) and, per save,
+    the seconds the step was blocked by it (``--async-save``: the host snapshot only)."""
     if cfg.save is not None and not strategy.checkpointable:
         raise ValueError(f"--save: {strategy.name} has no sharded checkpoint here")
     loading = time.perf_counter()
@@ -257,25 +259,34 @@ def train(strategy, cfg, inputs, labels, point: ResumePoint | None = None,
                  + (" (re-cut for this layout)" if point.reshard else "")
                  + f", loaded in {loaded_s:.2f} s")
 
+    saver = checkpoints.AsyncSaver() if getattr(cfg, "async_save", False) else None
+
     def after_step(step: int, run) -> None:
         done = step + 1
         losses.append(global_loss(run.loss, strategy.mesh, strategy.device))
         save = cfg.save is not None and (done == total or (cfg.save_every is not None and
                                                            done % cfg.save_every == 0))
         if save:
-            checkpoints.save(cfg.save, done, strategy, trainer_record(cfg, losses), cfg.keep)
+            began = time.perf_counter()
+            (saver or checkpoints).save(cfg.save, done, strategy, trainer_record(cfg, losses),
+                                        cfg.keep)
+            blocked_s.append(time.perf_counter() - began)
         if bar:
-            bar.update(done, losses[-1], saved=save, warmup=warmup == 1 and step == first)
+            bar.update(done, losses[-1], saved=save, warmup=warmup == 1 and step == first,
+                       blocked_s=blocked_s[-1] if save else None, background=saver is not None)
         kill_point(done, cfg.kill_at_step, dist.get_world_size() - 1 if cfg.kill_rank is None
                    else cfg.kill_rank)
 
     if inputs is None:  # the composed engine: each step draws step k's global batch itself
         inputs = itertools.count(first)
+    blocked_s: list[float] = []  # per save: the seconds the step waited for it
     run = run_steps(strategy, inputs, labels, remaining - warmup, warmup, first_step=first,
                     after_step=after_step)
+    if saver is not None:
+        saver.wait()  # the last checkpoint is complete before the run reports
     if bar:
         bar.close()
-    return run, first, losses
+    return run, first, losses, blocked_s
 
 
 def global_loss(loss: float | None, mesh, device: torch.device) -> float:
@@ -314,7 +325,8 @@ class Progress:
     def note(self, text: str) -> None:
         print(text, file=self.out, flush=True)
 
-    def update(self, done: int, loss: float, saved: bool, warmup: bool = False) -> None:
+    def update(self, done: int, loss: float, saved: bool, warmup: bool = False,
+               blocked_s: float | None = None, background: bool = False) -> None:
         if self.step_file is not None:
             with open(self.step_file, "w") as f:
                 f.write(str(done))
@@ -323,7 +335,9 @@ class Progress:
         line = (f"step {done}/{self.total} [{'#' * filled}{'-' * (self.WIDTH - filled)}] "
                 f"loss {loss:.4f}  {(now - self.last) * 1e3:.0f} ms"
                 + ("  (warm-up, not timed)" if warmup else "")
-                + ("  (checkpoint saved)" if saved else ""))
+                + ("" if not saved else "  (checkpoint saved)" if not background else
+                   f"  (checkpoint snapshot taken, step blocked {blocked_s * 1e3:.0f} ms; "
+                   "written in the background)"))
         self.last, shorter = now, max(0, self.width - len(line))
         self.width = len(line)  # on a terminal, blank what a longer line left behind
         print(("\r" + line + " " * shorter) if self.tty else line, end="" if self.tty else "\n",

@@ -163,6 +163,7 @@ LAYERS = (
                   "engine.moe.strategy", "engine.strategy", "engine.compose", "engine.train_report",
                   "engine.train_compose", "engine.train_checks", "engine.train_run",
                   "engine.train_endings", "engine.train", "engine.parity",
+                  "engine.checkpoint_timing",
                   "engine.__main__")),
     ("teaching", ("engine.drill", "engine.viz", "engine.grading")),
 )

@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.checkpoint.files import (MANIFEST, CheckpointError, manifest_json, read_verified,
-                                     serialised)
-from engine.checkpoint.protocol import FileEntry, RankFile, load_files, save_files
+from engine.checkpoint.files import MANIFEST, CheckpointError, manifest_json, read_verified
+from engine.checkpoint.protocol import FileEntry, load_files
+from engine.checkpoint.snapshot import Snapshot, host_copy, save_snapshot
 
 KIND = "per-rank"
 
@@ -48,6 +48,14 @@ def state_layout(module: nn.Module) -> dict[str, list[int]]:
 def save_per_rank(directory, model: nn.Module, optimizer: torch.optim.Optimizer) -> Path:
     """Every rank writes its state; global rank 0 writes the manifest last. Call on every
     rank."""
+    return save_snapshot(directory, lambda: per_rank_snapshot(model, optimizer))
+
+
+def per_rank_snapshot(model: nn.Module, optimizer: torch.optim.Optimizer,
+                      host: bool = False) -> Snapshot:
+    """This rank's part of :func:`save_per_rank`, taken now: its ``state_dict()`` and its
+    optimizer's (the live tensors: ``host`` copies them into host memory, as an
+    asynchronous save must)."""
     world = dist.get_world_size()
 
     def manifest(entries: list[FileEntry]) -> dict:
@@ -55,13 +63,9 @@ def save_per_rank(directory, model: nn.Module, optimizer: torch.optim.Optimizer)
                 "files": {entry.name: entry.digest for entry in entries},
                 "layouts": [entry.about for entry in entries]}
 
-    def prepare() -> RankFile:
-        return RankFile(rank_file(dist.get_rank(), world),
-                        serialised({"model": model.state_dict(),
-                                    "optimizer": optimizer.state_dict()}),
-                        state_layout(model))
-
-    return save_files(directory, prepare, manifest)
+    payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    return Snapshot(rank_file(dist.get_rank(), world), host_copy(payload) if host else payload,
+                    state_layout(model), manifest)
 
 
 def read_rank_state(directory, rank: int) -> dict:

@@ -122,23 +122,25 @@ class FileEntry(NamedTuple):
 
 
 def save_files(directory, prepare: Callable[[], RankFile],
-               manifest: Callable[[list[FileEntry]], dict]) -> Path:
+               manifest: Callable[[list[FileEntry]], dict], group=None) -> Path:
     """The save protocol (see the module): every rank writes the file ``prepare()`` returns
     into ``directory``; global rank 0 then writes ``manifest(entries)``, every rank's
     :class:`FileEntry` in rank order. Call on every rank; returns once the checkpoint is
-    complete, or raises on every rank."""
+    complete, or raises on every rank. ``group``: the process group the agreements use
+    (default: the world's); an asynchronous save (:class:`engine.checkpoints.AsyncSaver`)
+    agrees on a group of its own, so its thread never shares one with the training."""
     directory = Path(directory)
     first = dist.get_rank() == 0
-    with Agreement("save", directory):  # a rank that cannot serialise leaves the old one be
+    with Agreement("save", directory, group):  # a rank that cannot serialise leaves the old one be
         mine = prepare()
-    with Agreement("save", directory):  # nobody writes while an old manifest could vouch
+    with Agreement("save", directory, group):  # nobody writes while an old manifest could vouch
         if first:  # from here until the new manifest is in place, the directory is incomplete
             directory.mkdir(parents=True, exist_ok=True)
             (directory / MANIFEST).unlink(missing_ok=True)
-    with Agreement("save", directory) as written:
+    with Agreement("save", directory, group) as written:
         write_atomically(directory / mine.name, mine.data)
         written.share = FileEntry(mine.name, sha256(mine.data), mine.about)
-    with Agreement("save", directory):  # every rank returns once the checkpoint is complete
+    with Agreement("save", directory, group):  # every rank returns once the checkpoint is complete
         if first:
             write_json(directory / MANIFEST, manifest(written.shared))
     return directory
@@ -153,9 +155,11 @@ def load_files(directory, read: Callable[[], T], apply: Callable[[T], None]) -> 
         apply(state)
 
 
-def finish_on_first(directory, step: Callable[[], None], action: str = "save") -> None:
-    """``step()`` on global rank 0 alone (renaming a finished checkpoint into place), agreed:
-    every rank returns once it is done, or raises if it failed. Call on every rank."""
-    with Agreement(action, directory):
+def finish_on_first(directory, step: Callable[[], None], action: str = "save",
+                    group=None) -> None:
+    """``step()`` on global rank 0 alone (renaming a finished checkpoint into place), agreed
+    on ``group`` (default: the world): every rank returns once it is done, or raises if it
+    failed. Call on every rank."""
+    with Agreement(action, directory, group):
         if dist.get_rank() == 0:
             step()

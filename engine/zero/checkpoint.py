@@ -50,8 +50,9 @@ from torch import nn
 from engine.checkpoint.consolidate import (DenseOptimizerState, consolidate,
                                            consolidate_optimizer)
 from engine.checkpoint.files import (MANIFEST, CheckpointError, manifest_json, onto,
-                                     read_verified, serialised, write_atomically)
-from engine.checkpoint.protocol import FileEntry, RankFile, load_files, save_files
+                                     read_verified, write_atomically)
+from engine.checkpoint.protocol import FileEntry, load_files
+from engine.checkpoint.snapshot import Snapshot, host_copy, save_snapshot
 from engine.checkpoint.sharded import (FORMAT, MeshShape, Place, file_name, part_key,
                                        read_manifest, read_shard, saved_part)
 from engine.comm import ops
@@ -80,19 +81,26 @@ class PartRecord(NamedTuple):
 def save_sharded(directory, model: nn.Module, optimizer=None, mesh=None) -> Path:
     """Every rank writes its shard file; global rank 0 writes the manifest last. Call on every
     rank. ``mesh``: the :class:`engine.topology.Mesh`, needed when dp is not the world."""
-    def prepare() -> RankFile:
-        state = sharded_state(model, optimizer)
-        shape, place = mesh_place(state, mesh)
-        payload = {"shards": [b.shard.detach().clone() for b in state.buckets],
-                   "masters": [None if same_storage(b.master, b.shard)
-                               else b.master.detach().clone() for b in state.buckets],
-                   "optimizer": state.inner.state_dict(),
-                   "buffers": {k: v.clone() for k, v in state.module.named_buffers()}}
-        record = PartRecord(shape, state.stage, state.sharded, part_key(place.tp, place.pp),
-                            part_layout(state) if place.dp == 0 else None)
-        return RankFile(file_name(shape, place), serialised(payload), record)
+    return save_snapshot(directory, lambda: sharded_snapshot(model, optimizer, mesh))
 
-    return save_files(directory, prepare, _manifest)
+
+def sharded_snapshot(model: nn.Module, optimizer=None, mesh=None, host: bool = False
+                     ) -> Snapshot:
+    """This rank's part of :func:`save_sharded`, taken now (written later by
+    :func:`engine.checkpoint.snapshot.save_snapshot`): copies of its shards, masters,
+    optimizer state and buffers, on their device, or all in host memory with ``host``."""
+    state = sharded_state(model, optimizer)
+    shape, place = mesh_place(state, mesh)
+    payload = {"shards": [b.shard.detach().clone() for b in state.buckets],
+               "masters": [None if same_storage(b.master, b.shard)
+                           else b.master.detach().clone() for b in state.buckets],
+               "optimizer": state.inner.state_dict(),
+               "buffers": {k: v.clone() for k, v in state.module.named_buffers()}}
+    if host:  # the optimizer's state_dict() holds its live tensors: copied here
+        payload = host_copy(payload)
+    record = PartRecord(shape, state.stage, state.sharded, part_key(place.tp, place.pp),
+                        part_layout(state) if place.dp == 0 else None)
+    return Snapshot(file_name(shape, place), payload, record, _manifest)
 
 
 def _manifest(entries: list[FileEntry]) -> dict:
