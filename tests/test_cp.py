@@ -190,17 +190,18 @@ def test_sequences_that_do_not_split_are_clear_errors_before_any_rank_starts():
         check_sequence_split(9, 3, "zigzag")
     with pytest.raises(ValueError, match="sequence length 10 does not split into the 4 equal"):
         check_sequence_split(10, 4, "contiguous")
-    with pytest.raises(ValueError, match="layout must be one of 'zigzag', 'contiguous'"):
-        check_sequence_split(8, 2, "striped")
+    with pytest.raises(ValueError, match="layout must be one of 'zigzag', 'contiguous', "
+                                         "'striped'"):
+        check_sequence_split(8, 2, "diagonal")
     assert check_sequence_split(9, 3, "contiguous") == 3
 
 
 def test_heads_that_do_not_split_are_clear_errors_before_any_rank_starts():
     with pytest.raises(ValueError, match=r"6 query heads do not split over 4 ranks"):
         check_ulysses_heads(6, 6, 4)
-    with pytest.raises(ValueError, match=r"2 KV heads do not split over 4 ranks"):
-        check_ulysses_heads(8, 2, 4)
-    check_ulysses_heads(8, 4, 4)
+    # issue 32: the limit is the query heads; KV heads are replicated past kv_heads
+    assert check_ulysses_heads(8, 2, 4) == 4 and check_ulysses_heads(12, 4, 6) == 12
+    assert check_ulysses_heads(8, 4, 4) == 4
 
 
 def _mismatched(rank, n):

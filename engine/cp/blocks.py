@@ -19,9 +19,14 @@ Grouped-query attention (Ainslie et al., "GQA", 2023): ``heads`` query heads sha
 ``kv_heads`` key/value heads, query head ``i`` reading kv head ``i // (heads / kv_heads)``. The
 blocks expand K and V here, and fold dK and dV back, so only ``kv_heads`` travel.
 
-All arithmetic is in fp32 whatever the input dtype (as FlashAttention accumulates). A block on
-the causal diagonal is masked by :func:`engine.attention.causal_mask`, as the dense GPT's
-attention is: this is the same attention (Vaswani et al. 2017, eq. 1), computed block by block.
+The arithmetic runs in :func:`accumulation_dtype`: the wider of the input dtype and fp32 (fp16
+and bf16 inputs accumulate in fp32, as FlashAttention does; fp64 stays fp64, so the blocks
+agree with fp64 ``scaled_dot_product_attention`` to rounding). A block on the causal diagonal
+is masked by :func:`engine.attention.causal_mask`, as the dense GPT's attention is: this is the
+same attention (Vaswani et al. 2017, eq. 1), computed block by block. The striped layout
+(Brandon et al. 2023) adds a third kind, ``BELOW``: query ``i`` sees keys ``0 .. i-1`` of the
+block (strictly below the diagonal), so its first row sees no key at all; that row's ``lse`` is
+``-inf`` and its output 0, which the merge then weighs by ``exp(-inf) = 0``.
 """
 
 from __future__ import annotations
@@ -31,6 +36,12 @@ import torch
 from engine.attention import causal_mask
 
 FULL, DIAGONAL = "full", "diagonal"  # a block entirely visible, or on the causal diagonal
+BELOW = "below"  # strictly below the diagonal: query i sees keys 0 .. i-1 (striped layout)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the blocks compute and accumulate in: the wider of ``dtype`` and fp32."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -48,14 +59,24 @@ def _scores(q, k, scale, kind):
     scores = q @ expand_kv(k, q.shape[1]).transpose(-2, -1) * scale
     if kind == DIAGONAL:  # query i sees keys 0..i of the same chunk
         scores = causal_mask(scores)
+    elif kind == BELOW:  # query i sees keys 0..i-1
+        seen = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril(-1)
+        scores = scores.masked_fill(~seen, float("-inf"))
     return scores
 
 
+def _finite(lse):
+    """``lse`` with the rows that saw no key (``-inf``) set to 0, to subtract safely."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
 def block_forward(q, k, v, scale: float, kind: str = FULL):
-    """``(out, lse)`` of queries ``q`` against one block of keys/values, in fp32."""
+    """``(out, lse)`` of queries ``q`` against one block of keys/values, in their dtype (the
+    callers pass :func:`accumulation_dtype`). A row that sees no key gets ``lse = -inf`` and
+    output 0."""
     scores = _scores(q, k, scale, kind)
     lse = scores.logsumexp(dim=-1)
-    out = torch.exp(scores - lse.unsqueeze(-1)) @ expand_kv(v, q.shape[1])
+    out = torch.exp(scores - _finite(lse).unsqueeze(-1)) @ expand_kv(v, q.shape[1])
     return out, lse
 
 
@@ -72,7 +93,7 @@ def merge(out, lse, block_out, block_lse):
 
 def block_backward(q, k, v, lse, dout, delta, scale: float, kind: str = FULL):
     """``(dq, dk, dv)`` of one block, from the final ``lse`` and ``delta = rowsum(dO * O)``."""
-    p = torch.exp(_scores(q, k, scale, kind) - lse.unsqueeze(-1))
+    p = torch.exp(_scores(q, k, scale, kind) - _finite(lse).unsqueeze(-1))
     kv_heads = k.shape[1]
     dv = fold_kv(p.transpose(-2, -1) @ dout, kv_heads)
     ds = p * (dout @ expand_kv(v, q.shape[1]).transpose(-2, -1) - delta.unsqueeze(-1))

@@ -1,4 +1,4 @@
-"""Which tokens each rank holds under context parallelism: the contiguous and zig-zag layouts.
+"""Which tokens each rank holds under context parallelism: contiguous, zig-zag and striped.
 
 The sequence of ``S`` tokens is cut into equal *chunks*. Each rank of an ``N``-rank group holds:
 
@@ -7,9 +7,12 @@ The sequence of ``S`` tokens is cut into equal *chunks*. Each rank of an ``N``-r
   rank 0's queries see only its own keys while rank ``N-1``'s see every key: the last rank
   does about twice the average work.
 * ``"zigzag"``: ``2N`` chunks of ``S/(2N)`` tokens, rank ``r`` chunks ``r`` and ``2N-1-r``: one
-  early and one late chunk each, so every rank does the same causal work (the load-balanced
-  placement of Brandon et al., "Striped attention", 2023, in the zig-zag form Megatron-Core's
-  context parallelism and torchtitan use).
+  early and one late chunk each, so every rank does the same causal work (the "head-tail"
+  placement Megatron-Core's context parallelism and PyTorch's ``context_parallel`` use).
+* ``"striped"``: token ``t`` on rank ``t mod N`` (Brandon et al., "Striped attention: faster
+  ring attention for causal transformers", 2023): a different permutation. Every block a rank
+  computes is then a triangle (its own and earlier ranks' blocks including the diagonal, later
+  ranks' strictly below it), so every ring step does about half a block on every rank.
 
 Pure functions, no communication: call :func:`check_sequence_split` before any rank starts.
 :func:`shard_sequence` takes a rank's part of a whole tensor; :func:`gather_sequence` puts the
@@ -24,11 +27,12 @@ import torch.distributed as dist
 from engine.comm import ops
 from engine.validation import one_of, positive_int
 
-LAYOUTS = ("zigzag", "contiguous")
+LAYOUTS = ("zigzag", "contiguous", "striped")
 
 
 def chunks_per_rank(layout: str) -> int:
-    """Chunks a rank holds: 2 (zig-zag) or 1 (contiguous)."""
+    """Chunks a rank holds: 2 (zig-zag) or 1 (contiguous; striped counts its interleaved
+    tokens as one chunk)."""
     return 2 if one_of("layout", layout, LAYOUTS) == "zigzag" else 1
 
 
@@ -47,7 +51,8 @@ def check_sequence_split(seq_len: int, n: int, layout: str) -> int:
 
 
 def rank_chunks(rank: int, n: int, layout: str) -> list[int]:
-    """The chunk indices ``rank`` holds, in the order its tokens are stored."""
+    """The chunk indices ``rank`` holds, in the order its tokens are stored (striped: its one
+    interleaved chunk, ``[rank]``)."""
     if layout == "zigzag":
         return [rank, 2 * n - 1 - rank]
     one_of("layout", layout, LAYOUTS)
@@ -57,6 +62,8 @@ def rank_chunks(rank: int, n: int, layout: str) -> list[int]:
 def shard_indices(seq_len: int, n: int, rank: int, layout: str) -> torch.Tensor:
     """Positions (0 .. seq_len-1) of the tokens ``rank`` holds, in its storage order."""
     c = check_sequence_split(seq_len, n, layout)
+    if layout == "striped":
+        return torch.arange(rank, seq_len, n)
     return torch.cat([torch.arange(i * c, (i + 1) * c) for i in rank_chunks(rank, n, layout)])
 
 

@@ -1,7 +1,9 @@
 """Ring attention: context parallelism with K/V blocks passed round a ring of ranks.
 
 Liu, Zaharia & Abbeel, "Ring attention with blockwise transformers for near-infinite context"
-(2023); the form Megatron-Core's context parallelism and torchtitan run. Each of ``N`` ranks
+(2023); the form Megatron-Core's context parallelism runs (its ``cp_comm_type="p2p"``). PyTorch's
+``context_parallel`` (which torchtitan calls) all-gathers K/V by default instead
+(:mod:`engine.cp.allgather`), and rotates K/V round a ring only when asked to. Each of ``N`` ranks
 holds ``S/N`` tokens of q, k and v (:mod:`engine.cp.layout`). In step ``s = 0 .. N-1`` rank
 ``r`` attends its queries to the K/V block of rank ``r - s`` while already sending that block
 on to rank ``r + 1`` (the next step's block arrives during this step's arithmetic), and merges
@@ -17,7 +19,10 @@ the result into its running output with the online-softmax rule (:mod:`engine.cp
   the key chunk comes earlier, on the diagonal when it is the same chunk, and skipped, never
   computed, when it comes later (:func:`block_pairs`).
 
-Only ``S/N`` queries and two K/V blocks live on a rank at a time: memory grows as ``S/N``.
+Only ``S/N`` queries and two K/V blocks live on a rank at a time: memory grows as ``S/N``
+(:func:`engine.theory.cp_memory_bytes` counts the buffers: the K/V block in use and the one
+arriving, and in backward the dK/dV share and accumulator in the accumulation dtype).
+Arithmetic runs in :func:`engine.cp.blocks.accumulation_dtype` (fp32, or fp64 for fp64 inputs).
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ import torch
 import torch.distributed as dist
 
 from engine.comm.ring import exchange, ring_position, start_exchange
-from engine.cp.blocks import DIAGONAL, FULL, block_backward, block_forward, merge
+from engine.cp.buffers import hold
+from engine.cp.blocks import (BELOW, DIAGONAL, FULL, accumulation_dtype, block_backward,
+                              block_forward, merge)
 from engine.cp.checks import check_attention_inputs, check_same_on_every_rank
 from engine.cp.layout import LAYOUTS, check_sequence_split, rank_chunks
 from engine.validation import one_of
@@ -37,7 +44,11 @@ from engine.validation import one_of
 def block_pairs(rank: int, src: int, n: int, layout: str, causal: bool
                 ) -> list[tuple[int, int, str]]:
     """``(query chunk, key chunk, kind)`` pairs ``rank`` computes against ``src``'s K/V, as
-    indices into each rank's local chunks; fully masked pairs are left out."""
+    indices into each rank's local chunks; fully masked pairs are left out. In the striped
+    layout a rank's tokens interleave with every other's: one block, on its diagonal when the
+    source rank is this one or an earlier one, strictly below it when a later one."""
+    if layout == "striped":
+        return [(0, 0, FULL if not causal else DIAGONAL if src <= rank else BELOW)]
     pairs = []
     for a, q_chunk in enumerate(rank_chunks(rank, n, layout)):
         for b, k_chunk in enumerate(rank_chunks(src, n, layout)):
@@ -60,16 +71,18 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, causal, layout):
         me, n, right, left = ring_position(group)
         scale = 1 / math.sqrt(q.shape[-1])
-        per_rank = 2 if layout == "zigzag" else 1
-        q_chunks = q.float().chunk(per_rank, dim=-2)
+        per_rank, acc = (2 if layout == "zigzag" else 1), accumulation_dtype(q.dtype)
+        q_chunks = q.to(acc).chunk(per_rank, dim=-2)
         outs = [torch.zeros_like(c) for c in q_chunks]
-        lses = [torch.full(c.shape[:-1], float("-inf"), device=q.device) for c in q_chunks]
+        lses = [torch.full(c.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+                for c in q_chunks]
         kv = torch.stack([k, v]).contiguous()  # one message per step
         for step in range(n):
             if step < n - 1:
                 incoming = torch.empty_like(kv)
                 works = start_exchange(kv, right, incoming, left, group)
-            k_chunks, v_chunks = (t.float().chunk(per_rank, dim=-2) for t in kv)
+                hold("forward", kv, incoming)
+            k_chunks, v_chunks = (t.to(acc).chunk(per_rank, dim=-2) for t in kv)
             for a, b, kind in block_pairs(me, (me - step) % n, n, layout, causal):
                 block = block_forward(q_chunks[a], k_chunks[b], v_chunks[b], scale, kind)
                 outs[a], lses[a] = merge(outs[a], lses[a], *block)
@@ -88,10 +101,10 @@ class _RingAttention(torch.autograd.Function):
         group, causal, layout = ctx.group, ctx.causal, ctx.layout
         me, n, right, left = ring_position(group)
         scale = 1 / math.sqrt(q.shape[-1])
-        per_rank = 2 if layout == "zigzag" else 1
-        dout = dout.float()
+        per_rank, acc = (2 if layout == "zigzag" else 1), accumulation_dtype(q.dtype)
+        dout = dout.to(acc)
         delta = (dout * out).sum(-1)
-        q_chunks, lse_chunks = q.float().chunk(per_rank, -2), lse.chunk(per_rank, -1)
+        q_chunks, lse_chunks = q.to(acc).chunk(per_rank, -2), lse.chunk(per_rank, -1)
         dout_chunks, delta_chunks = dout.chunk(per_rank, -2), delta.chunk(per_rank, -1)
         dq = [torch.zeros_like(c) for c in q_chunks]
         kv = torch.stack([k, v]).contiguous()
@@ -100,7 +113,7 @@ class _RingAttention(torch.autograd.Function):
             if step < n - 1:
                 incoming = torch.empty_like(kv)
                 works = start_exchange(kv, right, incoming, left, group)
-            k_chunks, v_chunks = (t.float().chunk(per_rank, dim=-2) for t in kv)
+            k_chunks, v_chunks = (t.to(acc).chunk(per_rank, dim=-2) for t in kv)
             dk = [torch.zeros_like(c) for c in k_chunks]
             dv = [torch.zeros_like(c) for c in v_chunks]
             for a, b, kind in block_pairs(me, (me - step) % n, n, layout, causal):
@@ -114,10 +127,13 @@ class _RingAttention(torch.autograd.Function):
             if step == 0:
                 own = share  # this rank's share of the gradient of its own K/V
             else:
-                travelling = (share if arrived is None else share + arrived).to(k.dtype)
+                travelling = (share.to(k.dtype, copy=True) if arrived is None
+                              else (share + arrived).to(k.dtype))
                 arrived = torch.empty_like(travelling)
+                hold("backward", kv, incoming if step < n - 1 else kv[:0], own, share,
+                     travelling, arrived)
                 exchange(travelling, right, arrived, left, group)
-                arrived = arrived.float()
+                arrived = arrived.to(acc)
             if step < n - 1:
                 for work in works:
                     work.wait()
