@@ -20,7 +20,7 @@ from typing import Callable, NamedTuple, Optional
 
 from engine.pp.actions import Action
 from engine.pp.schedules import gpipe, interleaved_1f1b, one_f_one_b
-from engine.pp.zero_bubble import dualpipe_v, zb_h1, zb_v
+from engine.pp.zero_bubble import dualpipe_v, zb_h1, zb_h2, zb_v
 
 
 class Schedule(NamedTuple):
@@ -39,6 +39,7 @@ SCHEDULES: dict[str, Schedule] = {
     "interleaved": Schedule(interleaved_1f1b, "interleaved", None, "interleaved 1F1B",
                             "ScheduleInterleaved1F1B"),
     "zb_h1": Schedule(zb_h1, "interleaved", 1, "ZB-H1", "ScheduleInterleavedZeroBubble"),
+    "zb_h2": Schedule(zb_h2, "interleaved", 1, "ZB-H2"),
     "zb_v": Schedule(zb_v, "v", 2, "ZB-V", "ScheduleZBVZeroBubble"),
     "dualpipe_v": Schedule(dualpipe_v, "v", 2, "DualPipeV", "ScheduleDualPipeV"),
 }

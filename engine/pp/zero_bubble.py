@@ -7,11 +7,22 @@ gradient), and W moved into the bubble.
   stage 0 of 1F1B does. Idle time per stage ``(p-1)(T_F + T_B - T_W)`` instead of 1F1B's
   ``(p-1)(T_F + T_B + T_W)`` (exact when ``m >= p`` and ``T_W <= T_F, T_B``;
   :func:`engine.theory.zb_h1_bubble_time`).
+* :func:`zb_h2` (the same paper, "Zero bubble schedule", the lower half of the figure that
+  draws ZB-H1, and its table of bubble and peak memory per schedule): stage ``s`` fills its
+  warm-up with ``2(p-s)-1`` forwards (up to the first B's arrival) and runs each W ``2s``
+  backwards late, so the W's fill the tail and the shape of the step is a parallelogram:
+  idle time ``(p-1)(T_F + T_B - 2T_W)`` within each stage's own span, zero when
+  ``T_F = T_B = T_W`` (exact when ``m >= 2p-1`` and ``T_W <= T_F, T_B``;
+  :func:`engine.theory.zb_h2_bubble_time`), for ``2p-1`` micro-batches held on every stage
+  (the paper's ``(2p-1) M_B``). Zero bubble across steps needs the optimizer step not to
+  wait for the other stages (section 4, post-validation: :mod:`engine.pp.post_validation`).
 * :func:`zb_v` (the same paper, section 6, "ZB-V"): two chunks per rank placed in a V
   (``placement="v"``: rank 0 holds virtual stages 0 and ``2p-1``); the hand-crafted order of
   the authors' repository (sail-sg/zero-bubble-pipeline-parallelism, ``get_zb_v_schedule``).
-* :func:`dualpipe_v` (DeepSeek-V3 technical report, 2024; deepseek-ai/DualPipe,
-  ``DualPipeV``): DualPipe "cut in half" onto a V: the same two chunks per rank, and a steady
+* :func:`dualpipe_v` (deepseek-ai/DualPipe, ``DualPipeV``: the DeepSeek-V3 technical report,
+  2024, describes DualPipe, two copies of the model fed from both ends; DualPipeV is its
+  "cut-in-half" form, proposed by Sea AI Lab and added to the DualPipe repository in 2025):
+  one copy of the model on a V: the same two chunks per rank as ZB-V, and a steady
   phase in which the forward of one chunk is paired with the full backward of the other (on
   a GPU the pair overlaps one's communication with the other's compute).
 
@@ -42,6 +53,29 @@ def zb_h1(p: int, m: int) -> dict[int, list[Action]]:
             if b >= s:
                 actions.append(Action("W", b - s))
         actions += [Action("W", w) for w in range(max(m - s, 0), m)]
+        schedule[s] = actions
+    return schedule
+
+
+def zb_h2(p: int, m: int) -> dict[int, list[Action]]:
+    """ZB-H2: stage ``s`` runs ``min(2(p-s)-1, m)`` warm-up forwards, then for each
+    micro-batch its B, the W of the B ``2s`` earlier, and the next forward; the ``2s`` W's
+    left run at the end. With ``T_F = T_B = T_W`` every stage is busy from its first forward
+    to its last W (needs ``m >= 2p-1``; with fewer micro-batches the warm-up cannot fill)."""
+    check_sizes(p, m)
+    schedule = {}
+    for s in range(p):
+        warmup = min(2 * (p - s) - 1, m)
+        actions = [Action("F", i) for i in range(warmup)]
+        w = 0
+        for b in range(m):
+            actions.append(Action("B", b))
+            if b + 1 - w > 2 * s:  # W runs 2s backwards behind its B
+                actions.append(Action("W", w))
+                w += 1
+            if warmup + b < m:
+                actions.append(Action("F", warmup + b))
+        actions += [Action("W", i) for i in range(w, m)]
         schedule[s] = actions
     return schedule
 

@@ -75,6 +75,13 @@ def formula_line(name: str, p: int, m: int, v: int, t_f: float, t_b: float, t_w:
         return f"ZB-H1 formula (p-1)(F+B-W) over the total = {fraction:.1%}"
     if name == "ZB-H1":
         return "the ZB-H1 formula needs m >= p and W <= F, B"
+    if name == "ZB-H2" and m >= 2 * p - 1 and t_w <= min(t_f, t_b):
+        idle = theory.zb_h2_bubble_time(p, t_f, t_b, t_w)
+        return (f"ZB-H2 formula (p-1)(F+B-2W) = {idle:g} idle per stage per step with steps "
+                "back to back (post-validation); one step alone also waits out its slanted "
+                "start and end")
+    if name == "ZB-H2":
+        return "the ZB-H2 formula needs m >= 2p-1 and W <= F, B"
     return "no closed form used here: simulated"
 
 
