@@ -11,7 +11,12 @@ tokens ``x = z + 2u`` (``z`` Gaussian, ``u`` a fixed unit vector every token sha
 states of a real model share a mean direction). The skewed router starts with
 ``skew * log(1 / (i + 1)) * u / 2`` added to its weight, so its logits carry the power law of
 ``zipf_logits``. Every step records the drop rate and every expert's (and, under expert
-parallelism, every rank's) load.
+parallelism, every rank's) load, and its MaxVio (:func:`engine.theory.max_violation`).
+
+**Three balancers** on the same data and the same skewed start: none, Switch's loss
+(``aux_coef``), and DeepSeek-V3's aux-loss-free bias (``bias_rate`` = gamma, the biases updated
+after every optimizer step from the step's load, summed over the ranks). ``capacity_factor=None``
+trains dropless.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import theory
 from engine.comm import ops
 from engine.moe.layer import MoE, single_rank_group
 from engine.moe.mesh import ExpertMesh, reduce_gradients
@@ -54,6 +60,7 @@ class BalanceRun:
     expert_load: list[list[int]] = field(default_factory=list)  # demand per expert, this rank
     rank_load: list[list[int]] = field(default_factory=list)  # rows each rank's experts ran
     loss: list[float] = field(default_factory=list)  # the task loss
+    max_vio: list[float] = field(default_factory=list)  # MaxVio of the step's expert loads
     final_logits: torch.Tensor | None = None  # the trained router on fresh tokens
 
 
@@ -64,18 +71,19 @@ def _tokens(step: int, rank: int, tokens: int, hidden: int, direction: torch.Ten
 
 def balance_run(skew: float, aux_coef: float, steps: int = 60, tokens: int = 128,
                 hidden: int = 16, num_experts: int = 8, top_k: int = 2,
-                capacity_factor: float = 1.25, lr: float = 0.01, seed: int = 0,
-                mesh: ExpertMesh | None = None) -> BalanceRun:
+                capacity_factor: float | None = 1.25, lr: float = 0.01, seed: int = 0,
+                mesh: ExpertMesh | None = None, bias_rate: float | None = None) -> BalanceRun:
     """Train one MoE layer ``steps`` Adam steps (see the module docstring), in this process,
     or with its experts spread over ``mesh.ep_group`` (each rank its own tokens, gradients
-    reduced by :func:`engine.moe.mesh.reduce_gradients`)."""
+    reduced by :func:`engine.moe.mesh.reduce_gradients`). ``bias_rate``: balance with
+    DeepSeek-V3's bias, updated by that gamma after every step."""
     group = mesh.ep_group if mesh is not None else None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         direction = F.normalize(torch.randn(hidden), dim=0)
         teacher = nn.Sequential(nn.Linear(hidden, 32), nn.Tanh(), nn.Linear(32, hidden))
         dense = MoE(hidden, 2 * hidden, num_experts, top_k, capacity_factor,
-                    group=_one_rank(mesh), aux_loss_coef=aux_coef)
+                    group=_one_rank(mesh), aux_loss_coef=aux_coef, bias_update_rate=bias_rate)
         with torch.no_grad():
             dense.router.weight.normal_(0, 1 / math.sqrt(hidden))
             dense.router.weight += zipf_bias(num_experts, skew)[:, None] * direction / 2
@@ -99,6 +107,11 @@ def _train(moe, teacher, direction, steps, tokens, hidden, lr, mesh) -> BalanceR
         if mesh is not None:
             reduce_gradients(moe, mesh)
         optimizer.step()
+        if moe.expert_bias is not None:  # every rank routes with the same biases
+            total = moe.update_bias(group=mesh.dense_group if mesh is not None else "none")
+            run.max_vio.append(theory.max_violation(total.tolist()))
+        else:
+            run.max_vio.append(theory.max_violation(_global_load(moe.stats.demand, mesh)))
         run.drop_rate.append(moe.stats.drop_rate)
         run.expert_load.append(moe.stats.demand)
         run.rank_load.append(_rank_loads(sum(moe.stats.processed), group, n))
@@ -118,6 +131,15 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def _global_load(demand: list[int], mesh) -> list[int]:
+    """Every expert's assignments over all ranks (one all-reduce), or this rank's alone."""
+    if mesh is None:
+        return demand
+    load = torch.tensor(demand)
+    ops.all_reduce(load, group=mesh.dense_group)
+    return load.tolist()
 
 
 def _one_rank(mesh):
