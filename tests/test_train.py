@@ -186,7 +186,8 @@ def test_help_gives_every_flag_its_text_choices_and_default(capsys):
     assert exit_.value.code == 0
     entries = _help_entries(capsys.readouterr().out)
     options = [a for a in parser()._actions if "--help" not in a.option_strings]
-    assert len(options) == len(entries) == 31  # 27 + --cp, --composed, --cp-method, --varlen
+    # 27 + --cp, --composed, --cp-method, --varlen, --async-save
+    assert len(options) == len(entries) == 32
     for action in options:
         flag = action.option_strings[0]
         entry = entries[flag]
