@@ -1,0 +1,437 @@
+"""Checks for chapter 12: the dynamic loss scaler's update against torch.amp.GradScaler, FSDP2's
+padded dim-0 shard and its gather over real ranks, FP8 tile scaling, Muon's Newton-Schulz
+iteration; drills on bytes per parameter, FP8 all-gathers, Newton-Schulz FLOPs and
+recomputation."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from engine import theory
+from engine.comm import CommMeter
+from engine.fsdp.shard import DimZeroShard
+from engine.grading.core import CheckFailed, Exercise, passed, run_ranks
+from engine.grading.drill import Drill
+from engine.optim.newton_schulz import newton_schulz
+from engine.precision.fp8 import dequantize, outlier_activations, quantize
+
+# -- ch12.loss_scaler -----------------------------------------------------------------------
+
+# (GradScaler's arguments, steps, the steps whose gradient gets an inf or a NaN)
+HIDDEN_SEQUENCES = [
+    (dict(init_scale=2.0**10, growth_factor=2.0, backoff_factor=0.5, growth_interval=3),
+     24, {2, 3, 9, 10, 11, 17}),
+    (dict(init_scale=2.0**16, growth_factor=4.0, backoff_factor=0.25, growth_interval=2),
+     12, {0, 5}),
+    (dict(init_scale=1.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=5),
+     16, {4, 9, 10}),  # a count not reset at step 4 would grow at step 5
+    (dict(init_scale=2.0**125, growth_factor=2.0, backoff_factor=0.5, growth_interval=1),
+     7, {4}),  # growing past fp32's largest value is refused
+]
+
+
+def grad_scaler_decisions(kwargs: dict, steps: int, poisoned: set[int]):
+    """``torch.amp.GradScaler``'s scale after each update and whether each step was taken, on
+    a one-parameter model whose gradient at the ``poisoned`` steps is inf (NaN at odd ones)."""
+    p = nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([p], lr=1.0)
+    scaler = torch.amp.GradScaler("cpu", **kwargs)
+    scales, skipped = [], []
+    for step in range(steps):
+        optimizer.zero_grad()
+        scaler.scale(p.sum() * 1e-3).backward()  # finite at every scale up to fp32's max
+        if step in poisoned:
+            p.grad[0] = float("nan") if step % 2 else float("inf")
+        before = p.detach().clone()
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        skipped.append(torch.equal(before, p.detach()))
+    return scales, skipped
+
+
+def _decide(impl, scale, clean, found_inf, kwargs):
+    args = dict(growth_factor=kwargs["growth_factor"], backoff_factor=kwargs["backoff_factor"],
+                growth_interval=kwargs["growth_interval"])
+    got = impl(scale, clean, found_inf, **args)
+    if not (isinstance(got, tuple) and len(got) == 3):
+        raise CheckFailed("return a tuple (new_scale, new_clean_steps, skip)", scale=scale,
+                          clean_steps=clean, found_inf=found_inf, **args)
+    new_scale, new_clean, skip = got
+    return float(new_scale), int(new_clean), bool(skip)
+
+
+def check_backs_off_and_skips_on_inf(impl):
+    kwargs = dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=4)
+    for scale, clean in ((2.0**16, 0), (1024.0, 3), (8.0, 2)):
+        got = _decide(impl, scale, clean, True, kwargs)
+        inputs = dict(scale=scale, clean_steps=clean, found_inf=True, **kwargs)
+        if not got[2]:
+            raise CheckFailed("a step with an inf or NaN gradient must be skipped (skip=True): "
+                              "stepping would write inf/NaN into the weights", **inputs)
+        if got[0] != scale * 0.5:
+            raise CheckFailed(f"the scale became {got[0]:g}, expected scale * backoff_factor "
+                              f"= {scale * 0.5:g}", **inputs)
+        if got[1] != 0:
+            raise CheckFailed(f"the count of clean steps became {got[1]}, expected 0: an "
+                              "overflow starts the count again", **inputs)
+
+
+def check_grows_after_interval_clean_steps(impl):
+    kwargs = dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
+    for clean, expected in ((0, (256.0, 1, False)), (1, (256.0, 2, False)),
+                            (2, (512.0, 0, False))):
+        got = _decide(impl, 256.0, clean, False, kwargs)
+        if got != expected:
+            raise CheckFailed(f"got (scale, clean_steps, skip) = {got}, expected {expected}: a "
+                              "clean step is taken and counted; only the growth_interval-th "
+                              "in a row multiplies the scale by growth_factor (and the count "
+                              "starts again)", scale=256.0, clean_steps=clean, found_inf=False,
+                              **kwargs)
+
+
+def check_equals_grad_scaler(impl):
+    for kwargs, steps, poisoned in HIDDEN_SEQUENCES:
+        scales, skipped = grad_scaler_decisions(kwargs, steps, poisoned)
+        scale, clean = kwargs["init_scale"], 0
+        for step in range(steps):
+            scale, clean, skip = _decide(impl, scale, clean, step in poisoned, kwargs)
+            if (scale, skip) != (scales[step], skipped[step]):
+                raise CheckFailed(
+                    f"at step {step} GradScaler {'skipped' if skipped[step] else 'took'} the "
+                    f"step and its scale became {scales[step]:g}; yours "
+                    f"{'skipped' if skip else 'took'} it with scale {scale:g}",
+                    steps_with_inf=sorted(poisoned), **kwargs)
+    return passed("every scale and skip", "torch.amp.GradScaler's",
+                  sequences=len(HIDDEN_SEQUENCES))
+
+
+# -- ch12.dim0_shard ------------------------------------------------------------------------
+
+HIDDEN_CHUNKS = [((10, 3), 4), ((5, 2), 4), ((3,), 2), ((7, 4, 2), 3), ((2, 6), 3),
+                 ((8, 5), 4)]
+GATHER_SHAPES = {3: [(10, 3), (7, 4, 2), (2, 6), (5,)], 4: [(10, 3), (5, 2), (3, 4), (6,)]}
+
+
+def _full(shape, seed=0, dtype=torch.float32):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def expected_chunk(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    layout = DimZeroShard(full.shape, world_size, rank)
+    return layout.padded(layout.take(full)).view(layout.chunk_rows, *full.shape[1:])
+
+
+def check_chunks_hold_the_rows(module):
+    for i, (shape, n) in enumerate(HIDDEN_CHUNKS):
+        full = _full(shape, i, torch.bfloat16 if i == 1 else torch.float32)
+        for rank in range(n):
+            got = module.dim0_chunk(full.clone(), rank, n)
+            right = expected_chunk(full, rank, n)
+            inputs = dict(shape=shape, world_size=n, rank=rank)
+            if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(right.shape):
+                raise CheckFailed(f"the chunk has shape {tuple(getattr(got, 'shape', ()))}, "
+                                  f"expected {tuple(right.shape)}: ceil(rows / world_size) "
+                                  "rows on dim 0, the other dims whole", **inputs)
+            if got.dtype != full.dtype:
+                raise CheckFailed(f"the chunk is {got.dtype}, the parameter {full.dtype}: keep "
+                                  "its dtype", **inputs)
+            if not torch.equal(got, right):
+                raise CheckFailed("the chunk holds the wrong values: rank r's rows of the "
+                                  "parameter (r * chunk onwards, as many as exist), then "
+                                  "zeros", **inputs)
+
+
+def _gather_on_rank(rank, world_size, module):
+    results = []
+    for i, shape in enumerate(GATHER_SHAPES[world_size]):
+        full = _full(shape, 10 + i)
+        chunk = expected_chunk(full, rank, world_size)
+        with CommMeter() as meter:
+            got = module.gather_dim0(chunk.clone(), shape[0])
+        ok = isinstance(got, torch.Tensor) and tuple(got.shape) == tuple(shape) \
+            and torch.equal(got, full)
+        results.append(dict(shape=shape, ok=ok, got_shape=tuple(getattr(got, "shape", ())),
+                            ops=[(e.op, e.bytes_sent) for e in meter.events],
+                            expected_bytes=(world_size - 1) * chunk.numel() * 4))
+    return results
+
+
+_last_gather: list = [None, None]  # (module, results): both checks read one run of the ranks
+
+
+def _gathers(module):
+    if _last_gather[0] is not module:
+        runs = {n: run_ranks(_gather_on_rank, n, module, timeout=30) for n in GATHER_SHAPES}
+        _last_gather[:] = [module, runs]
+    for n, ranks in _last_gather[1].items():
+        for rank, results in enumerate(ranks):
+            for result in results:
+                yield n, rank, result
+
+
+def check_gather_returns_the_unpadded_tensor(module):
+    for n, rank, result in _gathers(module):
+        if not result["ok"]:
+            shape = result["shape"]
+            padded = -(-shape[0] // n) * n
+            why = (f"it has {padded} rows: the padding is still there, keep the first "
+                   f"{shape[0]}" if result["got_shape"][:1] == (padded,) else
+                   "every rank's chunk side by side in rank order, then the first rows rows")
+            raise CheckFailed(f"rank {rank}: gather_dim0 returned shape {result['got_shape']}, "
+                              f"expected the full {shape} exactly: {why}", world_size=n,
+                              shape=shape)
+
+
+def check_one_all_gather_of_the_chunk(module):
+    for n, rank, result in _gathers(module):
+        ops, expected = result["ops"], ("all_gather", result["expected_bytes"])
+        if ops != [expected]:
+            raise CheckFailed(f"rank {rank}: the meter saw {ops}; expected one all-gather of "
+                              f"this rank's chunk, (n-1) x chunk bytes = {expected[1]} B "
+                              "(through engine.comm.ops)", world_size=n, shape=result["shape"])
+    return passed("one all-gather of (n-1) x chunk bytes", "FSDP2's gather", ranks="3 and 4")
+
+
+# -- ch12.fp8_tiles -------------------------------------------------------------------------
+
+HIDDEN_TILES = [  # (x, tile)
+    (outlier_activations(8, 256, seed=1), (1, 128)),
+    (torch.randn(256, 256, generator=torch.Generator().manual_seed(2)), (128, 128)),
+    (outlier_activations(16, 64, outlier=1000.0, seed=3), (1, 32)),
+    (torch.randn(12, 48, generator=torch.Generator().manual_seed(4)) * 1e-3, (4, 16)),
+    (torch.cat([torch.zeros(2, 32), torch.ones(2, 32)]), (2, 32)),  # a block of zeros
+]
+
+
+def _quantized(module, x, tile):
+    got = module.quantize_tiles(x.clone(), tile)
+    if not (isinstance(got, tuple) and len(got) == 2):
+        raise CheckFailed("quantize_tiles must return (q, scales)", shape=tuple(x.shape),
+                          tile=tile)
+    return got
+
+
+def check_scales_are_tile_amax_over_448(module):
+    for x, tile in HIDDEN_TILES:
+        q, scales = _quantized(module, x, tile)
+        _, right = quantize(x, tile)
+        right = right[:, 0, :, 0]
+        inputs = dict(shape=tuple(x.shape), tile=tile)
+        if not isinstance(scales, torch.Tensor) or tuple(scales.shape) != tuple(right.shape):
+            raise CheckFailed(f"scales has shape {tuple(getattr(scales, 'shape', ()))}, "
+                              f"expected one per tile, {tuple(right.shape)}", **inputs)
+        if torch.equal(scales.float(), right):
+            continue
+        ratio = (scales.float() / right).median().item()
+        why = ("the scale divides by 127, int8's largest value; E4M3's is 448"
+               if abs(ratio - 448 / 127) < 1e-3 else
+               "one scale for the whole tensor: each tile needs its own amax"
+               if torch.allclose(scales.float(), scales.float().flatten()[0].expand_as(scales))
+               else "each tile's scale is its largest |value| / 448 (1 for a tile of zeros)")
+        raise CheckFailed(f"the scales differ: {why}", **inputs)
+    return passed("scale = tile amax / 448", "DeepSeek-V3's 1x128 and 128x128",
+                  cases=len(HIDDEN_TILES))
+
+
+def check_round_trip_is_e4m3s(module):
+    for x, tile in HIDDEN_TILES:
+        q, scales = _quantized(module, x, tile)
+        inputs = dict(shape=tuple(x.shape), tile=tile)
+        if getattr(q, "dtype", None) != torch.float8_e4m3fn:
+            raise CheckFailed(f"q is {getattr(q, 'dtype', type(q))}, expected "
+                              "torch.float8_e4m3fn", **inputs)
+        right_q, right_scales = quantize(x, tile)
+        if not torch.equal(q.float(), right_q.float()):
+            raise CheckFailed("q differs from each tile divided by its scale, cast to E4M3",
+                              **inputs)
+        back = module.dequantize_tiles(right_q, right_scales[:, 0, :, 0], tile)
+        if not (isinstance(back, torch.Tensor) and torch.equal(
+                back.float(), dequantize(right_q, right_scales))):
+            raise CheckFailed("dequantize_tiles differs: each tile of q.float() times its "
+                              "scale, shaped as q", **inputs)
+
+
+def check_a_tile_that_does_not_divide_raises(module):
+    for shape, tile in (((4, 200), (1, 128)), ((100, 256), (128, 128))):
+        try:
+            module.quantize_tiles(torch.randn(shape), tile)
+        except ValueError as e:
+            if not all(str(v) in str(e) for v in (*shape, *tile)):
+                raise CheckFailed(f"the ValueError says {str(e)!r}: name the tile and the "
+                                  "shape", shape=shape, tile=tile) from None
+            continue
+        except NotImplementedError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any other error is the learner's to fix
+            raise CheckFailed(f"raised {type(e).__name__} ({e}), expected a ValueError naming "
+                              "the tile and the shape", shape=shape, tile=tile) from None
+        raise CheckFailed("no error: a tile that does not divide the shape must raise "
+                          "ValueError (silently dropping the remainder loses values)",
+                          shape=shape, tile=tile)
+
+
+# -- ch12.newton_schulz ---------------------------------------------------------------------
+
+HIDDEN_MATRICES = [(32, 64, 1.0), (64, 32, 1.0), (48, 48, 1.0), (128, 40, 1e3),
+                   (24, 96, 1e-3), (7, 300, 1.0)]
+
+
+def _matrix(rows, cols, norm, seed):
+    return norm * torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+
+
+def check_matches_muons_iteration(impl):
+    for i, (rows, cols, norm) in enumerate(HIDDEN_MATRICES):
+        g = _matrix(rows, cols, norm, i)
+        got, right = impl(g.clone()), newton_schulz(g)
+        inputs = dict(shape=(rows, cols), frobenius_norm=round(g.norm().item(), 3))
+        if not isinstance(got, torch.Tensor) or got.shape != right.shape:
+            raise CheckFailed(f"got shape {tuple(getattr(got, 'shape', ()))}, expected "
+                              f"{tuple(right.shape)}", **inputs)
+        # the same products associated differently round differently: measured up to 1.2e-6
+        # on these matrices (each entry is about 1/sqrt(cols)); 1e-5 leaves room, and any
+        # other coefficient, a missing normalisation or a step too few is 1e-2 away or more
+        if not torch.isfinite(got).all():
+            raise CheckFailed("the result holds inf or NaN: normalise by the Frobenius norm "
+                              "first, so that no singular value exceeds 1", **inputs)
+        error = (got.float() - right).abs().max().item()
+        if not error <= 1e-5:
+            singular = torch.linalg.svdvals(got.float())
+            raise CheckFailed(f"differs from Muon's iteration by {error:.3g}; its singular "
+                              f"values span [{singular.min():.3g}, {singular.max():.3g}] "
+                              "(Muon's: about [0.68, 1.2]). Normalise by the Frobenius norm "
+                              "first, use the quintic's (3.4445, -4.7750, 2.0315)", **inputs)
+    return passed("max |yours - Muon's| <= 1e-5", "quintic NS5", matrices=len(HIDDEN_MATRICES))
+
+
+def check_singular_values_near_one(impl):
+    for i, (rows, cols, norm) in enumerate(HIDDEN_MATRICES):
+        if rows == cols:  # a square Gaussian matrix has singular values near 0: skipped
+            continue
+        got = impl(_matrix(rows, cols, norm, i)).float()
+        if not torch.isfinite(got).all():
+            raise CheckFailed("the result holds inf or NaN: without normalisation the "
+                              "polynomial blows large singular values up", shape=(rows, cols),
+                              scale=norm)
+        singular = torch.linalg.svdvals(got)
+        if not (singular.min() > 0.6 and singular.max() < 1.25):
+            raise CheckFailed(f"singular values in [{singular.min():.3g}, {singular.max():.3g}]"
+                              ": five steps of the quintic bring every one into about "
+                              "[0.68, 1.2]; the cubic (1.5, -0.5) is too slow for the small "
+                              "ones, and without normalisation large ones blow up",
+                              shape=(rows, cols), scale=norm)
+
+
+def _flops(impl, g):
+    with FlopCounterMode(display=False) as counter:
+        impl(g)
+    return counter.get_total_flops()
+
+
+def check_uses_the_smaller_gram_matrix(impl):
+    for rows, cols in ((96, 24), (128, 40)):
+        tall = _matrix(rows, cols, 1.0, rows)
+        spent, wide = _flops(impl, tall), _flops(impl, tall.T.contiguous())
+        least = theory.muon_newton_schulz_flops(rows, cols)
+        if spent > wide or spent > least:
+            raise CheckFailed(f"{spent:,} FLOPs on the tall {rows}x{cols} matrix, {wide:,} on "
+                              f"its transpose; forming the {cols}x{cols} Gram matrix costs "
+                              f"{least:,}: transpose a tall matrix first so that X X^T is the "
+                              "smaller one", shape=(rows, cols))
+    return passed("FLOPs on a tall matrix", "5 (4 m^2 n + 2 m^3), m = min", shape="128x40")
+
+
+EXERCISES = [
+    Exercise(
+        name="ch12.loss_scaler",
+        title="The dynamic loss scaler's update, as GradScaler decides",
+        module="ch12_loss_scaler",
+        attr="update_scale",
+        checks=(check_backs_off_and_skips_on_inf, check_grows_after_interval_clean_steps,
+                check_equals_grad_scaler),
+        hints=(
+            "Two cases. An overflow (found_inf): skip the step, shrink the scale, forget the "
+            "run of clean steps. A clean step: count it; after growth_interval of them in a "
+            "row, grow the scale and start counting again.",
+            "Plain Python arithmetic on floats is enough; torch.finfo(torch.float32).max is "
+            "the largest scale allowed.",
+            "if found_inf: return scale * backoff_factor, 0, True; clean_steps += 1; if "
+            "clean_steps == growth_interval: grow (when scale * growth_factor <= fp32's max), "
+            "clean_steps = 0; return scale, clean_steps, False.",
+        ),
+        blocks=("engine.precision.loss_scaler.DynamicLossScaler.update",
+                "engine.theory.loss_scale_after"),
+    ),
+    Exercise(
+        name="ch12.dim0_shard",
+        title="FSDP2's padded dim-0 shard and its gather",
+        module="ch12_dim0_shard",
+        attr="",
+        checks=(check_chunks_hold_the_rows, check_gather_returns_the_unpadded_tensor,
+                check_one_all_gather_of_the_chunk),
+        hints=(
+            "Every rank's chunk has the same number of rows, ceil(rows / n), so that one "
+            "all-gather of equal chunks rebuilds the parameter; the last ranks pad with zeros, "
+            "and the gather cuts the padding off again.",
+            "-(-rows // n) is the ceiling; full[r * chunk:(r + 1) * chunk] may be short or "
+            "empty; torch.zeros(chunk, *full.shape[1:], dtype=full.dtype); "
+            "ops.all_gather_into_tensor(out, chunk, group=group) with out n times the chunk.",
+            "dim0_chunk: out = zeros(chunk, ...); mine = full[r*chunk:(r+1)*chunk]; "
+            "out[:len(mine)] = mine. gather_dim0: n = dist.get_world_size(group); out = "
+            "torch.empty(n * chunk.shape[0], *chunk.shape[1:]); all_gather_into_tensor; "
+            "return out[:rows].",
+        ),
+        blocks=("engine.fsdp.api.gather_full", "engine.fsdp.shard.DimZeroShard.padded",
+                "engine.fsdp.shard.DimZeroShard.unpad", "engine.fsdp.api.full_state_dict"),
+    ),
+    Exercise(
+        name="ch12.fp8_tiles",
+        title="FP8 E4M3 with one scale per tile",
+        module="ch12_fp8_tiles",
+        attr="",
+        checks=(check_scales_are_tile_amax_over_448, check_round_trip_is_e4m3s,
+                check_a_tile_that_does_not_divide_raises),
+        hints=(
+            "Cut x into tr x tc blocks; each block gets the scale that maps its largest "
+            "magnitude onto E4M3's largest value, so an outlier only costs its own block.",
+            "x.reshape(rows // tr, tr, cols // tc, tc) puts the blocks on dims 0 and 2; "
+            ".abs().amax(dim=(1, 3), keepdim=True); torch.finfo(torch.float8_e4m3fn).max is "
+            "448; .to(torch.float8_e4m3fn) casts.",
+            "check rows % tr and cols % tc first (ValueError naming both); blocks = "
+            "x.float().reshape(...); amax = ...; scales = where(amax > 0, amax / 448, 1); q = "
+            "(blocks / scales).to(e4m3).reshape(x.shape); return q, scales[:, 0, :, 0]. "
+            "dequantize: reshape q.float() the same way, times scales[:, None, :, None].",
+        ),
+        blocks=("engine.precision.fp8.quantize", "engine.precision.fp8.dequantize"),
+    ),
+    Exercise(
+        name="ch12.newton_schulz",
+        title="Muon's quintic Newton-Schulz iteration",
+        module="ch12_newton_schulz",
+        attr="newton_schulz",
+        checks=(check_matches_muons_iteration, check_singular_values_near_one,
+                check_uses_the_smaller_gram_matrix),
+        hints=(
+            "An odd polynomial of X keeps its singular vectors and maps each singular value "
+            "s to p(s); iterating a steep one pushes every s in (0, 1] towards 1. Normalise "
+            "first so that no singular value exceeds 1; work on the wide orientation so that "
+            "X X^T is small.",
+            "g.norm() is the Frobenius norm; x @ x.T the Gram matrix; .T to transpose (and "
+            "back at the end).",
+            "a, b, c = COEFFICIENTS; tall = g.size(0) > g.size(1); x = g.float().T if tall "
+            "else g.float(); x = x / (x.norm() + 1e-7); for _ in range(steps): A = x @ x.T; "
+            "x = a * x + (b * A + c * A @ A) @ x; return x.T if tall else x.",
+        ),
+        blocks=("engine.optim.newton_schulz.newton_schulz",),
+    ),
+]
+
+DRILLS = [  # questions from engine.drill's bank: the answers are computed, not typed
+    Drill("ch12.bytes_per_parameter", "mp-bytes-per-parameter"),
+    Drill("ch12.fp8_all_gather", "fp8-all-gather-bytes"),
+    Drill("ch12.newton_schulz_flops", "muon-ns-flops"),
+    Drill("ch12.selective_recompute", "selective-recompute-saving"),
+]
