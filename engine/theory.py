@@ -283,7 +283,7 @@ def transformer_activation_bytes(layers: int, hidden: int, heads: int, seq_len: 
                                  micro_batch: int = 1, checkpoint: bool = False) -> float:
     """Activation bytes one GPU keeps for backward, 16-bit activations, no tensor or sequence
     parallelism (Korthikanti et al., "Reducing activation recomputation in large transformer
-    models", MLSys 2023, equation 2): ``s*b*h*(34 + 5*a*s/h)`` per layer. With full activation
+    models", MLSys 2023, equation 1): ``s*b*h*(34 + 5*a*s/h)`` per layer. With full activation
     checkpointing only each layer's 16-bit input is kept: ``2*s*b*h`` per layer (section 5)."""
     s, b, h, a = seq_len, micro_batch, hidden, heads
     per_layer = 2 * s * b * h if checkpoint else s * b * h * (34 + 5 * a * s / h)
@@ -509,21 +509,25 @@ def sp_activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, h
 
 def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, heads: int,
                                tp: int = 1, cp: int = 1, sequence_parallel: bool = False,
-                               recompute: bool = False) -> float:
+                               recompute: bool = False, flash_attention: bool = False) -> float:
     """Activation bytes per layer per GPU under tensor parallelism ``tp`` (with or without
     sequence parallelism) and context parallelism ``cp``. Context parallelism gives each rank
-    ``s/cp`` tokens of every activation, attention included (ring attention works in blocks of
-    ``s/cp`` queries by ``s/cp`` keys), so the forms of Korthikanti et al. 2023 apply to
-    ``s/cp`` tokens: equation 2 (:func:`tp_activation_bytes_per_layer`) or, with sequence
-    parallelism, :func:`sp_activation_bytes_per_layer`. Full recomputation keeps the layer
-    input, ``2 (s/cp) b h``, divided by ``t`` too when it is sequence-parallel."""
+    ``s/cp`` tokens of every activation, so the token-wise terms of Korthikanti et al. 2023
+    apply to ``s/cp`` tokens: equation 2 (:func:`tp_activation_bytes_per_layer`) or, with
+    sequence parallelism, :func:`sp_activation_bytes_per_layer`. The attention-score term is
+    not squared in ``s/cp``: a rank's ``s/cp`` queries meet all ``s`` keys, so a kernel that
+    stored its scores would keep ``5 a (s/cp) s b / t``; FlashAttention-style kernels (and
+    every context-parallel attention) store none, ``flash_attention=True`` drops the term.
+    Full recomputation keeps the layer input, ``2 (s/cp) b h``, divided by ``t`` too when it
+    is sequence-parallel."""
     _check_n(cp)
-    s = seq_len / cp
+    _check_n(tp)
+    s, b, h, a, t = seq_len / cp, micro_batch, hidden, heads, tp
     if recompute:
-        return 2 * s * micro_batch * hidden / (tp if sequence_parallel else 1)
-    if sequence_parallel:
-        return sp_activation_bytes_per_layer(s, micro_batch, hidden, heads, tp)
-    return tp_activation_bytes_per_layer(s, micro_batch, hidden, heads, tp)
+        return 2 * s * b * h / (t if sequence_parallel else 1)
+    tokens = 34 * s * b * h / t if sequence_parallel else s * b * h * (10 + 24 / t)
+    scores = 0 if flash_attention else 5 * a * s * seq_len * b / t
+    return tokens + scores
 
 
 def sp_comm_elements_per_layer(b: int, s: int, h: int, t: int) -> float:
@@ -914,18 +918,6 @@ def daly_checkpoint_interval(checkpoint_s: float, mtbf_s: float) -> float:
 
 
 # -- chapter 12: precision and memory -----------------------------------------------------------
-
-
-def selective_activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int,
-                                         tp: int = 1, sequence_parallel: bool = True) -> float:
-    """Activation bytes per layer per GPU with selective recomputation (Korthikanti et al.,
-    MLSys 2023, section 5 and table 2): the attention core's ``5 a s^2 b / t`` is recomputed,
-    the rest kept: ``34 s b h / t`` with sequence parallelism, ``s b h (10 + 24/t)`` without;
-    both ``34 sbh`` at ``t = 1``. (No recomputation: :func:`activation_bytes_per_layer`; full:
-    its ``recompute=True``, ``2 sbh``.)"""
-    _check_n(tp)
-    s, b, h, t = seq_len, micro_batch, hidden, tp
-    return 34 * s * b * h / t if sequence_parallel else s * b * h * (10 + 24 / t)
 
 
 def mixed_precision_bytes_per_parameter(low_bytes: int = 2, master_gradient: bool = True,

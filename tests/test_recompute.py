@@ -48,13 +48,16 @@ def test_bytes_and_flops_per_layer_are_the_counted_ones_and_gradients_bit_identi
     assert runs["none"].forward_flops == CFG.layers * (24 * b * s * h * h + 4 * b * s * s * h) \
         + head
     # the paper's bytes (fp16, dropout) against the tiny GPT's (fp32, no dropout, LN stats)
-    paper_none = theory.activation_bytes_per_layer(s, b, h, a)
-    assert paper_none == 34 * s * b * h + 5 * a * s * s * b
-    assert theory.selective_activation_bytes_per_layer(s, b, h) == 34 * s * b * h
-    assert theory.activation_bytes_per_layer(s, b, h, a, recompute=True) == 2 * s * b * h
+    paper = {p: theory.recompute_activation_bytes_per_layer(s, b, h, a, p) for p in PLANS}
+    assert paper["none"] == theory.activation_bytes_per_layer(s, b, h, a)
+    assert paper == {"none": 34 * s * b * h + 5 * a * s * s * b, "selective": 34 * s * b * h,
+                     "full": 2 * s * b * h}
     measured = {plan: run.saved["block 0"] for plan, run in runs.items()}
     assert measured["none"] - measured["selective"] == 4 * a * s * s * b + s * s
-    assert measured["full"] == 2 * theory.activation_bytes_per_layer(s, b, h, a, recompute=True)
+    # the paper's 16 sbh-sized 16-bit tensors kept, in fp32, without its two sbh dropout masks,
+    # plus LayerNorm's mean and 1/std
+    assert measured["selective"] == 2 * (paper["selective"] - 2 * s * b * h) + 16 * s * b
+    assert measured["full"] == 2 * paper["full"]  # the layer's input, in fp32 not 16-bit
 
 
 def test_without_early_stop_full_recomputation_reruns_the_whole_forward():

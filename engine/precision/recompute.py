@@ -23,8 +23,9 @@ included; it counts matmuls only, so recomputing a softmax costs no FLOPs in thi
 recomputation stops early (:func:`tiny_gpt_flops_per_layer`). Recomputing runs the same ops on
 the same inputs, so every policy's gradients are bit-identical to ``none``'s (tested).
 
-Against the paper's per-layer bytes (its eq. 1, t = 1, fp16, with dropout): ``34 sbh + 5 as^2 b``
-without recomputation, ``34 sbh`` selective, ``2 sbh`` full. The tiny GPT keeps the same 16
+Against the paper's per-layer bytes (its eq. 1, t = 1, fp16, with dropout;
+:func:`engine.theory.recompute_activation_bytes_per_layer`): ``34 sbh + 5 as^2 b`` without
+recomputation, ``34 sbh`` selective, ``2 sbh`` full. The tiny GPT keeps the same 16
 ``sbh``-sized tensors (LayerNorm inputs, the linear layers' inputs, Q, K, V, the GELU's input),
 but in fp32 (4 bytes each, not 2), with no dropout (the paper's two ``sbh`` one-byte masks, its
 ``as^2 b`` mask and ``2 as^2 b`` dropout output are not there), and saves besides each

@@ -41,9 +41,7 @@ def plot_recompute_pareto(cfg: GPTConfig = GPTConfig(vocab=64, seq_len=64, layer
                    f"a={cfg.heads}, b={batch}")
     s, b, h, a = cfg.seq_len, batch, cfg.hidden, cfg.heads
     measured = {r.label: r.saved["block 0"] for r in points if r.label in PLANS}
-    paper = {"none": theory.activation_bytes_per_layer(s, b, h, a),
-             "selective": theory.selective_activation_bytes_per_layer(s, b, h),
-             "full": theory.activation_bytes_per_layer(s, b, h, a, recompute=True)}
+    paper = {p: theory.recompute_activation_bytes_per_layer(s, b, h, a, p) for p in PLANS}
     xs = range(len(PLANS))
     right.bar([x - 0.2 for x in xs], [measured[p] / 2**10 for p in PLANS], width=0.4,
               color=COLORS["measured"], label="measured (fp32, no dropout)")
