@@ -509,15 +509,18 @@ def sp_activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, h
 
 def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, heads: int,
                                tp: int = 1, cp: int = 1, sequence_parallel: bool = False,
-                               recompute: bool = False, flash_attention: bool = False) -> float:
+                               recompute: bool = False, flash_attention: bool | None = None
+                               ) -> float:
     """Activation bytes per layer per GPU under tensor parallelism ``tp`` (with or without
     sequence parallelism) and context parallelism ``cp``. Context parallelism gives each rank
     ``s/cp`` tokens of every activation, so the token-wise terms of Korthikanti et al. 2023
     apply to ``s/cp`` tokens: equation 2 (:func:`tp_activation_bytes_per_layer`) or, with
     sequence parallelism, :func:`sp_activation_bytes_per_layer`. The attention-score term is
     not squared in ``s/cp``: a rank's ``s/cp`` queries meet all ``s`` keys, so a kernel that
-    stored its scores would keep ``5 a (s/cp) s b / t``; FlashAttention-style kernels (and
-    every context-parallel attention) store none, ``flash_attention=True`` drops the term.
+    stored its scores would keep ``5 a (s/cp) s b / t``; FlashAttention-style kernels store
+    none (``flash_attention=True`` drops the term). The default, ``None``, keeps the scores
+    without context parallelism and drops them with it (ring attention, Ulysses and all-gather
+    CP all compute attention block by block: :mod:`engine.cp`).
     Full recomputation keeps the layer input, ``2 (s/cp) b h``, divided by ``t`` too when it
     is sequence-parallel."""
     _check_n(cp)
@@ -526,6 +529,8 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
     if recompute:
         return 2 * s * b * h / (t if sequence_parallel else 1)
     tokens = 34 * s * b * h / t if sequence_parallel else s * b * h * (10 + 24 / t)
+    if flash_attention is None:
+        flash_attention = cp > 1
     scores = 0 if flash_attention else 5 * a * s * seq_len * b / t
     return tokens + scores
 
@@ -558,8 +563,11 @@ def ulysses_bytes(seq: int, hidden: int, n: int, dtype_bytes: float = 2,
     """Bytes each rank sends (and receives) per attention layer in DeepSpeed-Ulysses over ``n``
     ranks (Jacobs et al. 2023, section 3): an all-to-all of q, k and v, one of the output, each
     sending ``(N-1)/N`` of the rank's ``S/N`` tokens (:func:`all_to_all_bytes`), and the same
-    two backward. ``kv_hidden`` (KV heads x head_dim, grouped-query attention) defaults to
-    ``hidden``: ``(N-1)/N^2 S (2 hidden + 2 kv_hidden)`` each way, falling as 1/N."""
+    two backward. ``kv_hidden`` (KV heads x head_dim, grouped-query attention; the travelling
+    heads, :func:`ulysses_sent_kv_heads`, when KV heads are replicated) defaults to ``hidden``:
+    ``(N-1)/N^2 S (2 hidden + 2 kv_hidden)`` each way, falling as 1/N. Against the ring's
+    ``2 (N-1)/N S kv_hidden`` it is fewer bytes only for ``N > 1 + hidden/kv_hidden``
+    (:func:`ulysses_beats_ring`): with 4 query heads per KV head, from N = 8."""
     _check_n(n)
     kv = hidden if kv_hidden is None else kv_hidden
     forward = all_to_all_bytes(seq / n * (2 * hidden + 2 * kv) * dtype_bytes, n)

@@ -276,8 +276,12 @@ def test_activation_forms_compose_tp_sp_and_cp():
         theory.tp_activation_bytes_per_layer(s, b, h, a, 8)
     assert theory.activation_bytes_per_layer(s, b, h, a, tp=8, sequence_parallel=True) == \
         theory.sp_activation_bytes_per_layer(s, b, h, a, 8) == s * b * h / 8 * (34 + 5 * a * s / h)
+    # issue 32: a rank's s/cp queries meet all s keys: 5 a (s/cp) s b / t, not 5 a (s/cp)^2 b
+    # (and 0 with flash attention, the default under context parallelism)
+    assert theory.activation_bytes_per_layer(s, b, h, a, tp=2, cp=4, flash_attention=False) \
+        == (s / 4) * b * h * (10 + 24 / 2) + 5 * a * (s / 4) * s * b / 2
     assert theory.activation_bytes_per_layer(s, b, h, a, tp=2, cp=4) == \
-        theory.tp_activation_bytes_per_layer(s / 4, b, h, a, 2)
+        (s / 4) * b * h * (10 + 24 / 2)
     assert theory.activation_bytes_per_layer(s, b, h, a, tp=8, cp=2, sequence_parallel=True,
                                              recompute=True) == 2 * (s / 2) * b * h / 8
 
