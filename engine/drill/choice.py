@@ -287,17 +287,23 @@ CHOICE = [
     Choice("causal-contiguous-balance", "long context",
            "Causal ring attention with the sequence split into contiguous chunks: how is the work "
            "spread over the GPUs?",
-           ("The last GPU does about 2N/(N+1) times the average; zig-zag chunks even it out",
+           ("The last GPU does nearly twice the average (2N/(N+1) counting diagonal blocks "
+            "whole, 2 - 1/N when the kernel skips their masked half); zig-zag evens it out",
             "Even: every GPU holds S/N tokens", "The first GPU is the busiest"), 0,
-           "Rank r computes r + 1 of the blocks below the diagonal; zig-zag gives each 2N+1 "
-           "half-size blocks.", (C09, "The causal imbalance, and zig-zag")),
+           "Rank r computes r full blocks and one diagonal block. Zig-zag gives each rank 2N+1 "
+           "blocks of side S/2N (half the side, a quarter of the area) counted whole, or 2N "
+           "with the diagonals' masked halves skipped.",
+           (C09, "The causal imbalance, and zig-zag")),
     Choice("ulysses-any-degree", "long context",
            "Ulysses on a model with 32 query heads and 8 KV heads: can it run over 16 GPUs?",
-           ("Not as is: each GPU needs whole heads, so N must divide 8; use ring attention "
-            "(or Ulysses 8 x ring 2)", "Fine: heads split into halves",
-            "Fine: 32 is divisible by 16"), 0,
-           "The all-to-all hands each rank a/N heads; KV heads too.",
-           (C09, "Ulysses and its head constraint")),
+           ("Yes: N must divide the 32 query heads; each KV head is replicated to the 2 GPUs "
+            "whose query heads read it (16 KV heads travel, more bytes)",
+            "No: N must divide the 8 KV heads, so use ring attention",
+            "Yes, by splitting each KV head's 128 dimensions in half"), 0,
+           "A rank needs whole query heads and the KV head of each; past the KV heads the KV "
+           "heads are replicated (lcm(8, 16) = 16 travel). DeepSpeed also added uneven head "
+           "splits for N not dividing the heads.",
+           (C09, "Ulysses past the KV heads")),
     # -- more misconceptions -------------------------------------------------------------------
     Choice("zero-redundancy-optimizer", "zero",
            "A common answer calls PyTorch's ZeroRedundancyOptimizer ZeRO-1. Next to ZeRO-1's "
@@ -373,6 +379,7 @@ CHOICE = [
            ("Ulysses' falls about as 1/N; the ring's stays near 2 S kv whatever N",
             "Both fall as 1/N", "Both stay constant"), 0,
            "Ulysses' all-to-alls send (N-1)/N^2 x S (2h + 2kv); the ring passes every K/V block "
-           "once around. Ulysses also stops at N = the number of KV heads.",
+           "once around. Ulysses' hard limit is N = the number of query heads (KV heads are "
+           "replicated past their count).",
            (C09, "Ring or Ulysses: when each wins")),
 ]
