@@ -196,14 +196,19 @@ CHOICE = [
             "v times more memory for parameters"), 0, "It divides the bubble by v.",
            (C06, "Interleaving: a smaller bubble for more messages")),
     Choice("zero-bubble-free", "pipeline",
-           "A common answer: 'zero-bubble schedules remove the bubble at no cost.' What do they "
-           "pay?",
-           ("Memory: each micro-batch keeps its layers' inputs and output gradients from B to "
-            "W; and two smaller passes instead of one backward",
-            "Nothing: the weight gradient had to be computed anyway",
-            "Twice the point-to-point traffic"), 0,
-           "Measured per stage: the W-stash is each linear layer's input and output gradient.",
-           (C06, "When zero-bubble loses")),
+           "A common answer: 'zero-bubble schedules remove the bubble at no cost.' On a model "
+           "of transformer layers, what do they pay?",
+           ("It depends on the schedule: ZB-H1 and ZB-V keep 1F1B's peak activations (p "
+            "micro-batches); ZB-V and DualPipeV send twice the point-to-point messages; ZB-H2 "
+            "pays memory (2p-1 micro-batches); all run two smaller passes instead of one "
+            "backward",
+            "Memory, every one of them: each micro-batch keeps its layers' inputs and output "
+            "gradients from B to W, on top of 1F1B's activations",
+            "Nothing: the weight gradient had to be computed anyway"), 0,
+           "Measured on transformer blocks: the W-stash is smaller than the activations B "
+           "frees, so ZB-H1 and ZB-V peak at 1F1B's p micro-batches (on a stack of MLP blocks "
+           "the stash outweighs them, and there every split schedule holds more).",
+           (C06, "The memory table: what each schedule holds and sends")),
     Choice("zb-two-formulas", "pipeline",
            "ZB-H1's bubble: (p-1)(F+B-W) in the paper, (PP-1)(F+B-2W) in the DualPipe README. "
            "Which is right?",
