@@ -348,14 +348,14 @@ def one_f_one_b_bubble_time(p: int, t_f: float, t_b: float, t_w: float = 0.0) ->
     """Idle time of each stage under GPipe or 1F1B: ``(p-1)(T_F + T_B + T_W)``, the warm-up
     and cool-down of ``p-1`` forward and *full* backward slots (the full backward is the input
     gradient ``T_B`` plus the weight gradient ``T_W``; Qi et al., "Zero Bubble Pipeline
-    Parallelism", ICLR 2024, section 3.1). With ``t_w = 0``, ``t_b`` is the whole backward."""
+    Parallelism", ICLR 2024, section 2.1). With ``t_w = 0``, ``t_b`` is the whole backward."""
     _check_n(p)
     _stage_times(t_f, t_b, t_w)
     return (p - 1) * (t_f + t_b + t_w)
 
 
 def zb_h1_bubble_time(p: int, t_f: float, t_b: float, t_w: float, b: str = "input") -> float:
-    """Idle time of each stage under ZB-H1 (Qi et al., ICLR 2024, section 3.1, Figure 3):
+    """Idle time of each stage under ZB-H1 (Qi et al., ICLR 2024, section 2.1, Figure 3):
     ``(p-1)(T_F + T_B - T_W)`` where ``T_B`` is the *input* gradient alone (``b="input"``, the
     paper's B). The DualPipe README (deepseek-ai/DualPipe, its row "ZB1P") writes
     ``(PP-1)(F + B - 2W)`` where B is the *full* backward, input and weights (``b="full"``):
@@ -384,8 +384,8 @@ def zb_h1_bubble_fraction(p: int, m: int, t_f: float, t_b: float, t_w: float) ->
 
 
 def zb_h2_bubble_time(p: int, t_f: float, t_b: float, t_w: float) -> float:
-    """Idle time of each stage under ZB-H2 (Qi et al., ICLR 2024, "Zero bubble schedule", and
-    the paper's table of bubble and peak memory per schedule): ``(p-1)(T_F + T_B - 2T_W)``,
+    """Idle time of each stage under ZB-H2 (Qi et al., ICLR 2024, section 2.2, "Zero bubble
+    schedule", and the paper's table of bubble and peak memory per schedule): ``(p-1)(T_F + T_B - 2T_W)``,
     ``T_B`` the input gradient alone; zero when ``T_F = T_B = T_W``. Derivation: stage ``s``
     receives its first B after ``2(p-1-s)+1`` slots and fills them with forwards; in the tail
     the last B's reach stage 0 one B per stage late, and stage ``s`` fills the ``2s`` slots by

@@ -1,14 +1,14 @@
 """Zero-bubble pipeline schedules: the backward split into B (input gradient) and W (weight
 gradient), and W moved into the bubble.
 
-* :func:`zb_h1` (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, section 3.1,
+* :func:`zb_h1` (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, section 2.1,
   Figure 3): 1F1B's order with every B the input gradient only and stage ``s``'s W's starting
   ``s`` backwards late, so that every stage holds ``p`` micro-batches between F and W, as
   stage 0 of 1F1B does. Idle time per stage ``(p-1)(T_F + T_B - T_W)`` instead of 1F1B's
   ``(p-1)(T_F + T_B + T_W)`` (exact when ``m >= p`` and ``T_W <= T_F, T_B``;
   :func:`engine.theory.zb_h1_bubble_time`).
-* :func:`zb_h2` (the same paper, "Zero bubble schedule", the lower half of the figure that
-  draws ZB-H1, and its table of bubble and peak memory per schedule): stage ``s`` fills its
+* :func:`zb_h2` (the same paper, section 2.2, "Zero bubble schedule", Figure 3 below ZB-H1,
+  and its table of bubble and peak memory per schedule): stage ``s`` fills its
   warm-up with ``2(p-s)-1`` forwards (up to the first B's arrival) and runs each W ``2s``
   backwards late, so the W's fill the tail and the shape of the step is a parallelogram:
   idle time ``(p-1)(T_F + T_B - 2T_W)`` within each stage's own span, zero when
