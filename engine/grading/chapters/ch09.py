@@ -1,7 +1,9 @@
-"""Checks for chapter 09: the online-softmax merge, a ring-attention forward, zig-zag shards."""
+"""Checks for chapter 09: the online-softmax merge, a ring-attention forward, zig-zag shards,
+Ulysses with KV heads replicated past their count."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -195,6 +197,79 @@ def check_bad_length_raises(impl):
     raise CheckFailed("9 tokens cannot be cut into 2 x 3 equal chunks: raise ValueError")
 
 
+KV_CASES = [(4, 8, 2), (3, 6, 2)]  # (N, query heads, KV heads): N a multiple of kv; lcm
+
+
+def _ulysses_on_rank(rank, world_size, impl, heads, kv_heads):
+    g = torch.Generator().manual_seed(4)
+    n, batch, per_rank, head_dim = world_size, 2, 3, 4
+    q = torch.randn(batch, heads, n * per_rank, head_dim, generator=g)
+    k, v = (torch.randn(batch, kv_heads, n * per_rank, head_dim, generator=g) for _ in range(2))
+    rows = slice(rank * per_rank, (rank + 1) * per_rank)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              enable_gqa=True)[..., rows, :]
+    with CommMeter(count="wire") as meter:
+        out = impl(*(t[..., rows, :].contiguous() for t in (q, k, v)))
+    travelling = theory.ulysses_sent_kv_heads(heads, kv_heads, n)
+    return dict(ok=isinstance(out, torch.Tensor) and out.shape == expected.shape
+                and torch.allclose(out, expected, atol=ATOL), sent=meter.bytes_sent,
+                expected_sent=theory.ulysses_bytes(batch * n * per_rank, heads * head_dim, n, 4,
+                                                   travelling * head_dim)["forward"],
+                travelling=travelling, ops=sorted({e.op for e in meter.events}))
+
+
+@functools.lru_cache(maxsize=4)
+def _ulysses_results(impl):
+    return [(case, run_ranks(_ulysses_on_rank, case[0], impl, *case[1:], timeout=30))
+            for case in KV_CASES]
+
+
+def check_equals_attention_past_the_kv_heads(impl):
+    for (n, heads, kv_heads), results in _ulysses_results(impl):
+        for rank, r in enumerate(results):
+            if not r["ok"]:
+                raise CheckFailed(f"rank {rank}: the output differs from causal attention over "
+                                  f"the whole sequence ({heads} query heads, {kv_heads} KV heads "
+                                  f"on {n} ranks): each rank needs the KV head of each of its "
+                                  "query heads; replicate with repeat_interleave (copies of "
+                                  "one head side by side), not repeat", world_size=n,
+                                  heads=heads, kv_heads=kv_heads)
+
+
+def check_sends_only_the_kv_heads_needed(impl):
+    for (n, heads, kv_heads), results in _ulysses_results(impl):
+        for rank, r in enumerate(results):
+            if r["ops"] != ["all_to_all"]:
+                raise CheckFailed(f"rank {rank}: the meter saw {r['ops']}; Ulysses moves heads "
+                                  "with all-to-alls only", world_size=n)
+            if r["sent"] != r["expected_sent"]:
+                raise CheckFailed(
+                    f"rank {rank}: sent {r['sent']:.0f} bytes, expected {r['expected_sent']:.0f} "
+                    f"with lcm({kv_heads}, {n}) = {r['travelling']} KV heads travelling: "
+                    "replicate each KV head only as often as the ranks need it (not to every "
+                    "query head)", world_size=n, heads=heads, kv_heads=kv_heads)
+
+
+def _bad_degree_on_rank(rank, world_size, impl):
+    q = torch.randn(1, 3, 2, 4)
+    k = torch.randn(1, 1, 2, 4)
+    try:
+        impl(q, k, k)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def check_bad_degree_raises(impl):
+    for message in run_ranks(_bad_degree_on_rank, 2, impl, timeout=30):
+        if message is None:
+            raise CheckFailed("3 query heads cannot be split over 2 ranks: raise ValueError "
+                              "before any all-to-all")
+        if "3" not in message or "2" not in message:
+            raise CheckFailed(f"the ValueError should name the 3 heads and the 2 ranks; it says "
+                              f"{message!r}")
+
+
 EXERCISES = [
     Exercise(
         name="ch09.online_softmax",
@@ -255,10 +330,35 @@ EXERCISES = [
         ),
         blocks=("engine.cp.layout.shard_indices", "engine.cp.layout.rank_chunks"),
     ),
+    Exercise(
+        name="ch09.kv_replication",
+        title="Ulysses past the KV heads: KV heads replicated",
+        module="ch09_kv_replication",
+        attr="ulysses_gqa_attention",
+        checks=(check_equals_attention_past_the_kv_heads, check_sends_only_the_kv_heads_needed,
+                check_bad_degree_raises),
+        hints=(
+            "A rank takes whole query heads, heads/N of them, and needs the KV head of each. "
+            "When N does not divide the KV heads, give every rank its own copy: replicate each "
+            "KV head so that lcm(kv_heads, N) heads travel, lcm/N to each rank.",
+            "math.lcm(kv_heads, n); t.repeat_interleave(r, dim=1) puts r copies of each head "
+            "side by side (t.repeat would tile them in the wrong order); heads_all_to_all(t, "
+            "group, 1, 2) swaps sequence-sharded for head-sharded, heads_all_to_all(out, group, "
+            "2, 1) swaps back.",
+            "if heads % n: raise ValueError(...); r = lcm(kv, n) // kv; k, v = (t."
+            "repeat_interleave(r, 1) for t in (k, v)); q, k, v = (heads_all_to_all(t, group, 1, "
+            "2) for t in (q, k, v)); out = F.scaled_dot_product_attention(q, k, v, is_causal="
+            "True, enable_gqa=True); return heads_all_to_all(out, group, 2, 1).",
+        ),
+        blocks=("engine.cp.ulysses.ulysses_attention", "engine.cp.ulysses.scatter_heads",
+                "engine.cp.ulysses.replicate_kv_heads", "engine.cp.twod.usp_attention"),
+    ),
 ]
 
 DRILLS = [  # questions from engine.drill's bank: the answers are computed, not typed
     Drill("ch09.ring_forward_gb", "ring-attention-bytes"),
     Drill("ch09.contiguous_imbalance", "causal-imbalance"),
     Drill("ch09.ulysses_degree", "ulysses-any-degree"),
+    Drill("ch09.ulysses_crossover", "ulysses-crossover"),
+    Drill("ch09.allgather_memory", "allgather-over-ring-memory"),
 ]
