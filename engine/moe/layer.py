@@ -47,7 +47,7 @@ from torch import nn
 
 from engine.comm import ops
 from engine.moe import balance
-from engine.moe.dispatch import combine, dispatch, inverse
+from engine.moe.dropless import mix_experts
 from engine.moe.expert_choice import expert_choice_route
 from engine.moe.router import (check_routing, load_balancing_loss, route, router_z_loss,
                                sequence_balance_loss)
@@ -173,8 +173,8 @@ class MoE(nn.Module):
             token, expert, gate = self._experts_choose(logits)
         else:
             token, expert, gate = self._tokens_choose(logits)
-        y, processed = self._run_experts(tokens[token], expert)
-        out = tokens.new_zeros(tokens.shape).index_add(0, token, y * gate.unsqueeze(-1))
+        out, processed = mix_experts(tokens, token, expert, gate, self.experts,
+                                     self.num_experts, self.group)
         for shared in self.shared:
             out = out + shared(tokens)
         self.stats.processed = processed
@@ -225,23 +225,6 @@ class MoE(nn.Module):
                                                    self.options["bias_update_rate"]))
         self.pending_load.zero_()
         return load
-
-    def _run_experts(self, rows: torch.Tensor, expert: torch.Tensor
-                     ) -> tuple[torch.Tensor, list[int]]:
-        """Each row through its expert, wherever that expert lives; the outputs in the rows'
-        order, and the rows this rank's experts processed, per expert."""
-        if self.ep_size == 1:
-            order = torch.argsort(expert, stable=True)
-            counts = torch.bincount(expert, minlength=self.num_experts).tolist()
-            return self._local(rows[order], counts)[inverse(order)], counts
-        arrived, counts, state = dispatch(rows, expert, self.num_experts, self.group)
-        return combine(self._local(arrived, counts), state), counts
-
-    def _local(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """This rank's experts on their blocks of ``rows`` (block sizes ``counts``)."""
-        blocks = rows.split(counts)
-        return torch.cat([expert(block) for expert, block in zip(self.experts, blocks,
-                                                                  strict=True)])
 
     def extra_repr(self) -> str:
         options = "".join(f", {k}={v}" for k, v in self.options.items()
