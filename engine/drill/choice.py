@@ -255,18 +255,24 @@ CHOICE = [
            "Memory follows the total parameters, FLOPs the active ones.",
            (C10, "Dense vs sparse: parameters and FLOPs per token")),
     Choice("moe-balancing-gradient", "moe",
-           "In Switch's balancing loss alpha E sum_i f_i P_i, which factor carries the gradient?",
-           ("P_i, the mean router probability: f_i is a count", "f_i, the fraction routed",
-            "Both"), 0,
-           "The loss is alpha at perfect balance and grows with imbalance.",
+           "In Switch's balancing loss alpha E sum_i f_i P_i, with f_i counted from the top-k "
+           "choices as Switch defines it, which factor carries the gradient?",
+           ("P_i, the mean router probability: f_i counts discrete choices",
+            "f_i, the fraction routed", "Both"), 0,
+           "d loss / d probs[t, i] = alpha E f_i / T pushes probability away from busy experts. "
+           "The loss is alpha when f and P are both uniform, but that is not its minimum: it is "
+           "a heuristic (two experts, three tokens: 0.893 alpha).",
            (C10, "The load-balancing loss at work")),
     Choice("moe-ep-inside-node", "moe",
            "Why keep an expert-parallel group inside a node?",
-           ("Its all-to-alls are on the critical path, four per layer per micro-batch, and the "
-            "network is ~10-20x slower than NVLink", "Experts cannot be copied across nodes",
+           ("Its all-to-alls are on the critical path, four per layer per micro-batch, and a "
+            "GPU's network link has about 9x less bandwidth than its NVLink",
+            "Experts cannot be copied across nodes",
             "All-to-all is impossible over InfiniBand"), 0,
-           "The planner: the same layout's all-to-all time grows more than 10x when "
-           "the group crosses nodes.",
+           "engine.hardware, per GPU and direction: H100 NVLink 450 GB/s against one 400G "
+           "InfiniBand NIC, 50 GB/s (9x; an A100 with HDR 200G: 300 against 25, 12x). The "
+           "planner: the same layout's all-to-all time grows that much when the group crosses "
+           "nodes.",
            (C10, "Why all-to-all across nodes hurts")),
     Choice("ring-attention-bytes-fall", "long context",
            "'Ring attention: the more GPUs, the less each one sends.' What does each GPU send "
