@@ -135,3 +135,11 @@ def test_zb_h2_gradients_and_training_equal_one_process(p, m):
     for grad_diff, param_diff, run in run_ranks(_train, p, "zb_h2", m, 1, 3):
         assert grad_diff <= 1e-6 and param_diff <= 1e-6
         assert run.peak_held == 2 * p - 1  # every rank, as simulated
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_zb_h2_sends_in_batches_that_cannot_deadlock_on_nccl(p):
+    from tests import test_pp_p2p  # the module, so that its tests are not collected twice
+
+    test_pp_p2p.test_every_pipeline_send_is_posted_in_a_batch_and_the_batches_cannot_deadlock(
+        "zb_h2", p)
