@@ -65,6 +65,15 @@ def check_replica_groups(world_size: int, group_size: int) -> int:
     return world_size // group_size
 
 
+def warm_up(model_fn, optimizer_fn, loss_fn) -> None:
+    """One step in this process before forking the ranks: a process's first optimizer and
+    its first step import lazily (``torch._dynamo``: seconds on a loaded 2-core machine),
+    which every forked rank would otherwise pay at once, in its first step's time."""
+    model = model_fn()
+    loss_fn(model, 0, 0).backward()
+    optimizer_fn(model).step()
+
+
 def _replica_main(port, replica, local, group_size, replicas, incarnation, steps, kill,
                   model_fn, optimizer_fn, loss_fn, deadline_s, timeout_s):
     store = dist.TCPStore("127.0.0.1", port, is_master=False,
@@ -111,6 +120,7 @@ def run_with_failure(model_fn, optimizer_fn, loss_fn, replicas: int = 3, steps: 
     if not 0 <= victim < replicas or not 0 <= kill_step < steps - restart_after - 2:
         raise ValueError(f"kill = {kill} must name a replica group in 0..{replicas - 1} and a "
                          f"step before {steps - restart_after - 2} (steps = {steps})")
+    warm_up(model_fn, optimizer_fn, loss_fn)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
     context = multiprocessing.get_context("fork")

@@ -7,6 +7,8 @@ shape: reduce inside, then across). Per step (:meth:`FaultTolerantReplica.train_
    publishes the decided members to its group (:class:`engine.ft.quorum.QuorumClient`);
 2. **group**: each local rank ``l`` uses the Gloo group of rank ``l`` of every member
    replica group, built anew when the members changed (:class:`engine.ft.group.QuorumGroup`);
+   inside the replica group, its ranks' own Gloo group, built anew after a failed round
+   (:meth:`FaultTolerantReplica._inner_group`);
 3. **recovery**: the ranks of a group behind the quorum's source receive, from the source
    group's rank of the same local index, its parameters, optimizer state and step
    (:mod:`engine.ft.state`); bit for bit, from memory;
@@ -55,9 +57,8 @@ class FaultTolerantReplica:
         self.quorum = QuorumClient(store, replica, replicas, incarnation, deadline_s,
                                    join_timeout_s) if local_rank == 0 else None
         self.group = QuorumGroup(store, replica, timeout_s, tag=f"l{local_rank}")
-        self.inner = dist.ProcessGroupGloo(
-            dist.PrefixStore(f"inner/{replica}.{incarnation}/", store), local_rank, group_size,
-            datetime.timedelta(seconds=timeout_s)) if group_size > 1 else None
+        self.inner = None  # the group's own Gloo group (group_size > 1), per round: _inner
+        self.inner_builds = 0  # how many were built (one, unless a round failed)
         self.max_attempts = 10  # rounds of one step before giving up (never loop forever)
         self.completed = 0 if incarnation == 0 else -1
         self.decisions = 0  # quorums published to (leader) or read from (others) the group
@@ -121,7 +122,7 @@ class FaultTolerantReplica:
                 try:
                     if before_average is not None:
                         before_average(step, quorum)
-                    average, ok = self._average(grad), True
+                    average, ok = self._average(grad, quorum), True
                 except RuntimeError as e:  # a peer gone during the all-reduce
                     self.group.drop()
                     failure = e
@@ -134,6 +135,7 @@ class FaultTolerantReplica:
                                  attempt))
                 return quorum
             self.group.drop()
+            self.inner = None  # its ranks may have stopped at different collectives
             attempt, broken = attempt + 1, True
             if attempt >= self.max_attempts:
                 raise RuntimeError(f"replica {self.replica}: step {step} failed {attempt} "
@@ -160,19 +162,35 @@ class FaultTolerantReplica:
         loss_of_step(step).backward()
         return torch.cat([p.grad.reshape(-1) for p in self._params()])
 
-    def _average(self, grad: torch.Tensor) -> torch.Tensor:
-        """The mean over the group's ranks, then over the live member groups."""
+    def _inner_group(self, quorum: Quorum):
+        """The Gloo group of this replica group's ranks, built for the round ``quorum`` and
+        kept while rounds commit. After a failed round every rank of the group drops it (all
+        learn the same outcome from the commit): one rank may have left it mid-collective
+        (its cross-replica all-reduce failed) while another was still in the next one (the
+        all-gather), so the two no longer agree on which collective comes next. The new one,
+        keyed by the round, starts them in step again."""
         if self.inner is None:
+            prefix = f"inner/{self.replica}.{self.incarnation}/{quorum.step}.{quorum.attempt}/"
+            self.inner = dist.ProcessGroupGloo(
+                dist.PrefixStore(prefix, self.store), self.local_rank, self.group_size,
+                datetime.timedelta(seconds=self.timeout_s))
+            self.inner_builds += 1
+        return self.inner
+
+    def _average(self, grad: torch.Tensor, quorum: Quorum) -> torch.Tensor:
+        """The mean over the group's ranks, then over the live member groups."""
+        if self.group_size == 1:
             return self.group.average(grad)
+        inner = self._inner_group(quorum)
         n, size = grad.numel(), self.group_size
         chunk = -(-n // size)
         padded = torch.zeros(chunk * size, dtype=grad.dtype)
         padded[:n] = grad
-        self.inner.allreduce([padded]).wait()
+        inner.allreduce([padded]).wait()
         padded.div_(size)
         mine = self.group.average(padded[self.local_rank * chunk:(self.local_rank + 1) * chunk])
         pieces = [torch.empty_like(mine) for _ in range(size)]
-        self.inner.allgather([pieces], [mine]).wait()
+        inner.allgather([pieces], [mine]).wait()
         return torch.cat(pieces)[:n]
 
     def _apply(self, average: torch.Tensor) -> None:
