@@ -32,7 +32,8 @@ from engine.grading.core import (CheckFailed, CheckResult, Exercise, Frame, Repo
 from engine.grading.feedback import format_report
 from engine.grading.learner import SOURCES, ExerciseLoadError, course_root, load_impl
 from engine.grading.progress import show_progress
-from engine.grading.runner import check, run_checks
+from engine.grading.isolated import check
+from engine.grading.runner import run_checks
 
 __all__ = ["check", "run_checks", "registry", "get_exercise", "load_impl", "course_root",
            "format_report", "run_ranks", "passed", "show_progress", "CheckFailed",

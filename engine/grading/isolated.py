@@ -1,5 +1,7 @@
 """One exercise graded in a child process with a time limit: a learner's ``while True`` fails
-that exercise, and grading goes on.
+that exercise, and grading goes on. The grader's command line grades each exercise so, and so
+does the notebook's :func:`check`: a check that calls the learner's function in this process
+(not on ranks, which have their own timeout) could otherwise loop forever.
 
 :func:`run_isolated` forks a child in its own process group that runs the exercise's checks
 (:func:`engine.grading.runner.check_results`) and sends each result down a pipe as soon as its
@@ -8,7 +10,7 @@ check launched sit in process groups of their own: each is killed too), the chec
 finished keep their verdicts, the one running fails with "took longer than N s" and those not
 reached fail saying so. A child that dies without a word (``os._exit``, a segfault) fails the
 check it was running the same way. Nothing the learner's code does in the child (a module
-imported, an engine function swapped) reaches the grader.
+imported, an engine function swapped) reaches the grader; what it prints is printed.
 """
 
 from __future__ import annotations
@@ -19,17 +21,20 @@ import multiprocessing as mp
 import os
 import re
 import signal
+import sys
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from engine.grading.chapters import get_exercise
 from engine.grading.core import ERROR, STUCK, CheckResult, Frame, Report
-from engine.grading.feedback import is_learner_file
-from engine.grading.runner import check_results
+from engine.grading.feedback import format_report, is_learner_file
+from engine.grading.progress import Attempts, check_hint_level
+from engine.grading.runner import check_impl, check_results
 from engine.launch import die_with_parent
 
 # The slowest exercise on the reference solutions (ch03.topk_error_feedback) took 6.5 s on a
@@ -53,7 +58,7 @@ class _Shown:
 _DUMPED_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<function>\S+)')
 
 
-def _child(name: str, source: str, root: str | None, conn, stack_file: str) -> None:
+def _child(name: str, source: str, root: str | None, conn, stack_file: str, impl) -> None:
     os.setpgid(0, 0)  # our own group: the grader kills it, and whatever we started, at once
     die_with_parent()  # a grader killed outright (kill -9) leaves no endless loop behind
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the grader's to handle
@@ -61,7 +66,7 @@ def _child(name: str, source: str, root: str | None, conn, stack_file: str) -> N
     dump = open(stack_file, "w")  # noqa: SIM115 - open until the child ends
     faulthandler.register(signal.SIGUSR1, file=dump, all_threads=False)
     try:
-        for result in check_results(name, source=source, root=root):
+        for result in check_results(name, impl, source=source, root=root):
             try:
                 conn.send(result)
             except Exception:  # noqa: BLE001 - an input that does not pickle is shown as text
@@ -71,7 +76,12 @@ def _child(name: str, source: str, root: str | None, conn, stack_file: str) -> N
         conn.send(f"the grader itself failed on this exercise: {type(e).__name__}: {e}")
     finally:
         conn.close()
-        os._exit(0)  # no atexit handlers, no flush of buffers copied from the grader
+        for stream in (sys.stdout, sys.stderr):  # what the learner's code printed here (the
+            try:  # grader flushed its own before the fork, so nothing is printed twice)
+                stream.flush()
+            except Exception:  # noqa: BLE001, S110 - a closed or odd stream: nothing to show
+                pass
+        os._exit(0)  # no atexit handlers
 
 
 def descendants(pid: int) -> list[int]:
@@ -139,12 +149,16 @@ def where_it_was(pid: int, stack_file: str) -> tuple[Frame, ...]:
 
 
 def run_isolated(name: str, source: str = "exercises", root: str | Path | None = None,
-                 timeout: float = DEFAULT_TIMEOUT_S) -> Report:
-    """Grade exercise ``name`` in a child process; past ``timeout`` seconds, kill it with
-    everything it started and fail the checks not finished ("took longer than N s")."""
-    if not (isinstance(timeout, (int, float)) and timeout > 0):
+                 timeout: float | None = None, impl: Callable | None = None) -> Report:
+    """Grade exercise ``name`` in a child process; past ``timeout`` seconds (default
+    :data:`DEFAULT_TIMEOUT_S`), kill it with everything it started and fail the checks not
+    finished ("took longer than N s"). ``impl``: a function to grade instead of the file in
+    ``<root>/<source>/`` (the child is forked: it need not pickle)."""
+    timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
+    if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout > 0):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     exercise = get_exercise(name)
+    check_impl(exercise, impl)
     check_names = [fn.__name__.removeprefix("check_") for fn in exercise.checks]
     ctx = mp.get_context("fork")
     reader, writer = ctx.Pipe(duplex=False)
@@ -152,9 +166,11 @@ def run_isolated(name: str, source: str = "exercises", root: str | Path | None =
     os.close(stack_fd)
     child = ctx.Process(target=_child, name=f"grade-{name}",
                         args=(name, source, None if root is None else str(root), writer,
-                              stack_file))
+                              stack_file, impl))
     results: list[CheckResult] = []
     frames: tuple[Frame, ...] = ()
+    for stream in (sys.stdout, sys.stderr):  # the child starts with nothing left to print
+        stream.flush()
     deadline = time.monotonic() + timeout
     child.start()
     try:
@@ -195,4 +211,26 @@ def run_isolated(name: str, source: str = "exercises", root: str | Path | None =
             skipped = f"not run: the grading process died during {running}"
         results.append(_unfinished(running, why, frames))
         results += [_unfinished(rest, skipped) for rest in check_names[len(results):]]
-    return Report(exercise, source, results)
+    return Report(exercise, source if impl is None else "impl", results)
+
+
+def check(name: str, impl: Callable | None = None, hint: int | None = None,
+          timeout: float | None = None) -> None:
+    """Grade exercise ``name`` and print the result (use :func:`engine.grading.run_checks`
+    for the data).
+
+    Without ``impl`` the function in ``exercises/<module>.py`` is graded (read afresh, so save
+    the file first); pass ``impl=my_function`` to grade one defined in the notebook instead.
+    The checks run in a child process (:func:`run_isolated`): past ``timeout`` seconds
+    (default :data:`DEFAULT_TIMEOUT_S`, the grader's command line's too) the exercise fails
+    with "took longer than N s" and the line the code was looping on. Each failed attempt of
+    code that runs reveals one more hint (the idea, the API to use, the shape of the code);
+    ``hint=2`` asks for the first two now. Attempts are saved beside the drill's scores
+    (:mod:`engine.grading.progress`).
+    """
+    asked = check_hint_level(hint)
+    report = run_isolated(name, impl=impl, timeout=timeout)
+    attempts = Attempts()
+    level = attempts.record(report, asked)
+    attempts.save()
+    print(format_report(report, hint_level=level))

@@ -13,14 +13,15 @@ from engine.grading.chapters import get_exercise, registry
 from engine.grading.core import (BLOCKED, ERROR, NOT_IMPLEMENTED, NOT_LOADED, STUCK, WRONG,
                                  CheckFailed, CheckResult, Frame, Report,
                                  keeping_rank_output)
-from engine.grading.feedback import (format_report, frames_from_syntax_error, frames_from_text,
+from engine.grading.feedback import (frames_from_syntax_error, frames_from_text,
                                      frames_from_traceback, is_learner_file)
 from engine.grading.learner import ExerciseLoadError, load_impl
-from engine.grading.progress import Attempts, check_hint_level
 from engine.launch import LaunchError, RankError, RankTimeoutError
 
-# registry and get_exercise live with the chapters (engine.grading.chapters); here as before
-__all__ = ["run_checks", "check_results", "check", "registry", "get_exercise"]
+# registry and get_exercise live with the chapters (engine.grading.chapters); here as before.
+# check(), the notebook's, runs these in a child process with a time limit: it lives in
+# engine.grading.isolated (engine.grading exports it).
+__all__ = ["run_checks", "check_results", "check_impl", "registry", "get_exercise"]
 
 
 def run_checks(name: str, impl: Callable | None = None, source: str = "exercises",
@@ -40,8 +41,7 @@ def check_results(name: str, impl: Callable | None = None, source: str = "exerci
     """:func:`run_checks`, one :class:`CheckResult` at a time, each as soon as its check ends
     (:mod:`engine.grading.isolated` sends them on while the next one runs)."""
     exercise = get_exercise(name)
-    if impl is not None and exercise.attr and not callable(impl):
-        raise ValueError(f"impl must be a function, got {impl!r}")
+    check_impl(exercise, impl)
     with blocking(exercise):
         if impl is None:
             try:
@@ -59,6 +59,13 @@ def check_results(name: str, impl: Callable | None = None, source: str = "exerci
             return
         for check_fn in exercise.checks:
             yield _run_one(check_fn, impl)
+
+
+def check_impl(exercise, impl) -> None:
+    """Refuse an ``impl=`` that cannot be graded: a function is needed unless the exercise
+    grades a whole module."""
+    if impl is not None and exercise.attr and not callable(impl):
+        raise ValueError(f"impl must be a function, got {impl!r}")
 
 
 def _name(check_fn: Callable) -> str:
@@ -141,19 +148,3 @@ def _run_one(check_fn: Callable, impl: Callable) -> CheckResult:
     result.output = "\n".join(output)
     return result
 
-
-def check(name: str, impl: Callable | None = None, hint: int | None = None) -> None:
-    """Grade exercise ``name`` and print the result (use :func:`run_checks` for the data).
-
-    Without ``impl`` the function in ``exercises/<module>.py`` is graded (read afresh, so save
-    the file first); pass ``impl=my_function`` to grade one defined in the notebook instead.
-    Each failed attempt of code that runs reveals one more hint (the idea, the API to use, the
-    shape of the code); ``hint=2`` asks for the first two now. Attempts are saved beside the
-    drill's scores (:mod:`engine.grading.progress`).
-    """
-    asked = check_hint_level(hint)
-    report = run_checks(name, impl=impl)
-    attempts = Attempts()
-    level = attempts.record(report, asked)
-    attempts.save()
-    print(format_report(report, hint_level=level))
