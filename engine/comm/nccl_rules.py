@@ -66,6 +66,39 @@ def caller() -> str:
     return "<unknown>"
 
 
+_INSIDE: dict = {}  # code object -> whether it is engine/comm's or torch's, decided once
+
+
+class Site:
+    """Where something happened that a later refusal may have to name (an unbatched send
+    posted, a tensor made without a device): the code and line of the frame that called into
+    ``engine/comm`` or torch, kept as they are (no text; the frame itself is not kept, it
+    holds its locals). ``str()`` gives :func:`caller`'s ``file:line in function``, and runs
+    only when a refusal is reported, so a valid op under the rules pays two attribute reads
+    and a dictionary look-up per frame inside ``engine/comm`` and torch (one or two)."""
+
+    __slots__ = ("code", "line")
+
+    def __init__(self, depth: int = 1):
+        frame = sys._getframe(depth + 1)
+        while frame is not None:
+            code = frame.f_code
+            inside = _INSIDE.get(code)
+            if inside is None:
+                path = code.co_filename
+                inside = _INSIDE[code] = path.startswith(_COMM) or \
+                    f"{os.sep}torch{os.sep}" in path
+            if not inside:
+                break
+            frame = frame.f_back
+        self.code, self.line = (None, 0) if frame is None else (frame.f_code, frame.f_lineno)
+
+    def __str__(self) -> str:
+        if self.code is None:
+            return "<unknown>"
+        return f"{self.code.co_filename}:{self.line} in {self.code.co_name}"
+
+
 class nccl_rules(TorchFunctionMode):
     """``with nccl_rules(device):`` makes every op of :mod:`engine.comm.ops` obey NCCL's rules.
 
@@ -97,7 +130,7 @@ class nccl_rules(TorchFunctionMode):
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor):
             if func in _FACTORIES and kwargs.get("device") is None:
-                setattr(out, _MARK, caller())
+                setattr(out, _MARK, Site())  # named only if the tensor is refused
             elif func in _MOVES and _names_a_device(args[1:], kwargs):
                 if hasattr(out, _MARK):
                     delattr(out, _MARK)
@@ -197,12 +230,13 @@ _UNBATCHED: dict[int, list["UnbatchedSend"]] = {}  # global rank -> sends to it 
 
 
 class UnbatchedSend:
-    """The work of an unbatched send to global rank ``peer`` (posted at ``where``), noted as
-    pending until it is waited on (rule 4); everything else goes to the work itself."""
+    """The work of an unbatched send to global rank ``peer`` (posted at ``where``, a
+    :class:`Site`), noted as pending until it is waited on (rule 4); everything else goes to
+    the work itself."""
 
     __slots__ = ("work", "peer", "where")
 
-    def __init__(self, work, peer: int, where: str):
+    def __init__(self, work, peer: int, where: "Site | str"):
         self.work, self.peer, self.where = work, peer, where
 
     def wait(self, *args, **kwargs):
@@ -217,9 +251,10 @@ class UnbatchedSend:
 
 def unbatched_send(work, peer: int, group=None):
     """``work`` (an ``ops.isend`` to global rank ``peer``), noted for rule 4 while the rules
-    apply (inside ``nccl_rules()`` or on NCCL); otherwise ``work`` itself."""
+    apply (inside ``nccl_rules()`` or on NCCL); otherwise ``work`` itself. Where it was
+    posted is kept as a :class:`Site`, made into text only if rule 4 refuses a receive."""
     if not _ACTIVE and _backend(group) != "nccl":
         return work
-    noted = UnbatchedSend(work, peer, caller())
+    noted = UnbatchedSend(work, peer, Site())
     _UNBATCHED.setdefault(peer, []).append(noted)
     return noted
