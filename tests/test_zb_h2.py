@@ -143,3 +143,12 @@ def test_zb_h2_sends_in_batches_that_cannot_deadlock_on_nccl(p):
 
     test_pp_p2p.test_every_pipeline_send_is_posted_in_a_batch_and_the_batches_cannot_deadlock(
         "zb_h2", p)
+
+
+def test_the_explorer_offers_zb_h2_with_its_formula():
+    from engine.viz.pipeline import SCHEDULES, formula_line
+
+    assert SCHEDULES["ZB-H2"] == "zb_h2"
+    line = formula_line("ZB-H2", 4, 8, 1, 1.0, 1.5, 0.5)
+    assert f"= {theory.zb_h2_bubble_time(4, 1.0, 1.5, 0.5):g} idle per stage" in line
+    assert "needs m >= 2p-1" in formula_line("ZB-H2", 4, 6, 1, 1.0, 1.0, 1.0)
