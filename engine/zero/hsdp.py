@@ -1,4 +1,5 @@
-"""HSDP, hybrid sharded data parallelism: ZeRO-3 inside a group, replicas across groups.
+"""HSDP, hybrid sharded data parallelism: ZeRO-3 (or ZeRO-2) inside a group, replicas across
+groups.
 
 Zhao et al., "PyTorch FSDP: experiences on scaling fully sharded data parallel" (VLDB 2023),
 section 3.2.3 (``HYBRID_SHARD``); torchft runs one such group per replica group. The world of
@@ -10,9 +11,24 @@ and reduce-scatters the gradients. The ranks holding the same shard in the ``R``
 (the slow links) and divides by ``R``, so every replica takes the step of ZeRO-3 over all
 ``R·S`` ranks.
 
+With ``stage=2`` the shard group runs ZeRO-2 instead (:class:`engine.zero.ZeroOptimizer`;
+PyTorch FSDP's ``ShardingStrategy._HYBRID_SHARD_ZERO2``): the parameters stay whole on every
+rank (no gather in forward or backward), the gradients are reduce-scattered over the shard
+group during backward, each rank all-reduces its gradient shard over the replica group, steps
+its shard of the optimizer state and all-gathers the updated parameters inside the shard
+group. The replica dimension sees the same bytes as with
+ZeRO-3; what differs is memory (whole parameters) against the shard group's traffic (no
+per-unit gathers in forward and backward).
+
 Bytes across the replica dimension per rank and step: ``2(R-1)/R · ψ/S`` elements
 (:func:`engine.theory.hsdp_replica_bytes`), the ``S``-th of data parallelism's all-reduce
 across the same links.
+
+Both equal ZeRO-3 (and DDP) over all ``R·S`` ranks up to the order of the sums: a gradient
+element is summed over the ``S`` ranks of its shard group, divided by ``S``, then summed over
+the ``R`` replicas and divided by ``R``, where one all-reduce over every rank sums all ``R·S``
+at once and divides by ``R·S``; float addition is not associative, so the two differ by a few
+units in the last place (the tests bound it by 1e-6).
 """
 
 from __future__ import annotations
@@ -24,6 +40,7 @@ from torch import nn
 from engine.comm import ops
 from engine.topology import new_groups
 from engine.validation import divides, positive_int
+from engine.zero.optimizer import ZeroOptimizer
 from engine.zero.stage3 import ZeroDataParallel
 
 
@@ -45,35 +62,58 @@ class HybridShardedDataParallel(nn.Module):
         module: the model; the first rank's parameters are copied to every rank.
         optimizer_cls, **kwargs: the optimizer, run on this rank's shards.
         shard_size: S, the ranks of one shard group (must divide the world size).
-        units: as for :class:`engine.zero.ZeroDataParallel`.
+        units: as for :class:`engine.zero.ZeroDataParallel` (ZeRO-3 only).
+        stage: 3 (the default) or 2: ZeRO's stage inside the shard group.
 
-    ``.shard_group``, ``.replica_group``, ``.replicas`` (R) and ``.zero`` (the ZeRO-3 wrapper
-    over the shard group) are public.
+    ``.shard_group``, ``.replica_group``, ``.replicas`` (R), ``.stage`` and ``.zero`` (the
+    ZeRO-3 wrapper over the shard group; at stage 2 the ZeRO-2 optimizer) are public.
     """
 
-    def __init__(self, module: nn.Module, optimizer_cls, shard_size: int, units=None, **kwargs):
+    def __init__(self, module: nn.Module, optimizer_cls, shard_size: int, units=None,
+                 stage: int = 3, **kwargs):
         super().__init__()
+        if stage not in (2, 3):
+            raise ValueError(f"HSDP runs ZeRO-2 or ZeRO-3 inside a shard group; stage must be "
+                             f"2 or 3, got {stage!r}")
+        if stage == 2 and units is not None:
+            raise ValueError("units are ZeRO-3's gather units; at stage 2 the parameters stay "
+                             "whole: leave units=None")
         world, rank = dist.get_world_size(), dist.get_rank()
         shard_sets, replica_sets = hsdp_rank_sets(world, shard_size)
-        self.shard_size, self.replicas = shard_size, world // shard_size
+        self.shard_size, self.replicas, self.stage = shard_size, world // shard_size, stage
         self.shard_group = new_groups(shard_sets, rank)
         self.replica_group = new_groups(replica_sets, rank)
         with torch.no_grad():  # group 0's parameters everywhere (ZeRO-3 then copies its root's)
             for p in module.parameters():
                 ops.broadcast(p.data, replica_sets[rank % shard_size][0], self.replica_group)
-        self.zero = ZeroDataParallel(module, optimizer_cls, units, group=self.shard_group,
-                                     **kwargs)
+        if stage == 3:
+            self.zero = ZeroDataParallel(module, optimizer_cls, units, group=self.shard_group,
+                                         **kwargs)
+        else:  # the gradients reduce-scattered in backward by the optimizer's hooks
+            self.whole = module
+            self.zero = ZeroOptimizer(module.parameters(), optimizer_cls, stage=2,
+                                      group=self.shard_group, **kwargs)
         self.optimizer = ReplicatedShardOptimizer(self)
 
     def forward(self, *args, **kwargs):
-        return self.zero(*args, **kwargs)
+        return self.zero(*args, **kwargs) if self.stage == 3 else self.whole(*args, **kwargs)
 
     @property
     def module(self) -> nn.Module:
-        return self.zero.module
+        return self.zero.module if self.stage == 3 else self.whole
+
+    def gradient_shards(self) -> list[torch.Tensor]:
+        """This rank's reduce-scattered gradient shards (per ZeRO-3 unit, or ZeRO-2 bucket):
+        what crosses the replica dimension."""
+        if self.stage == 3:
+            return [unit.shard_grad for unit in self.zero.all_units]
+        return self.zero.grad_sharding.shard_grads()
 
     def gather_all(self) -> None:
-        """Make every unit whole (to read or compare the parameters); freed by the next use."""
+        """Make every unit whole (to read or compare the parameters); freed by the next use.
+        At stage 2 they always are."""
+        if self.stage == 2:
+            return
         for unit in self.zero.all_units:
             unit.start_gather(self.shard_group)
             unit.finish_gather()
@@ -88,14 +128,19 @@ class ReplicatedShardOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        for unit in self.model.zero.all_units:
-            ops.all_reduce(unit.shard_grad, group=self.model.replica_group)
-            unit.shard_grad.div_(self.model.replicas)
-        self.model.zero.optimizer.step()
+        for shard_grad in self.model.gradient_shards():
+            ops.all_reduce(shard_grad, group=self.model.replica_group)
+            shard_grad.div_(self.model.replicas)
+        self.inner.step()
+
+    @property
+    def inner(self):
+        """The shard group's ZeRO optimizer (stage 3's, or the ZeRO-2 optimizer itself)."""
+        return self.model.zero.optimizer if self.model.stage == 3 else self.model.zero
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.model.zero.optimizer.zero_grad(set_to_none)
+        self.inner.zero_grad(set_to_none)
 
     @property
     def param_groups(self):
-        return self.model.zero.optimizer.param_groups
+        return self.inner.param_groups
