@@ -8,8 +8,10 @@ an all-reduce over the pipeline ranks, so every stage waits for the last one to 
 backward before stepping, and the next step starts together on all stages. ZB-H2's step is a
 parallelogram (:func:`engine.pp.zero_bubble.zb_h2`): stage 0 finishes first and stage
 ``p-1`` last, so that wait is a bubble of its own. The paper steps each stage as soon as its
-own gradients are ready, as if the check will pass, and runs the check after: when it fails
-(the norm above the clipping threshold, or a NaN/inf), the step is rolled back and redone
+own gradients are ready, as if the check will pass: the state reduced so far travels from
+stage to stage with the step (a stage may already skip a step the partial state condemns),
+the fully reduced state comes back during the next step's warm-up, and when the global check
+fails (the norm above the clipping threshold, or a NaN/inf) the step is rolled back and redone
 with the global state (clipped, or skipped). In stable training the check rarely fails.
 
 * :func:`back_to_back`: ``steps`` copies of a schedule, each stage starting the next step as
@@ -18,8 +20,8 @@ with the global state (clipped, or skipped). In stable training the check rarely
 * :func:`step_times`: the time per step with a synchronising check before each step (the
   whole step plus the all-reduce) and with post-validation (steps back to back), simulated;
 * :func:`step_then_validate`: the eager step, the global check after, and the rollback, on
-  stages given as ``(parameters, optimizer)`` pairs (one process; on ranks the sum of
-  squared norms is one all-reduce of one number).
+  stages given as ``(parameters, optimizer)`` pairs (one process, the global check only, no
+  early skip; on ranks the sum of squared norms is one reduction of one number).
 """
 
 from __future__ import annotations
