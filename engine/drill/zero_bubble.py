@@ -63,8 +63,8 @@ def _h2_over_h1(rng):
     return (f"{p} stages: ZB-H2's peak activations on stage 0 over ZB-H1's?",
             theory.pipeline_peak_activations("zb_h2", p)
             / theory.pipeline_peak_activations("zb_h1", p),
-            "(2p-1)/p, nearly twice: the memory is what ZB-H2 pays for the last third of "
-            "ZB-H1's bubble" + _see(TABLE) + ".")
+            "(2p-1)/p, nearly twice: what ZB-H2 pays to remove the bubble ZB-H1 leaves (a "
+            "third of 1F1B's when F = B = W)" + _see(TABLE) + ".")
 
 
 ITEMS: list = [  # Numeric, Choice and Outline items of topic 'pipeline'
