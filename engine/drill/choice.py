@@ -127,9 +127,13 @@ CHOICE = [
     Choice("param-averaging", "data parallel",
            "'Each GPU trains on different data and the parameters are averaged at the end.' Is "
            "that data parallelism?",
-           ("Wrong: gradients are averaged every step; averaging parameters after local Adam "
-            "steps diverges", "Right for any optimizer", "Right for Adam only"), 0,
-           "Measured on 4 ranks with Adam: parameter averaging drifts from DDP.",
+           ("Not DDP: DDP averages gradients every step; averaging parameters after local "
+            "steps is local SGD (or DiLoCo), which trains but differs from DDP once the replicas "
+            "take more than one step between averages", "Right: it is DDP for any optimizer",
+            "Right for Adam only"), 0,
+           "Measured on 4 ranks with Adam: parameter averaging drifts away from DDP's "
+           "parameters. It does not diverge: chapter 11 measures local SGD and DiLoCo still "
+           "training, behind DDP at equal tokens, with H times fewer syncs.",
            (C02, 'Misconception (a): "data parallelism just averages the parameters"'),
            zh="什么是数据并行"),
     Choice("linear-speedup", "data parallel",
