@@ -115,6 +115,9 @@ def run_with_failure(model_fn, optimizer_fn, loss_fn, replicas: int = 3, steps: 
     steps, killing every rank of group ``kill[0]`` at step ``kill[1]`` and restarting the
     group ``restart_after`` steps later. ``loss_fn(model, step, rank)`` is a rank's loss on
     its batch of ``step`` (``rank = replica * group_size + local rank``)."""
+    positive_int("replicas (replica groups)", replicas)
+    positive_int("group_size (ranks per replica group)", group_size)
+    positive_int("steps", steps)
     check_replica_groups(replicas * group_size, group_size)
     victim, kill_step = kill
     if not 0 <= victim < replicas or not 0 <= kill_step < steps - restart_after - 2:
