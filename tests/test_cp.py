@@ -237,7 +237,7 @@ def test_gather_undoes_shard_for_both_layouts():
 # -- the tiny GPT, trained with context parallelism ---------------------------------------------
 
 
-def _train(rank, world_size, cp, layout, attention, steps=3):
+def train_tiny_gpt(rank, world_size, cp, layout, attention, steps=3):
     cfg = GPTConfig(vocab=32, seq_len=16, layers=2, heads=4, hidden=32)
     dense = TinyGPT(cfg, seed=0)
     group = context_parallel_group(cp)
@@ -263,7 +263,7 @@ def _train(rank, world_size, cp, layout, attention, steps=3):
     (2, 2, "zigzag", "ring"), (2, 2, "contiguous", "ulysses"), (4, 2, "zigzag", "ring")])
 def test_tiny_gpt_trained_with_context_parallelism_equals_one_process(world_size, cp, layout,
                                                                         attention):
-    for diff in run_ranks(_train, world_size, cp, layout, attention):
+    for diff in run_ranks(train_tiny_gpt, world_size, cp, layout, attention):
         assert diff <= 1e-6
 
 

@@ -1,7 +1,8 @@
 """Context parallelism (chapter 09): the sequence split over ranks, attention still exact.
 
 * :func:`ring_attention`: K/V blocks passed round a ring, merged by online softmax (Liu et al.
-  2023), in the contiguous or the load-balanced zig-zag layout;
+  2023), in the contiguous, the load-balanced zig-zag, or the striped layout (Brandon et al.
+  2023: token t on rank t mod N);
 * :func:`ulysses_attention`: two all-to-alls switch to whole heads over the whole sequence
   (Jacobs et al. 2023), KV heads replicated when N does not divide them;
 * :func:`allgather_attention`: every rank all-gathers K/V (Llama 3, section 3.3.2; PyTorch's

@@ -3,7 +3,8 @@
 Every rank holds the whole model and ``S/N`` tokens of each sequence (:mod:`engine.cp.layout`).
 Everything but attention works token by token, so it runs unchanged on the local tokens (the
 position embedding looks up the positions this rank holds); attention is
-:func:`engine.cp.ring_attention` (or :func:`engine.cp.ulysses_attention`), so each token still
+:func:`engine.cp.ring_attention` (or :func:`engine.cp.ulysses_attention`, or
+:func:`engine.cp.allgather_attention`), so each token still
 attends to every earlier token of its sequence.
 
 The loss is this rank's mean over its own tokens. With equal tokens per rank, the average of
@@ -23,13 +24,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from engine.cp.allgather import allgather_attention
 from engine.cp.layout import shard_indices
 from engine.cp.ring import ring_attention
 from engine.cp.ulysses import ulysses_attention
 from engine.topology import Mesh
 from engine.validation import one_of
 
-ATTENTIONS = ("ring", "ulysses")
+ATTENTIONS = ("ring", "ulysses", "allgather")
 
 
 class ContextParallelAttention(nn.Module):
@@ -47,6 +49,8 @@ class ContextParallelAttention(nn.Module):
                    for t in self.qkv(x).split(h, dim=2))
         if self.attention == "ring":
             y = ring_attention(q, k, v, self.group, causal=True, layout=self.layout)
+        elif self.attention == "allgather":
+            y = allgather_attention(q, k, v, self.group, causal=True, layout=self.layout)
         else:
             y = ulysses_attention(q, k, v, self.group, causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, s, h))
