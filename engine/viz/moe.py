@@ -100,3 +100,25 @@ def rank_load_figure(runs: dict[str, list[list[int]]], capacity: int | None = No
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     return fig
+
+
+def max_violation_figure(runs: dict[str, list[float]], smooth: int = 5):
+    """``runs``: ``{label: MaxVio per step}`` (:func:`engine.theory.max_violation`): each run's
+    MaxVio over training, a running mean of ``smooth`` steps drawn over the raw values."""
+    apply_style()
+    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    for color, (label, values) in zip(("C3", "C0", "C2", "C1"), runs.items()):
+        mean = [sum(values[max(0, i - smooth + 1):i + 1]) / len(values[max(0, i - smooth + 1):
+                                                                        i + 1])
+                for i in range(len(values))]
+        ax.plot(values, color=color, alpha=0.25, linewidth=0.8)
+        ax.plot(mean, color=color, label=f"{label}: last step {values[-1]:.2f}")
+    ax.axhline(0, color="black", linewidth=0.8)
+    top = max(max(values) for values in runs.values())
+    ax.set_ylim(-0.05 * top, 1.4 * top)  # room for the legend above the curves
+    ax.set_xlabel("training step")
+    ax.set_ylabel("MaxVio = max load / mean load - 1")
+    ax.set_title("Expert load imbalance over training, from the same skewed start")
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    return fig

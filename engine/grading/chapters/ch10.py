@@ -1,5 +1,7 @@
 """Checks for chapter 10: the top-k router with capacity, the dispatch permutation over real
-ranks, the balancing loss; drills on capacity, all-to-all bytes and active parameters."""
+ranks, the balancing loss; drills on capacity, all-to-all bytes, active parameters, MaxVio,
+DeepSeek-V3's size and fine-grained experts. The frontier exercises (dropless dispatch,
+aux-loss-free bias) are in :mod:`engine.grading.chapters.ch10_frontier`."""
 
 from __future__ import annotations
 
@@ -310,4 +312,8 @@ DRILLS = [  # questions from engine.drill's bank: the answers are computed, not 
     Drill("ch10.capacity", "moe-capacity"),
     Drill("ch10.dispatch_megabytes", "moe-all-to-all-bytes"),
     Drill("ch10.active_params", "moe-active-params"),
+    Drill("ch10.max_violation", "moe-max-violation"),
+    Drill("ch10.deepseek_active", "moe-deepseek-active"),
+    Drill("ch10.fine_grained", "moe-fine-grained-combinations"),
+    Drill("ch10.all_to_all_over_infiniband", "moe-a2a-over-infiniband"),
 ]
