@@ -6,7 +6,9 @@
   printed. Hints come in three levels (the idea, the API to use, the shape of the code): none
   while the exercise is "not implemented", then one more per failed attempt, or on request
   (``check(name, hint=2)``); attempts are kept beside the drill's scores
-  (:mod:`engine.grading.progress`).
+  (:mod:`engine.grading.progress`). It grades in a child process with a time limit
+  (:mod:`engine.grading.isolated`, ``check(name, timeout=S)``): an endless loop fails the
+  exercise with the line it loops on, instead of hanging the notebook.
 * ``python -m engine.grading`` (``make grade ARGS=...``) prints a score table per chapter, a
   progress table (exercises passed, drill scores, what to do next) and writes junit XML
   (:mod:`engine.grading.junit`). ``--root`` grades any folder holding ``exercises/`` (a
