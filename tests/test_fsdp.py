@@ -271,17 +271,55 @@ def test_blocks_free_their_gathered_parameters_and_gradients_accumulate_on_the_s
         assert _worst(grads, expected) <= 1e-6
 
 
+def _empty_root_net():
+    torch.manual_seed(5)
+    return nn.Sequential(nn.Linear(7, 9), nn.Tanh(), nn.Linear(9, 5))
+
+
 def _empty_root(rank, world_size):
-    model, (x, y) = nn.Sequential(nn.Linear(7, 9), nn.Tanh(), nn.Linear(9, 5)), _data()
+    model, (x, y) = _empty_root_net(), _data()
     fully_shard(model[0])
     fully_shard(model[2])
-    fully_shard(model)  # nothing left for the root: no hooks, no collectives
-    nn.functional.mse_loss(model(x), y).backward()
-    return [tuple(p.grad.shape) for p in model.parameters()]
+    fully_shard(model)  # nothing left for the root: no gathers, no reduce-scatters
+    mine = slice(rank * ROWS // world_size, (rank + 1) * ROWS // world_size)
+    with CommMeter() as meter:
+        nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+    roots = [m.fsdp_state.is_root for m in (model, model[0], model[2])]
+    freed = [t.untyped_storage().nbytes() for t in model[0].fsdp_state.last.tensors]
+    return ([tuple(p.grad.shape) for p in model.parameters()], full_grads(model), roots,
+            meter.by_op()["all_gather"]["count"], freed)
 
 
 def test_a_root_with_no_parameters_of_its_own():
-    assert run_ranks(_empty_root, 2)[1] == [(4, 7), (4,), (2, 9), (2,)]
+    assert run_ranks(_empty_root, 2)[1][0] == [(4, 7), (4,), (2, 9), (2,)]
+    reference, (x, y) = _empty_root_net(), _data()
+    nn.functional.mse_loss(reference(x), y).backward()
+    expected = {n: p.grad for n, p in reference.named_parameters()}
+    for _, grads, roots, gathers, freed in run_ranks(_empty_root, 2):
+        # the empty root is the root (found at its first forward); the linears are not, so
+        # they free their parameters after forward and gather them again for backward
+        assert roots == [True, False, False] and gathers == 2 * 2 and set(freed) == {0}
+        # a mean over 6 rows a rank then over 2 ranks, against a mean over 12: 1e-6 bounds it
+        assert _worst(grads, expected) <= 1e-6
+
+
+def _order(rank, world_size):
+    model = _empty_root_net()
+    fully_shard(model)
+    with pytest.raises(ValueError, match=r"fully_shard\(Linear\): its parameters \['weight', "
+                                         r"'bias'\] are already sharded"):
+        fully_shard(model[0])  # the root first, a child after: refused, as PyTorch does
+    model, (x, _) = _empty_root_net(), _data()
+    fully_shard(model[0])
+    fully_shard(model)
+    model[0](x)  # a child's forward first: it becomes a root ...
+    with pytest.raises(RuntimeError, match="'0' \\(Linear\\) already ran forward as a root"):
+        model(x)  # ... and the model's first forward then finds it, as PyTorch's does
+    return True
+
+
+def test_the_root_is_found_at_the_first_forward_and_children_are_sharded_first():
+    assert run_ranks(_order, 2) == [True, True]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

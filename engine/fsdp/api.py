@@ -31,6 +31,14 @@ def fully_shard(module: nn.Module, group=None, *, reshard_after_forward: bool = 
         raise ValueError(f"fully_shard({type(module).__name__}): this module is already "
                          "sharded (it has an fsdp_state); shard each module once, children "
                          "first, then the root")
+    owned = {id(p.shard) for sub in module.modules()
+             if getattr(sub, "fsdp_state", None) is not None for p in sub.fsdp_state.params}
+    taken = [name for name, p in module.named_parameters()
+             if hasattr(p, "fsdp_layout") and id(p) not in owned]
+    if taken:
+        raise ValueError(f"fully_shard({type(module).__name__}): its parameters {taken[:3]} "
+                         "are already sharded by a fully_shard call on a module around it; "
+                         "shard children first, then the root (as PyTorch's FSDP2 requires)")
     module.fsdp_state = ShardGroup(module, group, reshard_after_forward, mp_policy)
     return module
 

@@ -11,8 +11,8 @@ function:
 * **forward post-hook**: the slots point at the shards again; with ``reshard_after_forward``
   the whole tensors' storage is freed (``resize_(0)``: autograd keeps the tensors, not their
   bytes), and a hook on the module's outputs gathers them again when backward reaches it.
-  The root (a sharded module inside no other sharded module) keeps its parameters: backward
-  starts with them.
+  The root (the sharded module whose forward runs first, found then: ``lazy_init``) keeps its
+  parameters: backward starts with them.
 * **backward** of :class:`Unshard`: autograd calls it once, when the gradients of all the
   group's whole parameters are complete; they are packed padded, reduce-scattered in
   ``reduce_dtype`` (summed, then divided by the group's size), cast to each shard's dtype and
@@ -120,13 +120,30 @@ class ShardGroup:
                              f"{sorted(map(str, dtypes))} gathered together; give "
                              "MixedPrecisionPolicy(param_dtype=...) or shard them apart")
         self.last: Gathered | None = None
-        self.is_root = True  # until a sharded module around this one is sharded
-        for sub in module.modules():
-            if sub is not module and getattr(sub, "fsdp_state", None) is not None:
-                sub.fsdp_state.is_root = False
-        if self.params:  # a module whose parameters its children all took: nothing to do
-            module.register_forward_pre_hook(self.pre_forward, with_kwargs=True)
+        self.is_root: bool | None = None  # decided at the first forward (lazy_init)
+        # the pre-hook also on a module whose children took every parameter: it is the root
+        module.register_forward_pre_hook(self.pre_forward, with_kwargs=True)
+        if self.params:
             module.register_forward_hook(self.post_forward)
+
+    def lazy_init(self) -> None:
+        """At the first forward, as PyTorch's FSDP2 does (``FSDPState._lazy_init``): the
+        sharded module that runs first is the root, every sharded module inside it is not.
+        Done then rather than at ``fully_shard`` time, when the modules around it may not be
+        sharded yet."""
+        if self.is_root is not None:
+            return
+        self.is_root = True
+        for name, sub in self.module.named_modules():
+            state = getattr(sub, "fsdp_state", None)
+            if sub is self.module or state is None:
+                continue
+            if state.is_root is not None:
+                raise RuntimeError(
+                    f"fully_shard: {name!r} ({type(sub).__name__}) already ran forward as a "
+                    f"root before {type(self.module).__name__} did; run the first forward "
+                    "through the root module (as PyTorch's FSDP2 requires)")
+            state.is_root = False
 
     @property
     def gather_dtype(self) -> torch.dtype:
@@ -177,6 +194,9 @@ class ShardGroup:
         return out
 
     def pre_forward(self, module, args, kwargs):
+        self.lazy_init()
+        if not self.params:  # its children took every parameter: nothing to gather
+            return args, kwargs
         wholes = Unshard.apply(self, *[p.shard for p in self.params])
         for p, whole in zip(self.params, wholes):
             p.point_at(whole)
