@@ -245,4 +245,4 @@ OUTLINE = [
             evidence=(C12, MUON)),
 ]
 
-ITEMS: list = NUMERIC + CHOICE + OUTLINE  # Numeric, Choice and Outline items of 'precision and memory'
+ITEMS: list = NUMERIC + CHOICE + OUTLINE  # the items of topic 'precision and memory'

@@ -1,7 +1,5 @@
-"""Checks for chapter 12: the dynamic loss scaler's update against torch.amp.GradScaler, FSDP2's
-padded dim-0 shard and its gather over real ranks, FP8 tile scaling, Muon's Newton-Schulz
-iteration; drills on bytes per parameter, FP8 all-gathers, Newton-Schulz FLOPs and
-recomputation."""
+"""Checks for chapter 12: the loss scaler's update against torch.amp.GradScaler, FSDP2's padded
+dim-0 shard and its gather on real ranks, FP8 tile scaling, Muon's Newton-Schulz; drills."""
 
 from __future__ import annotations
 
@@ -57,26 +55,19 @@ def _decide(impl, scale, clean, found_inf, kwargs):
                 growth_interval=kwargs["growth_interval"])
     got = impl(scale, clean, found_inf, **args)
     if not (isinstance(got, tuple) and len(got) == 3):
-        raise CheckFailed("return a tuple (new_scale, new_clean_steps, skip)", scale=scale,
-                          clean_steps=clean, found_inf=found_inf, **args)
-    new_scale, new_clean, skip = got
-    return float(new_scale), int(new_clean), bool(skip)
+        raise CheckFailed("return a tuple (new_scale, new_clean_steps, skip)", scale=scale)
+    return float(got[0]), int(got[1]), bool(got[2])
 
 
 def check_backs_off_and_skips_on_inf(impl):
     kwargs = dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=4)
     for scale, clean in ((2.0**16, 0), (1024.0, 3), (8.0, 2)):
         got = _decide(impl, scale, clean, True, kwargs)
-        inputs = dict(scale=scale, clean_steps=clean, found_inf=True, **kwargs)
-        if not got[2]:
-            raise CheckFailed("a step with an inf or NaN gradient must be skipped (skip=True): "
-                              "stepping would write inf/NaN into the weights", **inputs)
-        if got[0] != scale * 0.5:
-            raise CheckFailed(f"the scale became {got[0]:g}, expected scale * backoff_factor "
-                              f"= {scale * 0.5:g}", **inputs)
-        if got[1] != 0:
-            raise CheckFailed(f"the count of clean steps became {got[1]}, expected 0: an "
-                              "overflow starts the count again", **inputs)
+        if got != (scale * 0.5, 0, True):
+            raise CheckFailed(f"got (scale, clean_steps, skip) = {got}, expected "
+                              f"{(scale * 0.5, 0, True)}: an inf/NaN step is skipped, the scale "
+                              "times backoff_factor, the count of clean steps back to 0",
+                              scale=scale, clean_steps=clean, found_inf=True, **kwargs)
 
 
 def check_grows_after_interval_clean_steps(impl):
@@ -86,10 +77,9 @@ def check_grows_after_interval_clean_steps(impl):
         got = _decide(impl, 256.0, clean, False, kwargs)
         if got != expected:
             raise CheckFailed(f"got (scale, clean_steps, skip) = {got}, expected {expected}: a "
-                              "clean step is taken and counted; only the growth_interval-th "
-                              "in a row multiplies the scale by growth_factor (and the count "
-                              "starts again)", scale=256.0, clean_steps=clean, found_inf=False,
-                              **kwargs)
+                              "clean step is taken and counted; only the growth_interval-th in "
+                              "a row grows the scale (and the count restarts)", scale=256.0,
+                              clean_steps=clean, found_inf=False, **kwargs)
 
 
 def check_equals_grad_scaler(impl):
@@ -104,14 +94,12 @@ def check_equals_grad_scaler(impl):
                     f"step and its scale became {scales[step]:g}; yours "
                     f"{'skipped' if skip else 'took'} it with scale {scale:g}",
                     steps_with_inf=sorted(poisoned), **kwargs)
-    return passed("every scale and skip", "torch.amp.GradScaler's",
-                  sequences=len(HIDDEN_SEQUENCES))
+    return passed("every scale and skip", "GradScaler's", sequences=len(HIDDEN_SEQUENCES))
 
 
 # -- ch12.dim0_shard ------------------------------------------------------------------------
 
-HIDDEN_CHUNKS = [((10, 3), 4), ((5, 2), 4), ((3,), 2), ((7, 4, 2), 3), ((2, 6), 3),
-                 ((8, 5), 4)]
+HIDDEN_CHUNKS = [((10, 3), 4), ((5, 2), 4), ((3,), 2), ((7, 4, 2), 3), ((2, 6), 3), ((8, 5), 4)]
 GATHER_SHAPES = {3: [(10, 3), (7, 4, 2), (2, 6), (5,)], 4: [(10, 3), (5, 2), (3, 4), (6,)]}
 
 
@@ -135,13 +123,10 @@ def check_chunks_hold_the_rows(module):
                 raise CheckFailed(f"the chunk has shape {tuple(getattr(got, 'shape', ()))}, "
                                   f"expected {tuple(right.shape)}: ceil(rows / world_size) "
                                   "rows on dim 0, the other dims whole", **inputs)
-            if got.dtype != full.dtype:
-                raise CheckFailed(f"the chunk is {got.dtype}, the parameter {full.dtype}: keep "
-                                  "its dtype", **inputs)
-            if not torch.equal(got, right):
-                raise CheckFailed("the chunk holds the wrong values: rank r's rows of the "
-                                  "parameter (r * chunk onwards, as many as exist), then "
-                                  "zeros", **inputs)
+            if got.dtype != full.dtype or not torch.equal(got, right):
+                raise CheckFailed(f"the chunk ({got.dtype}) differs: rank r's rows of the "
+                                  f"parameter ({full.dtype}), r * chunk onwards, as many as "
+                                  "exist, then zeros", **inputs)
 
 
 def _gather_on_rank(rank, world_size, module):
@@ -176,13 +161,12 @@ def check_gather_returns_the_unpadded_tensor(module):
     for n, rank, result in _gathers(module):
         if not result["ok"]:
             shape = result["shape"]
-            padded = -(-shape[0] // n) * n
+            padded = theory.dim0_padding_rows(shape[0], n) + shape[0]
             why = (f"it has {padded} rows: the padding is still there, keep the first "
                    f"{shape[0]}" if result["got_shape"][:1] == (padded,) else
                    "every rank's chunk side by side in rank order, then the first rows rows")
             raise CheckFailed(f"rank {rank}: gather_dim0 returned shape {result['got_shape']}, "
-                              f"expected the full {shape} exactly: {why}", world_size=n,
-                              shape=shape)
+                              f"expected the full {shape} exactly: {why}", world_size=n)
 
 
 def check_one_all_gather_of_the_chunk(module):
@@ -209,8 +193,7 @@ HIDDEN_TILES = [  # (x, tile)
 def _quantized(module, x, tile):
     got = module.quantize_tiles(x.clone(), tile)
     if not (isinstance(got, tuple) and len(got) == 2):
-        raise CheckFailed("quantize_tiles must return (q, scales)", shape=tuple(x.shape),
-                          tile=tile)
+        raise CheckFailed("return (q, scales)", shape=tuple(x.shape), tile=tile)
     return got
 
 
@@ -220,33 +203,28 @@ def check_scales_are_tile_amax_over_448(module):
         _, right = quantize(x, tile)
         right = right[:, 0, :, 0]
         inputs = dict(shape=tuple(x.shape), tile=tile)
-        if not isinstance(scales, torch.Tensor) or tuple(scales.shape) != tuple(right.shape):
-            raise CheckFailed(f"scales has shape {tuple(getattr(scales, 'shape', ()))}, "
-                              f"expected one per tile, {tuple(right.shape)}", **inputs)
+        if not isinstance(scales, torch.Tensor) or scales.shape != right.shape:
+            raise CheckFailed(f"expected one scale per tile, {tuple(right.shape)}", **inputs)
         if torch.equal(scales.float(), right):
             continue
-        ratio = (scales.float() / right).median().item()
+        ratio, first = (scales.float() / right).median().item(), scales.flatten()[0]
         why = ("the scale divides by 127, int8's largest value; E4M3's is 448"
-               if abs(ratio - 448 / 127) < 1e-3 else
-               "one scale for the whole tensor: each tile needs its own amax"
-               if torch.allclose(scales.float(), scales.float().flatten()[0].expand_as(scales))
-               else "each tile's scale is its largest |value| / 448 (1 for a tile of zeros)")
+               if abs(ratio - 448 / 127) < 1e-3 else "one scale for the whole tensor: each "
+               "tile needs its own amax" if bool((scales == first).all()) else
+               "each tile's scale is its largest |value| / 448 (1 for a tile of zeros)")
         raise CheckFailed(f"the scales differ: {why}", **inputs)
-    return passed("scale = tile amax / 448", "DeepSeek-V3's 1x128 and 128x128",
-                  cases=len(HIDDEN_TILES))
+    return passed("scale = tile amax / 448", "DeepSeek-V3's", cases=len(HIDDEN_TILES))
 
 
 def check_round_trip_is_e4m3s(module):
     for x, tile in HIDDEN_TILES:
         q, scales = _quantized(module, x, tile)
         inputs = dict(shape=tuple(x.shape), tile=tile)
-        if getattr(q, "dtype", None) != torch.float8_e4m3fn:
-            raise CheckFailed(f"q is {getattr(q, 'dtype', type(q))}, expected "
-                              "torch.float8_e4m3fn", **inputs)
         right_q, right_scales = quantize(x, tile)
-        if not torch.equal(q.float(), right_q.float()):
-            raise CheckFailed("q differs from each tile divided by its scale, cast to E4M3",
-                              **inputs)
+        if getattr(q, "dtype", None) != torch.float8_e4m3fn or not torch.equal(
+                q.float(), right_q.float()):
+            raise CheckFailed(f"q ({getattr(q, 'dtype', type(q))}) differs from each tile "
+                              "divided by its scale, cast to torch.float8_e4m3fn", **inputs)
         back = module.dequantize_tiles(right_q, right_scales[:, 0, :, 0], tile)
         if not (isinstance(back, torch.Tensor) and torch.equal(
                 back.float(), dequantize(right_q, right_scales))):
@@ -259,24 +237,19 @@ def check_a_tile_that_does_not_divide_raises(module):
         try:
             module.quantize_tiles(torch.randn(shape), tile)
         except ValueError as e:
-            if not all(str(v) in str(e) for v in (*shape, *tile)):
-                raise CheckFailed(f"the ValueError says {str(e)!r}: name the tile and the "
-                                  "shape", shape=shape, tile=tile) from None
-            continue
-        except NotImplementedError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any other error is the learner's to fix
-            raise CheckFailed(f"raised {type(e).__name__} ({e}), expected a ValueError naming "
-                              "the tile and the shape", shape=shape, tile=tile) from None
-        raise CheckFailed("no error: a tile that does not divide the shape must raise "
-                          "ValueError (silently dropping the remainder loses values)",
+            if all(str(v) in str(e) for v in (*shape, *tile)):
+                continue
+            raise CheckFailed(f"the ValueError says {str(e)!r}: name the tile and the shape",
+                              shape=shape, tile=tile) from None
+        raise CheckFailed("no ValueError: a tile that does not divide the shape must raise "
+                          "one (silently dropping the remainder loses values)",
                           shape=shape, tile=tile)
 
 
 # -- ch12.newton_schulz ---------------------------------------------------------------------
 
-HIDDEN_MATRICES = [(32, 64, 1.0), (64, 32, 1.0), (48, 48, 1.0), (128, 40, 1e3),
-                   (24, 96, 1e-3), (7, 300, 1.0)]
+HIDDEN_MATRICES = [(32, 64, 1.0), (64, 32, 1.0), (48, 48, 1.0), (128, 40, 1e3), (24, 96, 1e-3),
+                   (7, 300, 1.0)]
 
 
 def _matrix(rows, cols, norm, seed):
@@ -294,16 +267,11 @@ def check_matches_muons_iteration(impl):
         # the same products associated differently round differently: measured up to 1.2e-6
         # on these matrices (each entry is about 1/sqrt(cols)); 1e-5 leaves room, and any
         # other coefficient, a missing normalisation or a step too few is 1e-2 away or more
-        if not torch.isfinite(got).all():
-            raise CheckFailed("the result holds inf or NaN: normalise by the Frobenius norm "
-                              "first, so that no singular value exceeds 1", **inputs)
         error = (got.float() - right).abs().max().item()
         if not error <= 1e-5:
-            singular = torch.linalg.svdvals(got.float())
-            raise CheckFailed(f"differs from Muon's iteration by {error:.3g}; its singular "
-                              f"values span [{singular.min():.3g}, {singular.max():.3g}] "
-                              "(Muon's: about [0.68, 1.2]). Normalise by the Frobenius norm "
-                              "first, use the quintic's (3.4445, -4.7750, 2.0315)", **inputs)
+            raise CheckFailed(f"differs from Muon's iteration by {error:.3g} (inf/NaN: nothing "
+                              "normalised). Normalise by the Frobenius norm first, then five "
+                              "steps with the quintic's (3.4445, -4.7750, 2.0315)", **inputs)
     return passed("max |yours - Muon's| <= 1e-5", "quintic NS5", matrices=len(HIDDEN_MATRICES))
 
 
@@ -312,16 +280,12 @@ def check_singular_values_near_one(impl):
         if rows == cols:  # a square Gaussian matrix has singular values near 0: skipped
             continue
         got = impl(_matrix(rows, cols, norm, i)).float()
-        if not torch.isfinite(got).all():
-            raise CheckFailed("the result holds inf or NaN: without normalisation the "
-                              "polynomial blows large singular values up", shape=(rows, cols),
-                              scale=norm)
-        singular = torch.linalg.svdvals(got)
+        singular = torch.linalg.svdvals(got.nan_to_num(posinf=1e30, neginf=-1e30))
         if not (singular.min() > 0.6 and singular.max() < 1.25):
             raise CheckFailed(f"singular values in [{singular.min():.3g}, {singular.max():.3g}]"
-                              ": five steps of the quintic bring every one into about "
-                              "[0.68, 1.2]; the cubic (1.5, -0.5) is too slow for the small "
-                              "ones, and without normalisation large ones blow up",
+                              ": five quintic steps bring every one into about [0.68, 1.2]; "
+                              "the cubic (1.5, -0.5) is too slow for the small ones, and "
+                              "without normalisation they blow up or stay tiny",
                               shape=(rows, cols), scale=norm)
 
 
@@ -336,7 +300,7 @@ def check_uses_the_smaller_gram_matrix(impl):
         tall = _matrix(rows, cols, 1.0, rows)
         spent, wide = _flops(impl, tall), _flops(impl, tall.T.contiguous())
         least = theory.muon_newton_schulz_flops(rows, cols)
-        if spent > wide or spent > least:
+        if spent > wide:  # the same work either way only if a tall matrix is transposed
             raise CheckFailed(f"{spent:,} FLOPs on the tall {rows}x{cols} matrix, {wide:,} on "
                               f"its transpose; forming the {cols}x{cols} Gram matrix costs "
                               f"{least:,}: transpose a tall matrix first so that X X^T is the "
@@ -356,8 +320,7 @@ EXERCISES = [
             "Two cases. An overflow (found_inf): skip the step, shrink the scale, forget the "
             "run of clean steps. A clean step: count it; after growth_interval of them in a "
             "row, grow the scale and start counting again.",
-            "Plain Python arithmetic on floats is enough; torch.finfo(torch.float32).max is "
-            "the largest scale allowed.",
+            "Plain float arithmetic; torch.finfo(torch.float32).max is the largest scale.",
             "if found_inf: return scale * backoff_factor, 0, True; clean_steps += 1; if "
             "clean_steps == growth_interval: grow (when scale * growth_factor <= fp32's max), "
             "clean_steps = 0; return scale, clean_steps, False.",
