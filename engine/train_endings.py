@@ -112,7 +112,9 @@ def killed_on_purpose(error: BaseException, cfg, world: int, argv: list[str]) ->
             f"to restart it, so the run stopped (exit code {KILLED_EXIT}).\n"
             "Under torchrun with --max-restarts 1 or more and --resume (an elastic run: "
             "docs/lab.md, \"Elastic restarts\"), the agent would restart every rank and "
-            f"{restart}.\n{here}")
+            f"{restart}; with per-step fault tolerance (chapter 11, engine.ft) the other "
+            "replica groups would go on and the killed one rejoin from a live peer.\n"
+            f"{here}")
 
 
 def lost_peer(error: BaseException, rank: int) -> int:

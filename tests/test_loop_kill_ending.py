@@ -36,7 +36,9 @@ def test_the_labs_kill_ends_with_what_happened_and_what_to_do(tmp_path):
                         "after step 2 of 4; a local run has no agent to restart it, so the "
                         "run stopped (exit code 137).")
     assert "--max-restarts" in lines[1] and \
-        lines[1].endswith(f"newest complete checkpoint, {save / 'step-00000002'}.")
+        f"continue from the newest complete checkpoint, {save / 'step-00000002'}; with " \
+        "per-step fault tolerance (chapter 11, engine.ft) the other replica groups would go " \
+        "on and the killed one rejoin from a live peer." in lines[1], lines[1]
     assert lines[2] == ("resume here with: python -m engine train --world-size 2 --dp 2 "
                         f"--steps 4 --save {save} --save-every 2 --resume")
     assert sorted(p.name for p in save.iterdir()) == ["step-00000002"]
@@ -79,4 +81,5 @@ def test_the_kill_without_save_says_nothing_can_be_resumed(monkeypatch, capsys):
                          "--kill-at-step", "2"]) == KILLED_EXIT
     err = capsys.readouterr().err
     assert re.search(r"would restart every rank and start over at step 1 \(this run had no "
-                     r"--save DIR, so no checkpoint\)\.\nnothing to resume", err), err
+                     r"--save DIR, so no checkpoint\); with per-step .*\.\nnothing to resume",
+                     err), err
