@@ -168,8 +168,8 @@ CHOICE = [
            ("The master weights and the optimizer's moments (and the update that applies them)",
             "Nothing: everything is bf16 to halve the memory",
             "Only the loss"), 0,
-           "A bf16 weight cannot take an update below 2^-8 of itself; the masters and Adam's "
-           "moments stay fp32, the forward and backward run on the bf16 copy.",
+           "A bf16 weight rounds away an update smaller than about 2^-9 of itself; the masters "
+           "and Adam's moments stay fp32, the forward and backward run on the bf16 copy.",
            (C12, BYTES_TABLE)),
     Choice("scaler-on-overflow", TOPIC,
            "A step's scaled gradients contain an inf. What does a dynamic loss scaler do?",
@@ -217,7 +217,7 @@ OUTLINE = [
             ("bf16: the working copy of the weights, activations, matmuls, gradients",
              "fp32: master weights, Adam's moments, the update; reductions and norms, softmax "
              "and loss often in fp32 too",
-             "why: a bf16 weight cannot absorb an update below 2^-8 of itself",
+             "why: a bf16 weight rounds away an update smaller than about 2^-9 of itself",
              "memory: 16-20 bytes per parameter; activations halve"),
             evidence=(C12, BYTES_TABLE)),
     Outline("fp16-loss-scaling", TOPIC, "Why does fp16 need loss scaling, and bf16 not?",
