@@ -90,6 +90,9 @@ DRILLS = [  # questions from engine.drill's bank: the answers are computed, not 
     Drill("ch06.choose_m", "choose-m"),
     Drill("ch06.bubble_total", "bubble-total"),
     Drill("ch06.what_1f1b_improves", "1f1b-less-bubble"),
+    Drill("ch06.zb_h2_bubble", "zb-h2-bubble"),
+    Drill("ch06.zb_h2_memory", "zb-h2-memory"),
+    Drill("ch06.zero_bubble_price", "zero-bubble-free"),
 ]
 
 
