@@ -828,8 +828,9 @@ def deepseek_moe_params(layers: int = 61, dense_layers: int = 3, hidden: int = 7
     ``E`` balancing biases, multi-head latent attention (:func:`mla_attention_params`), two
     RMSNorms a layer, untied embeddings of 129280; the multi-token-prediction module is not
     counted). ``active`` counts both embedding tables; ``active_compute`` leaves out the input
-    embedding, a row lookup that does no multiply. DeepSeek-V3 publishes 671 B total, 37 B
-    activated."""
+    embedding, a row lookup that does no multiply. DeepSeek-V3's report gives 671 B total and
+    37 B activated; the weights documentation of its repository (README_WEIGHTS.md) gives 671 B
+    and 36.6 B activated "including 0.9B for the output Head": ``active_compute``."""
     attn = mla_attention_params(hidden) if attention is None else attention
     expert = 3 * hidden * moe_ffn
     common = attn + 2 * hidden

@@ -35,8 +35,9 @@ def _deepseek_active(rng):
             "billions of parameters one token uses, counting the output layer but not the "
             "input embedding (a lookup)?", p["active_compute"] / 1e9,
             "Attention, norms and routers of every layer, the 3 dense MLPs, shared + k experts "
-            "(3 h f each) per MoE layer, the output layer. With 1 shared and top-8: 36.6 B, "
-            f"the published '37B'. Chapter 10, '{SIZES}'.")
+            "(3 h f each) per MoE layer, the output layer. With 1 shared and top-8: 36.6 B, as "
+            f"DeepSeek-V3's weights documentation counts it (the report rounds to 37B). "
+            f"Chapter 10, '{SIZES}'.")
 
 
 def _deepseek_total(rng):
