@@ -85,6 +85,21 @@ def _quorum_impl(divide_by_world=False, forget_divide=False, in_place=False):
     return quorum_average
 
 
+def _over_every_replica(tensor, quorum, replica, store, timeout_s=5.0):
+    """The default group of all 4 replicas: the absent ones never take part."""
+    out = tensor.clone()
+    dist.all_reduce(out)
+    return out / len(quorum.members)
+
+
+def test_quorum_average_check_catches_a_group_of_every_replica():
+    """Its collectives pair with other quorums' calls, then wait on replicas that are gone:
+    named as such once a peer's connection closes (about 8 s on a loaded 2-core machine)."""
+    name = "ch11.quorum_average"
+    assert _failing(name, _over_every_replica) == {"mean_over_the_live_replicas"}
+    assert "Build a group of the members only" in _messages(name, _over_every_replica)
+
+
 def test_quorum_average_checks_catch_the_world_size_a_missing_mean_and_an_in_place_sum():
     """One launch each (about 2 s): dividing by every replica instead of the live ones, a sum,
     an all-reduce of the caller's own tensor."""
