@@ -92,8 +92,15 @@ def snapshot(strategy, host: bool = False) -> Snapshot:
     """This rank's part of a checkpoint of ``strategy``, taken now (copied into host memory
     with ``host``): what :func:`write` writes."""
     if strategy.per_rank_checkpoint:
-        return per_rank_snapshot(strategy.model, strategy.optimizer, host=host)
+        return per_rank_snapshot(*per_rank_parts(strategy), host=host)
     return sharded_snapshot(strategy.model, strategy.optimizer, mesh=strategy.mesh, host=host)
+
+
+def per_rank_parts(strategy) -> tuple:
+    """What a per-rank checkpoint of ``strategy`` saves: its ``rank_state`` where it has one
+    (the composed engine's whole rank, :mod:`engine.compose.resume`), else its model and
+    optimizer."""
+    return strategy.rank_state or (strategy.model, strategy.optimizer)
 
 
 def write(root, step: int, taken, trainer: dict, keep: int, group=None) -> Path:
@@ -187,6 +194,6 @@ def load(path, strategy) -> None:
     """Load checkpoint ``path`` into ``strategy``, on the layout it was saved with. Call on
     every rank."""
     if strategy.per_rank_checkpoint:
-        load_per_rank(path, strategy.model, strategy.optimizer)
+        load_per_rank(path, *per_rank_parts(strategy))
     else:
         load_sharded(path, strategy.model, strategy.optimizer, mesh=strategy.mesh)

@@ -93,6 +93,9 @@ class Strategy:
     # True: checkpointed rank by rank, each its whole state (engine.rank_checkpoint), for
     # ranks that hold different parameters but shard none (expert parallelism)
     per_rank_checkpoint: bool = False
+    # what a per-rank checkpoint saves and loads instead of (model, optimizer): two objects
+    # with state_dict() / load_state_dict() (the composed engine: engine.compose.resume)
+    rank_state: tuple | None = None
 
     @property
     def checkpointable(self) -> bool:

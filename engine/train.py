@@ -174,8 +174,10 @@ def parser() -> argparse.ArgumentParser:
                    help="ZeRO stage over the data-parallel group: 0 none, 1 optimizer state, "
                         "2 + gradients, 3 + parameters (dp only); --model tiny-moe shards "
                         "nothing and takes 0 (default: %(default)s)")
-    p.add_argument("--schedule", default=d.schedule, choices=TRAINER_SCHEDULES,
-                   help="pipeline schedule, used when --pp > 1 (default: %(default)s)")
+    p.add_argument("--schedule", default=d.schedule, choices=COMPOSED_SCHEDULES,
+                   help="pipeline schedule, used when --pp > 1; the per-layout trainer runs "
+                        f"{' and '.join(TRAINER_SCHEDULES)}, the composed engine every one "
+                        "(default: %(default)s)")
     add_composed_arguments(p, d)
     p.add_argument("--microbatches", type=int, default=d.microbatches,
                    help="micro-batches per step, m (default: %(default)s)")

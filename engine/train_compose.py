@@ -24,9 +24,12 @@ of any layout (``--composed --world-size 1``). Then:
 * the step is :func:`engine.compose.loop.train_step`; the timing of its forward and backward
   is attached as a hook (:class:`ComputeTimer`), the meter by :func:`engine.timed_steps.
   run_steps` around it, as for every other strategy;
-* ``--save``/``--resume`` (ZeRO-0 without pp, ep or a compressor, :func:`checkpointable`):
-  every rank its own state (:mod:`engine.checkpoint.per_rank`), bit-identical to an
-  uninterrupted run; on the same layout only.
+* ``--save``/``--resume``, every layout: every rank its own state (its stage, slices,
+  experts, ZeRO shards, compressor memory: :mod:`engine.compose.resume`, written by
+  :mod:`engine.checkpoint.per_rank`), bit-identical to an uninterrupted run on the same
+  layout; ``--reshard`` where nothing needs re-cutting (:func:`check_composed_reshard`: a
+  change of dp, micro-batches or micro-batch size at ZeRO-0 without a compressor or experts
+  spread, whose dp x cp ranks all hold the same state).
 
 Every combination the plan cannot carry is refused before any rank starts
 (:func:`check_composed`, :meth:`engine.compose.plan.Plan.check`), naming the flags.
@@ -43,16 +46,16 @@ from engine.compose.data import global_batch
 from engine.compose.loop import train_step
 from engine.compose.model import GPT, ModelConfig
 from engine.compose.parallelize import parallelize
-from engine.compose.pipeline import ONE_CHUNK
+from engine.compose.resume import rank_state
 from engine.compose.plan import CP_METHODS, Plan
 from engine.moe.gpt import MOE_MODELS
-from engine.pp import PipelineRun
+from engine.pp import SCHEDULES, PipelineRun
 from engine.presets import MODELS
 from engine.steps import Strategy, parameter_count
 from engine.topology import Mesh
 from engine.trace import TraceEvent
 
-COMPOSED_SCHEDULES = ONE_CHUNK
+COMPOSED_SCHEDULES = tuple(SCHEDULES)  # every schedule of the registry (engine.pp)
 
 
 def uses_composed(cfg) -> bool:
@@ -113,16 +116,13 @@ def check_composed(cfg, world_size: int | None = None) -> None:
     for flag, value, why in (
             ("--impl", cfg.impl != "engine", "PyTorch's wrappers compare data parallelism on "
              "the other path; use --impl engine"),
-            ("--save", cfg.save is not None and not checkpointable(cfg), "its checkpoints "
-             "(every rank its own state, engine.checkpoint.per_rank) cover --zero 0 without "
-             "--pp, --ep or --compress so far"),
-            ("--reshard", cfg.reshard, "it resumes its checkpoints on their own layout only")):
+            ("--reshard", cfg.reshard and not reshardable(cfg), "it re-cuts nothing: a "
+             "layout change resumes only where every dp x cp rank holds the same state (--zero"
+             f" 0, --ep 1, no --compress), this run has --zero {cfg.zero} --ep {cfg.ep} "
+             f"--compress {cfg.compress}")):
         if value:
             raise ValueError(f"{flag} with the composed engine (--cp, --varlen or --composed): "
                              f"{why}")
-    if cfg.pp > 1 and cfg.schedule not in COMPOSED_SCHEDULES:
-        raise ValueError(f"--schedule {cfg.schedule} with --pp {cfg.pp}: the composed loop runs "
-                         f"one chunk per rank, one of {', '.join(COMPOSED_SCHEDULES)}")
     if cfg.compress is not None:
         check_composed_compress(cfg)
     if cfg.pp > 1 and cfg.zero == 3:
@@ -146,10 +146,43 @@ def psi_of(par) -> int:
 
 
 def checkpointable(cfg) -> bool:
-    """Whether ``--save`` covers this composed run: DDP (ZeRO-0) and plain AdamW, whose
-    ``state_dict`` on every rank is its whole state; no pipeline, experts spread or compressor
-    state."""
-    return cfg.zero == 0 and cfg.pp == 1 and cfg.ep == 1 and cfg.compress is None
+    """Whether ``--save`` covers this composed run: every layout, each rank saving its own
+    state (:mod:`engine.compose.resume`)."""
+    return True
+
+
+def reshardable(cfg) -> bool:
+    """Whether a composed run may resume another layout's checkpoint: only where every rank
+    of dp x cp holds the same state (ZeRO-0, no experts spread, no compressor memory)."""
+    return cfg.zero == 0 and cfg.ep == 1 and cfg.compress is None
+
+
+def check_composed_reshard(saved: dict, cfg, path) -> None:
+    """``--resume --reshard`` of the composed checkpoint ``path`` (``saved``: its
+    configuration): a ValueError naming the flags unless only dp, the micro-batches or their
+    size changed, at ZeRO-0 (:data:`engine.compose.resume.RESHARDABLE`)."""
+    from engine.compose.resume import RESHARDABLE
+
+    layout = ("dp", "cp", "ep", "tp", "pp", "zero", "schedule", "microbatches", "micro_batch")
+    changed = [n for n in layout if saved.get(n) != getattr(cfg, n, None)]
+    other = [n for n in changed if n not in RESHARDABLE]
+    if other or not reshardable(cfg):
+        flags = ", ".join(f"--{n.replace('_', '-')} {saved.get(n)} -> {getattr(cfg, n)}"
+                          for n in changed)
+        raise ValueError(f"--resume --reshard: {path} is a checkpoint of the composed engine "
+                         f"({flags}); it resumes another layout only where dp (--dp, "
+                         "--microbatches, --micro-batch) alone changes at --zero 0 without "
+                         "--ep or --compress: every dp rank holds the same state there. Run "
+                         "with the saved layout")
+
+
+def reshard_composed(path, strategy) -> None:
+    """Load the composed checkpoint ``path`` of another dp degree into ``strategy`` (checked
+    by :func:`check_composed_reshard`). Call on every rank."""
+    from engine.checkpoints import read_trainer
+    from engine.compose.resume import load_resharded
+
+    load_resharded(path, strategy.rank_state[0].par, read_trainer(path)["config"])
 
 
 def check_composed_compress(cfg) -> None:
@@ -208,4 +241,4 @@ def composed_strategy(cfg, mesh: Mesh, device: torch.device, precision: str) -> 
     return Strategy(f"composed engine: {plan.name}" + (" varlen" if cfg.varlen else ""),
                         par.module, par.optimizer, step, psi_of(par), mesh,
                         device, engine=plan.ep == 1, groups=groups,
-                        per_rank_checkpoint=checkpointable(cfg))
+                        per_rank_checkpoint=True, rank_state=rank_state(par))

@@ -43,7 +43,8 @@ from engine.reshard import reshard
 from engine.steps import global_batch, resolve_precision
 from engine.strategy import build
 from engine.timed_steps import StepsRun, run_steps
-from engine.train_compose import composed_strategy, uses_composed
+from engine.train_compose import (check_composed_reshard, composed_strategy, reshard_composed,
+                                  uses_composed)
 from engine.topology import Mesh
 from engine.trace import clock_offset, on_clock
 from engine.train_formulas import composed_traffic_formulas, memory_formula, traffic_formulas
@@ -106,10 +107,8 @@ def resume_point(cfg) -> ResumePoint | None:
             f"{name} {config.get(name, COMPOSED_LAYOUT[name])}" for name in composed) +
             ", this run has " + ", ".join(f"{name} {ours[name]}" for name in composed) +
             "; the composed engine resumes its own checkpoints on their own layout only")
-    if changed and uses_composed(cfg):
-        raise ValueError(f"--resume --reshard: {path} is a checkpoint of the composed engine, "
-                         "which has no re-cut yet; run with the saved layout: "
-                         f"{_layout(config)}")
+    if changed and uses_composed(cfg) and cfg.reshard:
+        check_composed_reshard(config, cfg, path)  # a dp-only change at ZeRO-0, or refused
     if changed and not cfg.reshard:
         raise ValueError(f"--resume: {path} was saved at {_layout(config)}, this run asks for "
                          f"{_layout(vars(cfg))}; a sharded checkpoint fits only its own "
@@ -232,7 +231,9 @@ def start(strategy, cfg, point: ResumePoint | None) -> tuple[int, list[float]]:
                            "(a save still in progress when they started?)")
     if point is None:
         return 0, []
-    if point.reshard:
+    if point.reshard and uses_composed(cfg):
+        reshard_composed(point.path, strategy)
+    elif point.reshard:
         reshard(point.path, MODELS[cfg.model], strategy)
     else:
         checkpoints.load(point.path, strategy)

@@ -1,0 +1,165 @@
+"""What one rank of a composed layout must save to resume bit for bit, for every layout.
+
+A composed rank holds a different part of the training state in each layout: its pipeline
+stage's blocks, its tensor-parallel slices, its experts, under ZeRO-1/2 its shard of the
+optimizer state (Rajbhandari et al. 2020, section 5), under ZeRO-3 its shard of the
+parameters themselves, under ``--compress`` the compressor's error-feedback memory (Seide et
+al. 2014; Karimireddy et al. 2019, Algorithm 2: the residual is part of the state, a restart
+without it changes every later step). Rather than gathering any of it, each rank writes its
+own part, whole (:mod:`engine.checkpoint.per_rank`, through the agreed protocol of
+:mod:`engine.checkpoint.protocol`: a failing rank leaves no half checkpoint), split in two
+objects with ``state_dict()`` / ``load_state_dict()``:
+
+* :class:`RankTensors` (the per-rank file's ``"model"``): the model's ``state_dict()``; under
+  ZeRO-3 each unit's shard and the model's buffers instead (the parameters are empty between
+  uses); and any tensor an optimizer updates that shares no storage with those (a separate
+  fp32 master copy);
+* :class:`RankOptimizerState` (``"optimizer"``): every inner optimizer's ``state_dict()`` (a
+  plain AdamW, each :class:`engine.zero.ZeroOptimizer`'s shard optimizer, ZeRO-3's, the dense
+  and the experts' under expert parallelism) and the compressor's state with its spec.
+
+A run resumed from them on the same layout continues bit for bit (tests/test_compose_resume.py).
+A dp-only change at ZeRO-0 (:func:`load_resharded`) is the one layout change expressible without
+re-cutting anything: every rank of ``mesh.dp_cp_group`` holds the same model and the same
+AdamW state, so a rank of the new layout reads the file of the old rank at the same tensor and
+pipeline coordinates.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.checkpoint.files import CheckpointError
+from engine.checkpoint.per_rank import read_rank_state
+from engine.checkpoint.protocol import load_files
+from engine.compose.experts import Optimizers
+from engine.compose.parallelize import Parallel
+from engine.zero import ZeroDataParallel
+
+RESHARDABLE = ("dp", "microbatches", "micro_batch")  # what a composed --reshard may change
+
+
+def inner_optimizers(par: Parallel) -> list:
+    """The torch optimizers holding this rank's state (inside ZeRO's wrappers)."""
+    outer = par.optimizer
+    parts = outer.optimizers if isinstance(outer, Optimizers) else (outer,)
+    return [getattr(part, "inner", part) for part in parts]
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class RankTensors:
+    """This rank's parameters and buffers, named, as they live (module docstring)."""
+
+    def __init__(self, par: Parallel):
+        self.par = par
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        module = self.par.module
+        if isinstance(module, ZeroDataParallel):
+            found = {f"fsdp.{i}.{unit.name}.shard": unit.shard
+                     for i, unit in enumerate(module.all_units)}
+            found.update({f"buffer.{name}": b for name, b in self.par.model.named_buffers()})
+        else:
+            found = dict(self.par.model.state_dict())
+        held = {_storage(t) for t in found.values()}
+        for i, inner in enumerate(inner_optimizers(self.par)):
+            for j, p in enumerate(p for group in inner.param_groups for p in group["params"]):
+                if _storage(p) not in held:  # a separate master copy
+                    found[f"master.{i}.{j}"] = p.detach()
+        return found
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        ours = self.state_dict()
+        if ours.keys() != state.keys():
+            raise CheckpointError(f"this rank holds {sorted(ours)[:4]}..., the checkpoint "
+                                  f"{sorted(state)[:4]}...: another layout")
+        for name, tensor in ours.items():
+            tensor.copy_(state[name])
+
+
+def compressor_state(compressor) -> dict:
+    """What a compressor keeps between steps, in plain containers: its dicts of tensors
+    (residuals, warm starts), counters, and its random generators' states."""
+    state = {}
+    for name, value in (vars(compressor) if compressor is not None else {}).items():
+        if isinstance(value, torch.Generator):
+            state[name] = {"torch_generator": value.get_state()}
+        elif isinstance(value, np.random.RandomState):
+            kind, keys, pos, gauss, cached = value.get_state()
+            state[name] = {"numpy_random": [kind, torch.from_numpy(keys.copy()), pos, gauss,
+                                            cached]}
+        elif isinstance(value, (dict, int, float)):
+            state[name] = value
+    return state
+
+
+def restore_compressor(compressor, state: dict, device: torch.device) -> None:
+    for name, value in state.items():
+        current = getattr(compressor, name)
+        if isinstance(current, torch.Generator):
+            current.set_state(value["torch_generator"])
+        elif isinstance(current, np.random.RandomState):
+            kind, keys, pos, gauss, cached = value["numpy_random"]
+            current.set_state((kind, keys.numpy(), pos, gauss, cached))
+        elif isinstance(current, dict):
+            setattr(compressor, name, {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                                       for k, v in value.items()})
+        else:
+            setattr(compressor, name, value)
+
+
+class RankOptimizerState:
+    """This rank's optimizer states and its compressor's (module docstring)."""
+
+    def __init__(self, par: Parallel):
+        self.par = par
+        self.compressor = getattr(par.module, "compressor", None)
+
+    def state_dict(self) -> dict:
+        return {"optimizers": [inner.state_dict() for inner in inner_optimizers(self.par)],
+                "compress": self.par.plan.compress or "none",
+                "compressor": compressor_state(self.compressor)}
+
+    def load_state_dict(self, state: dict) -> None:
+        ours, spec = inner_optimizers(self.par), self.par.plan.compress or "none"
+        if state["compress"] != spec or len(state["optimizers"]) != len(ours):
+            raise CheckpointError(f"the checkpoint was saved with --compress "
+                                  f"{state['compress']} and {len(state['optimizers'])} "
+                                  f"optimizer(s); this run has --compress {spec} and "
+                                  f"{len(ours)}")
+        for inner, saved in zip(ours, state["optimizers"], strict=True):
+            inner.load_state_dict(saved)
+        device = next(iter(self.par.model.parameters())).device
+        restore_compressor(self.compressor, state["compressor"], device)
+
+
+def rank_state(par: Parallel) -> tuple[RankTensors, RankOptimizerState]:
+    """``(model side, optimizer side)`` of this rank, what a per-rank checkpoint saves."""
+    return RankTensors(par), RankOptimizerState(par)
+
+
+def source_rank(saved: dict, par: Parallel) -> int:
+    """The rank of the saved layout (``saved``: its ``trainer.json`` configuration) holding
+    what this rank needs after a dp-only change at ZeRO-0: dp index 0, cp index 0, this
+    rank's tensor- and pipeline-parallel coordinates (:meth:`engine.topology.Mesh.rank_of`)."""
+    c, cp, tp = par.mesh.coords, saved.get("cp", 1), saved["tp"]
+    return (c.pp * saved["dp"] * cp) * tp + c.tp
+
+
+def load_resharded(path, par: Parallel, saved: dict) -> None:
+    """Resume ``par`` from the per-rank checkpoint ``path`` of another dp degree at ZeRO-0
+    (``saved``: its ``trainer.json`` configuration), through the agreed load protocol. Call on
+    every rank."""
+    tensors, optimizer = rank_state(par)
+    source = source_rank(saved, par)
+
+    def apply(state: dict) -> None:
+        tensors.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+
+    load_files(path, lambda: read_rank_state(path, source), apply)
