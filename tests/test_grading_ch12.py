@@ -157,3 +157,28 @@ def test_newton_schulz_checks_catch_the_cubic_no_normalisation_and_no_transpose(
     # the same matrix either way (an odd polynomial: X p(X^T X) = p(X X^T) X), at more FLOPs
     assert _failing("ch12.newton_schulz", _ns_variant(transpose=False)) == {
         "uses_the_smaller_gram_matrix"}
+
+
+def test_the_engines_own_answers_are_switched_off_while_graded():
+    import engine.optim
+    import engine.precision.fp8
+    from engine.precision import DynamicLossScaler
+
+    def update_scale(scale, clean, found_inf, growth_factor=2.0, backoff_factor=0.5,
+                     growth_interval=2000):
+        scaler = DynamicLossScaler(scale, growth_factor, backoff_factor, growth_interval)
+        scaler.clean_steps, scaler.found_inf, scaler.stage = clean, {0: found_inf}, {0: "x"}
+        scaler.update()  # the engine's rule, looked up when called: blocked
+        return scaler.get_scale(), scaler.clean_steps, found_inf
+
+    def quantize_tiles(x, tile):
+        q, scales = engine.precision.fp8.quantize(x, tile)
+        return q, scales[:, 0, :, 0]
+
+    tiles = types.SimpleNamespace(quantize_tiles=quantize_tiles,
+                                  dequantize_tiles=ch12_fp8_tiles.dequantize_tiles)
+    for name, impl in (("ch12.newton_schulz", lambda g, steps=5: engine.optim.newton_schulz(g)),
+                       ("ch12.loss_scaler", update_scale), ("ch12.fp8_tiles", tiles)):
+        results = run_checks(name, impl=impl).results
+        assert not any(r.passed for r in results), name
+        assert any("engine" in r.message for r in results), name

@@ -3,6 +3,8 @@ dim-0 shard and its gather on real ranks, FP8 tile scaling, Muon's Newton-Schulz
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
@@ -30,9 +32,11 @@ HIDDEN_SEQUENCES = [
 ]
 
 
-def grad_scaler_decisions(kwargs: dict, steps: int, poisoned: set[int]):
-    """``torch.amp.GradScaler``'s scale after each update and whether each step was taken, on
-    a one-parameter model whose gradient at the ``poisoned`` steps is inf (NaN at odd ones)."""
+@functools.cache
+def grad_scaler_decisions(i: int):
+    """``torch.amp.GradScaler``'s scale after each update and whether it skipped each step, on
+    hidden sequence ``i``: the gradient at the poisoned steps is inf (NaN at odd ones)."""
+    kwargs, steps, poisoned = HIDDEN_SEQUENCES[i]
     p = nn.Parameter(torch.ones(2))
     optimizer = torch.optim.SGD([p], lr=1.0)
     scaler = torch.amp.GradScaler("cpu", **kwargs)
@@ -51,9 +55,7 @@ def grad_scaler_decisions(kwargs: dict, steps: int, poisoned: set[int]):
 
 
 def _decide(impl, scale, clean, found_inf, kwargs):
-    args = dict(growth_factor=kwargs["growth_factor"], backoff_factor=kwargs["backoff_factor"],
-                growth_interval=kwargs["growth_interval"])
-    got = impl(scale, clean, found_inf, **args)
+    got = impl(scale, clean, found_inf, **{k: v for k, v in kwargs.items() if k != "init_scale"})
     if not (isinstance(got, tuple) and len(got) == 3):
         raise CheckFailed("return a tuple (new_scale, new_clean_steps, skip)", scale=scale)
     return float(got[0]), int(got[1]), bool(got[2])
@@ -83,8 +85,8 @@ def check_grows_after_interval_clean_steps(impl):
 
 
 def check_equals_grad_scaler(impl):
-    for kwargs, steps, poisoned in HIDDEN_SEQUENCES:
-        scales, skipped = grad_scaler_decisions(kwargs, steps, poisoned)
+    for i, (kwargs, steps, poisoned) in enumerate(HIDDEN_SEQUENCES):
+        scales, skipped = grad_scaler_decisions(i)
         scale, clean = kwargs["init_scale"], 0
         for step in range(steps):
             scale, clean, skip = _decide(impl, scale, clean, step in poisoned, kwargs)
@@ -120,9 +122,8 @@ def check_chunks_hold_the_rows(module):
             right = expected_chunk(full, rank, n)
             inputs = dict(shape=shape, world_size=n, rank=rank)
             if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(right.shape):
-                raise CheckFailed(f"the chunk has shape {tuple(getattr(got, 'shape', ()))}, "
-                                  f"expected {tuple(right.shape)}: ceil(rows / world_size) "
-                                  "rows on dim 0, the other dims whole", **inputs)
+                raise CheckFailed(f"expected a chunk of shape {tuple(right.shape)}: ceil(rows / "
+                                  "world_size) rows on dim 0, the other dims whole", **inputs)
             if got.dtype != full.dtype or not torch.equal(got, right):
                 raise CheckFailed(f"the chunk ({got.dtype}) differs: rank r's rows of the "
                                   f"parameter ({full.dtype}), r * chunk onwards, as many as "
@@ -262,8 +263,7 @@ def check_matches_muons_iteration(impl):
         got, right = impl(g.clone()), newton_schulz(g)
         inputs = dict(shape=(rows, cols), frobenius_norm=round(g.norm().item(), 3))
         if not isinstance(got, torch.Tensor) or got.shape != right.shape:
-            raise CheckFailed(f"got shape {tuple(getattr(got, 'shape', ()))}, expected "
-                              f"{tuple(right.shape)}", **inputs)
+            raise CheckFailed(f"expected a tensor of shape {tuple(right.shape)}", **inputs)
         # the same products associated differently round differently: measured up to 1.2e-6
         # on these matrices (each entry is about 1/sqrt(cols)); 1e-5 leaves room, and any
         # other coefficient, a missing normalisation or a step too few is 1e-2 away or more
