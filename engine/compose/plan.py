@@ -136,4 +136,8 @@ class Plan:
                 raise ValueError(f"pp = {self.pp} with schedule {self.schedule!r} cuts the model "
                                  f"into {chunks} chunks of at least one layer each, the model "
                                  f"has {cfg.layers} layers")
+            if cfg.layers % chunks:  # equal chunks: no stage waits on a longer one
+                raise ValueError(f"pp = {self.pp} with schedule {self.schedule!r} cuts the model "
+                                 f"into pp x chunks per rank = {chunks} equal chunks: {chunks} "
+                                 f"must divide layers = {cfg.layers}")
         check_divides("dp x micro_batches", self.dp * self.micro_batches, "rows", rows)

@@ -1,0 +1,93 @@
+"""``engine train --pp 2 --schedule S`` on the composed engine for every schedule of the
+registry (engine.pp.SCHEDULES: GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-H2, ZB-V, DualPipeV):
+each on 2 ranks equal to one process within 1e-6, losses and parameters, on a 4-layer model
+(the interleaved and V schedules hold 2 chunks of one layer per rank); the command line runs
+a multi-chunk one with the loss of ``--world-size 1``. What a schedule cannot run is refused
+before any rank starts, naming the values."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+
+from engine.__main__ import main as engine_main
+from engine.compose.loop import train
+from engine.compose.model import GPT
+from engine.compose.parallelize import parallelize
+from engine.compose.parity import LR, MODEL as PARITY_MODEL, ROWS, SEED, TOLERANCE, reference
+from engine.compose.plan import Plan
+from engine.pp import SCHEDULES
+from tests.helpers import run_ranks
+
+MODEL = replace(PARITY_MODEL, layers=4)  # 2 chunks of one layer per rank on 2 ranks
+MICRO_BATCHES, STEPS = 4, 2
+
+
+def _every_schedule(rank, world_size):
+    from engine.compose.state import dense_state
+    from engine.topology import Mesh
+
+    found = {}
+    for name in SCHEDULES:
+        plan = Plan(pp=2, schedule=name, micro_batches=MICRO_BATCHES)
+        plan.check(MODEL, ROWS)
+        par = parallelize(GPT(MODEL, seed=SEED), Mesh(pp=2), plan, torch.optim.AdamW, lr=LR)
+        found[name] = {"losses": train(par, STEPS, ROWS, seed=SEED + 1),
+                       "state": dense_state(par)}
+    return found
+
+
+def test_every_schedule_trains_as_one_process():
+    """Each schedule on 2 ranks (one launch for all of them) against one process: the loss of
+    every step and every parameter each stage holds, within 1e-6 (another order of the sums:
+    the micro-batches' gradients accumulate in the schedule's order)."""
+    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved", "zb_h1", "zb_h2", "zb_v",
+                              "dualpipe_v"}  # a new schedule: add it here (and its check)
+    ranks = run_ranks(_every_schedule, 2, timeout=240)
+    one = reference(MODEL, False, STEPS)
+    for name in SCHEDULES:
+        for rank in ranks:
+            run = rank[name]
+            assert max(abs(a - b) for a, b in zip(run["losses"], one["losses"], strict=True)) \
+                <= TOLERANCE, (name, run["losses"], one["losses"])
+            assert run["state"], name
+            diff = max((t - one["state"][n]).abs().max().item() for n, t in run["state"].items())
+            assert diff <= TOLERANCE, (name, diff)
+
+
+def test_engine_train_runs_a_multi_chunk_schedule(capsys):
+    """The command line: DualPipeV (2 chunks a rank, the V placement: the loss on rank 0) with
+    --pp 2 on the 4-layer preset, the loss per step of --world-size 1 within 1e-6."""
+    common = ["--model", "small", "--microbatches", "4", "--micro-batch", "1", "--steps", "2"]
+
+    def losses(args):
+        assert engine_main(["train", *args, *common]) == 0
+        out = capsys.readouterr().out
+        line = next(line for line in out.splitlines() if line.startswith("  loss per step ("))
+        return [float(x) for x in re.findall(r"\d+\.\d+", line.split(":", 1)[1])]
+
+    alone = losses(["--composed", "--world-size", "1"])
+    piped = losses(["--composed", "--pp", "2", "--schedule", "dualpipe_v"])
+    assert len(alone) == len(piped) == 2
+    assert max(abs(a - b) for a, b in zip(alone, piped)) <= TOLERANCE, (alone, piped)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--schedule", "dualpipe_v", "--microbatches", "2"],
+     "DualPipeV needs m (micro-batches) >= 2p = 4, got m=2"),
+    (["--schedule", "interleaved", "--microbatches", "3", "--micro-batch", "4"],
+     "interleaved 1F1B needs m (micro-batches) to be a multiple of p (stages): got m=3, p=2"),
+    (["--schedule", "zb_v", "--model", "tiny"],
+     "cuts the model into 4 chunks of at least one layer each, the model has 2 layers"),
+    (["--schedule", "interleaved", "--pp", "3", "--model", "medium", "--microbatches", "3"],
+     "pp = 3 with schedule 'interleaved' cuts the model into pp x chunks per rank = 6 equal "
+     "chunks: 6 must divide layers = 8"),
+    (["--schedule", "1f1b", "--pp", "3", "--model", "small", "--microbatches", "3"],
+     "3 must divide layers = 4"),
+])
+def test_what_a_schedule_cannot_run_is_refused_naming_the_values(args, message, capsys):
+    assert engine_main(["train", "--composed", "--pp", "2", *args]) == 2
+    assert message in capsys.readouterr().err
