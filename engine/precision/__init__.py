@@ -4,7 +4,8 @@ recomputation measured (chapter 12).
 The layers, bottom first::
 
     loss_scaler   DynamicLossScaler: GradScaler's decisions, from scratch
-    mixed         fp32 masters + a bf16/fp16 working copy; fp16 underflow counted
+    mixed         fp32 masters + a bf16/fp16 working copy; fp16 underflow counted, and
+                  fp16 without scaling stalling under SGD (underflow_experiment)
     fp8           quantize with per-tensor / per-row / DeepSeek-V3 tile scales; fp8_matmul
     fp8_comm      an FP8 all-gather through engine.comm.ops (half of bf16's bytes)
     fp8_linear    Fp8Linear (E4M3 forward, E5M2 gradients); the tiny GPT trained in FP8
@@ -20,11 +21,12 @@ from engine.precision.fp8_linear import PRECISIONS, Fp8Linear, Fp8Matmul, to_fp8
 from engine.precision.loss_scaler import DynamicLossScaler
 from engine.precision.mixed import (MixedRun, Underflow, bytes_per_parameter,
                                     gradient_underflow, held_bytes, regression_data,
-                                    small_mlp, train_mixed)
+                                    small_mlp, teacher_data, train_mixed,
+                                    underflow_experiment)
 
 __all__ = ["DynamicLossScaler", "fp8_matmul", "quantize", "dequantize", "FORMATS", "SCALINGS",
            "TILE", "outlier_activations", "relative_error", "token_relative_error",
            "scaling_errors", "fp8_all_gather", "plain_all_gather", "Underflow",
            "bytes_per_parameter", "gradient_underflow", "small_mlp", "regression_data",
            "train_mixed", "MixedRun", "held_bytes", "Fp8Linear", "Fp8Matmul", "to_fp8",
-           "train_lm", "PRECISIONS"]
+           "train_lm", "PRECISIONS", "teacher_data", "underflow_experiment"]

@@ -14,6 +14,16 @@ The experiments use a small tanh MLP with small weights (std 0.02), whose early 
 gradients below fp16's range: :func:`gradient_underflow` counts the gradient elements that are
 non-zero in fp32 and zero in fp16; :func:`train_mixed` trains the same net in fp32, bf16, fp16
 and fp16 with the scaler, and reports losses, flushed gradients and skipped steps.
+
+:func:`underflow_experiment` makes the failure decisive. With Adam it hardly shows: Adam divides
+each gradient by its own size, so a gradient that survives as a subnormal still moves its weight
+a full step, and only the elements flushed to exactly zero stop. With SGD the step is the
+gradient itself. A mean loss's gradients shrink as ``1/N`` with the ``N`` elements averaged
+(tokens x outputs x accumulation steps); at this toy size ``N`` is small, so a power-of-two
+``loss_weight`` (``2^-16``) stands in for a large ``N``, and SGD's learning rate is divided by
+it. In fp32 and bf16 (8 exponent bits) multiplying by a power of two is exact, so their runs are
+bit-identical to the unweighted ones (tested); fp16's 5 exponent bits flush the gradients, and
+the loss stalls; the loss scaler brings them back and fp16 trains like bf16.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import torch
 from torch import nn
 
 from engine.memory import unique_storage_bytes
+from engine.models import seeded
 from engine.precision.loss_scaler import DynamicLossScaler
 
 LOW = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -40,13 +51,13 @@ def bytes_per_parameter(low: torch.dtype = torch.bfloat16) -> dict[str, int]:
 
 def small_mlp(layers: int = 4, width: int = 64, std: float = 0.02, seed: int = 0) -> nn.Module:
     """Tanh MLP with N(0, std) weights: small weights make small gradients upstream."""
-    torch.manual_seed(seed)
     modules: list[nn.Module] = []
-    for _ in range(layers):
-        linear = nn.Linear(width, width)
-        nn.init.normal_(linear.weight, std=std)
-        nn.init.zeros_(linear.bias)
-        modules += [linear, nn.Tanh()]
+    with seeded(seed):
+        for _ in range(layers):
+            linear = nn.Linear(width, width)
+            nn.init.normal_(linear.weight, std=std)
+            nn.init.zeros_(linear.bias)
+            modules += [linear, nn.Tanh()]
     return nn.Sequential(*modules[:-1])
 
 
@@ -54,6 +65,14 @@ def regression_data(rows: int = 1024, width: int = 64, seed: int = 1):
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, width, generator=generator)
     return x, 0.1 * torch.randn(rows, width, generator=generator)
+
+
+def teacher_data(rows: int = 256, width: int = 32, seed: int = 1):
+    """Inputs and a learnable target: ``tanh(x P)`` for a fixed random ``P`` (std 1/sqrt(w))."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=generator)
+    teacher = torch.randn(width, width, generator=generator) / width**0.5
+    return x, torch.tanh(x @ teacher)
 
 
 @dataclass
@@ -68,11 +87,16 @@ class Underflow:
 
 
 def low_precision_grads(master: nn.Module, x, y, dtype: torch.dtype, scale: float = 1.0,
-                        keep: list | None = None):
+                        keep: list | None = None, loss_weight: float = 1.0,
+                        fp32_loss: bool = False):
     """(fp32 loss, gradients cast to fp32, still scaled) of a ``dtype`` copy of ``master``
-    whose loss is multiplied by ``scale`` before backward (the copy appended to ``keep``)."""
+    whose loss (``loss_weight`` x the mean squared error) is multiplied by ``scale`` before
+    backward (the copy appended to ``keep``). ``fp32_loss``: the loss computed from the output
+    cast to fp32, as autocast does (a fp16 loss times a scale of ``2^16`` or more is inf)."""
     work = copy.deepcopy(master).to(dtype)
-    loss = nn.functional.mse_loss(work(x.to(dtype)), y.to(dtype))
+    out = work(x.to(dtype))
+    loss = loss_weight * (nn.functional.mse_loss(out.float(), y.float()) if fp32_loss
+                          else nn.functional.mse_loss(out, y.to(dtype)))
     (loss * scale).backward()
     if keep is not None:
         keep.append(work)
@@ -80,13 +104,19 @@ def low_precision_grads(master: nn.Module, x, y, dtype: torch.dtype, scale: floa
 
 
 def gradient_underflow(master: nn.Module, x, y, dtype=torch.float16,
-                       scale: float = 1.0) -> Underflow:
+                       scale: float = 1.0, loss_weight: float = 1.0,
+                       fp32_loss: bool = False) -> Underflow:
     """Count the gradient elements a ``dtype`` forward/backward flushes to zero (or overflows)
     against fp32's, with the loss multiplied by ``scale``."""
+    _, grads = low_precision_grads(master, x, y, dtype, scale, loss_weight=loss_weight,
+                                   fp32_loss=fp32_loss)
+    return count_underflow(master, x, y, grads, loss_weight)
+
+
+def count_underflow(master: nn.Module, x, y, grads, loss_weight: float = 1.0) -> Underflow:
+    """:func:`gradient_underflow`'s count for low-precision ``grads`` already computed."""
     reference = copy.deepcopy(master)
-    nn.functional.mse_loss(reference(x), y).backward()
-    _, grads = low_precision_grads(master, x, y, dtype, scale)
-    grads = [g / scale for g in grads]
+    (loss_weight * nn.functional.mse_loss(reference(x), y)).backward()
     nonzero = flushed = overflowed = 0
     for p, g in zip(reference.parameters(), grads):
         nonzero += int((p.grad != 0).sum())
@@ -120,21 +150,30 @@ class MixedRun:
 
 
 def train_mixed(precision: str, steps: int = 50, lr: float = 1e-3, growth_interval: int = 10,
-                init_scale: float = 2.0**16, rows: int = 1024) -> MixedRun:
-    """Adam on fp32 masters of :func:`small_mlp`, forward/backward in ``precision`` (one of
-    ``LOW``); ``"fp16+scaler"`` scales the loss with a :class:`DynamicLossScaler`."""
+                init_scale: float = 2.0**16, rows: int = 1024, optimizer: str = "adam",
+                loss_weight: float = 1.0, master: nn.Module | None = None,
+                data=None, fp32_loss: bool = False) -> MixedRun:
+    """``optimizer`` (``"adam"`` or ``"sgd"``, whose learning rate is divided by
+    ``loss_weight``) on fp32 masters (default :func:`small_mlp` on :func:`regression_data`),
+    forward/backward in ``precision`` (one of ``LOW``); ``"fp16+scaler"`` scales the loss with a
+    :class:`DynamicLossScaler`. The losses reported are the unweighted mean squared errors."""
     if precision not in LOW:
         raise ValueError(f"precision={precision!r}; expected one of {tuple(LOW)}")
-    master, (x, y) = small_mlp(), regression_data(rows)
-    optimizer = torch.optim.Adam(master.parameters(), lr=lr)
+    if optimizer not in ("adam", "sgd"):
+        raise ValueError(f"optimizer={optimizer!r}; expected 'adam' or 'sgd'")
+    master = small_mlp() if master is None else master
+    x, y = regression_data(rows) if data is None else data
+    optimizer = torch.optim.Adam(master.parameters(), lr=lr) if optimizer == "adam" else \
+        torch.optim.SGD(master.parameters(), lr=lr / loss_weight)
     scaler = DynamicLossScaler(init_scale, growth_interval=growth_interval) \
         if precision == "fp16+scaler" else None
     run = MixedRun(precision)
     for _ in range(steps):
         scale = scaler.get_scale() if scaler else 1.0
-        count = gradient_underflow(master, x, y, LOW[precision], scale)
         working: list[nn.Module] = []
-        loss, grads = low_precision_grads(master, x, y, LOW[precision], scale, working)
+        loss, grads = low_precision_grads(master, x, y, LOW[precision], scale, working,
+                                          loss_weight, fp32_loss)
+        count = count_underflow(master, x, y, grads, loss_weight)  # before the step
         for p, g in zip(master.parameters(), grads):
             p.grad = g  # the scaler divides them by the scale itself
         if scaler:
@@ -144,8 +183,20 @@ def train_mixed(precision: str, steps: int = 50, lr: float = 1e-3, growth_interv
             optimizer.step()
         run.held = held_bytes(master, working[0], optimizer)
         optimizer.zero_grad()
-        run.losses.append(loss)
+        run.losses.append(loss / loss_weight)
         run.flushed.append(count.flushed)
         run.scales.append(scale)
     run.skipped = scaler.skipped_steps if scaler else 0
     return run
+
+
+def underflow_experiment(steps: int = 60, loss_weight: float = 2.0**-16, lr: float = 0.5,
+                         rows: int = 256, width: int = 32, seed: int = 0,
+                         precisions=tuple(LOW)) -> dict[str, MixedRun]:
+    """SGD on a 4-layer tanh MLP (std ``1/sqrt(width)``) fitting :func:`teacher_data`, the
+    loss (computed in fp32, as under autocast) weighted by ``loss_weight`` (module
+    docstring), in each of ``precisions``."""
+    return {p: train_mixed(p, steps, lr, init_scale=2.0**16, growth_interval=10,
+                           optimizer="sgd", loss_weight=loss_weight, fp32_loss=True,
+                           master=small_mlp(4, width, width**-0.5, seed),
+                           data=teacher_data(rows, width, seed + 1)) for p in precisions}
