@@ -47,7 +47,7 @@ from engine.compose.loop import train_step
 from engine.compose.model import GPT, ModelConfig
 from engine.compose.parallelize import parallelize
 from engine.compose.resume import rank_state
-from engine.compose.plan import CP_METHODS, Plan
+from engine.compose.plan import CP_METHODS, Plan, check_cp_method
 from engine.moe.gpt import MOE_MODELS
 from engine.pp import SCHEDULES, PipelineRun
 from engine.presets import MODELS
@@ -100,11 +100,26 @@ def add_composed_arguments(p, defaults) -> None:
                                "could (e.g. --world-size 1, the reference of any layout) "
                                "and for what only it runs (--zero 3 with --tp); implied by "
                                "--cp > 1 and --varlen (default: %(default)s)")
-    composed.add_argument("--cp-method", default=defaults.cp_method, choices=CP_METHODS,
-                          help="context-parallel attention (default: %(default)s)")
+    composed.add_argument("--cp-method", default=defaults.cp_method, type=cp_method_arg,
+                          metavar="{" + ",".join(CP_METHODS) + "}",
+                          help="context-parallel attention: ring attention (zig-zag or "
+                               "contiguous tokens), Ulysses, all-gather, or usp:UxR (Ulysses "
+                               "over U ranks inside, ring over R groups across; U x R = --cp) "
+                               "(default: %(default)s)")
     composed.add_argument("--varlen", action="store_true",
                           help="documents of random length packed with padding and a loss "
                                "mask (engine.compose.data) (default: %(default)s)")
+
+
+def cp_method_arg(text: str) -> str:
+    """``--cp-method``'s type: one of :data:`engine.compose.plan.CP_METHODS` (``usp:UxR``
+    checked against ``--cp`` later, by the plan)."""
+    import argparse
+
+    try:
+        return check_cp_method(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def check_composed(cfg, world_size: int | None = None) -> None:

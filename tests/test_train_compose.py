@@ -10,6 +10,8 @@ import re
 import pytest
 
 from engine.__main__ import main as engine_main
+from engine.compose.parity import Row, run_row
+from engine.compose.plan import Plan
 
 TOLERANCE = 1e-6
 STEPS = ["--steps", "3"]
@@ -61,6 +63,10 @@ def test_every_layout_has_the_loss_of_one_process(name, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["--cp", "3"], "--cp 3"),
+    (["--cp", "2", "--cp-method", "usp:2x2"], "U x R = 4 must equal cp = 2"),
+    (["--cp", "4", "--cp-method", "usp:4x1", "--tp", "2"],
+     "U (Ulysses gives each rank whole heads) = 4 must divide heads per tensor-parallel rank "
+     "= 2"),
     (["--cp", "2", "--cp-method", "ulysses", "--tp", "4"], "Ulysses gives each rank whole "
                                                            "heads"),
     (["--composed", "--world-size", "2", "--ep", "2", "--tp", "2", "--model", "tiny-moe"],
@@ -83,6 +89,22 @@ def test_what_the_composed_engine_cannot_carry_is_refused_naming_the_flags(args,
                                                                           capsys):
     assert engine_main(["train", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("plan", [Plan(cp=2, cp_method="allgather"),
+                                  Plan(cp=4, cp_method="usp:2x2")], ids=lambda p: p.name)
+def test_allgather_and_usp_context_parallelism_train_as_one_process(plan):
+    """All-gather CP (Llama 3) on 2 ranks, USP on 4 (Ulysses over 2 inside, ring over 2
+    across): the parity matrix's model, 3 AdamW steps, losses and every parameter within 1e-6
+    of one process (another order of the sums)."""
+    result = run_row(Row(plan))
+    assert result.loss_diff <= TOLERANCE and result.param_diff <= TOLERANCE, result
+
+
+def test_engine_train_runs_usp(capsys):
+    alone = _run(["--composed", "--world-size", "1", "--microbatches", "2"], capsys)
+    usp = _run(["--cp", "4", "--cp-method", "usp:2x2", "--microbatches", "2"], capsys)
+    assert len(usp) == 3 and max(abs(a - b) for a, b in zip(usp, alone)) <= TOLERANCE
 
 
 def test_bytes_per_group_are_counted_beside_their_formulas(capsys):

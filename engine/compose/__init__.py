@@ -15,6 +15,7 @@ reads (:mod:`engine.tp`, :mod:`engine.cp`, :mod:`engine.moe`, :mod:`engine.dp`,
 * :mod:`~engine.compose.loss`: the loss normalised by the global count of tokens;
 * :mod:`~engine.compose.experts`: expert parallelism and its gradient rule;
 * :mod:`~engine.compose.pipeline`: the pipeline split and the step through a schedule;
+* :mod:`~engine.compose.usp`: 2D context parallelism (Ulysses inside, ring across) on the mesh;
 * :mod:`~engine.compose.parallelize`: ``parallelize(model, mesh, plan)`` in a fixed order
   (TP + SP, CP, EP, PP, then the data-parallel wrapper: DDP, ZeRO-1/2 or ZeRO-3);
 * :mod:`~engine.compose.state`: the whole parameters back from any layout, for comparing;

@@ -26,6 +26,8 @@ from engine.compose.data import Batch, global_batch, rank_slice
 from engine.compose.loss import global_token_loss, masked_sum, micro_batch_mean
 from engine.compose.parallelize import Parallel
 from engine.compose.pipeline import loss_stage, pipeline_backward
+from engine.compose.plan import usp_degrees
+from engine.compose.usp import usp_tokens
 from engine.validation import one_of
 
 NORMALISATIONS = ("global", "micro-batch-mean")
@@ -41,7 +43,14 @@ def call_hooks(hooks, event: str, *args) -> None:
 def my_micro_batches(par: Parallel, batch: Batch) -> list[Batch]:
     """This rank's micro-batches of the global ``batch``."""
     plan, c = par.plan, par.mesh.coords
-    return rank_slice(batch, plan.dp, c.dp, plan.cp, c.cp, plan.cp_layout, plan.micro_batches)
+    usp = usp_degrees(plan.cp_method)
+    if usp is None:
+        return rank_slice(batch, plan.dp, c.dp, plan.cp, c.cp, plan.cp_layout,
+                          plan.micro_batches)
+    tokens = usp_tokens(batch.ids.shape[1], plan.cp, usp[0], c.cp)  # USP's own layout
+    return [Batch(mb.ids[:, tokens], mb.targets[:, tokens], mb.mask[:, tokens],
+                  mb.positions[tokens])
+            for mb in rank_slice(batch, plan.dp, c.dp, micro_batches=plan.micro_batches)]
 
 
 def train_step(par: Parallel, batch: Batch, step: int = 0, hooks=(),

@@ -12,8 +12,9 @@ compile, then FSDP): each step changes modules the next one wraps, never the oth
    LayerNorms become :class:`engine.tp.layers.SequenceParallelLayerNorm` and the positions
    are scattered with the tokens.
 2. **Context parallelism**, :func:`apply_context_parallel`: each attention's ``core`` becomes
-   ring attention (Liu et al. 2023; zig-zag or contiguous layout) or Ulysses (Jacobs et al.
-   2023) over ``mesh.cp_group``. Nothing else changes: every other layer works token by token,
+   ring attention (Liu et al. 2023; zig-zag or contiguous layout), Ulysses (Jacobs et al.
+   2023), all-gather (Llama 3) or USP (:mod:`engine.compose.usp`) over ``mesh.cp_group``.
+   Nothing else changes: every other layer works token by token,
    and the data layer gives each rank its tokens and their positions.
 3. **expert parallelism** (:mod:`engine.compose.experts`): each MoE layer keeps this rank's
    experts of ``mesh.ep_group``; their gradients are reduced over ``mesh.expert_dp_group``;
@@ -48,8 +49,10 @@ from engine.compose.experts import (Optimizers, apply_expert_parallel, dense_par
                                     expert_parameters, reduce_gradients)
 from engine.compose.model import GPT
 from engine.compose.pipeline import apply_pipeline, sum_tied_embedding, tied_across_ranks
-from engine.compose.plan import Plan
+from engine.compose.plan import Plan, usp_degrees
+from engine.compose.usp import usp_core
 from engine.compress.experiment import make_compressor
+from engine.cp.allgather import allgather_attention
 from engine.cp.ring import ring_attention
 from engine.cp.ulysses import ulysses_attention
 from engine.dp import DataParallel
@@ -129,7 +132,12 @@ def apply_tensor_parallel(model: GPT, mesh: Mesh, sequence_parallel: bool = Fals
 
 def apply_context_parallel(model: GPT, mesh: Mesh, method: str = "ring-zigzag") -> None:
     """Step 2, in place: every attention spans the tokens of ``mesh.cp_group``."""
-    if method == "ulysses":
+    if method == "allgather":  # Llama 3's: K/V all-gathered, zig-zag tokens
+        core = functools.partial(allgather_attention, group=mesh.cp_group, causal=True,
+                                 layout="zigzag")
+    elif usp_degrees(method):  # Ulysses inside, ring across (engine.compose.usp)
+        core = usp_core(mesh, usp_degrees(method)[0])
+    elif method == "ulysses":
         core = functools.partial(ulysses_attention, group=mesh.cp_group, causal=True)
     else:
         layout = "zigzag" if method == "ring-zigzag" else "contiguous"

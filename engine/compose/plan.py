@@ -3,7 +3,9 @@
 A plan names how many ranks each dimension of :class:`engine.topology.Mesh` gets (``dp``,
 ``cp``, ``ep``, ``tp``, ``pp``: world = dp x cp x tp x pp, ``ep`` borrowed from dp x cp), and
 how each dimension runs: sequence parallelism with tensor parallelism (Korthikanti et al.
-2023), ring attention in either layout or Ulysses for context parallelism, the pipeline
+2023), ring attention in either layout, Ulysses, all-gather (Llama 3's) or 2D "USP" (Ulysses
+inside groups of ``U`` ranks, ring across ``R`` groups: ``usp:UxR``; Fang & Zhao 2024) for
+context parallelism, the pipeline
 schedule, the ZeRO stage of the data-parallel wrapper (0: DDP; 1, 2: sharded optimizer; 3:
 sharded parameters, FSDP), gradient compression. :meth:`Plan.check` raises a ValueError naming
 the value and what was expected for anything the model or the batch cannot carry: a degree
@@ -12,13 +14,36 @@ that does not divide the heads, the KV heads, the experts, the layers or the seq
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from engine.pp.registry import SCHEDULES, build_schedule
 from engine.topology import check_mesh
 from engine.validation import one_of, positive_int
 
-CP_METHODS = ("ring-zigzag", "ring-contiguous", "ulysses")
+CP_METHODS = ("ring-zigzag", "ring-contiguous", "ulysses", "allgather", "usp:UxR")
+_USP = re.compile(r"usp:(\d+)x(\d+)")
+
+
+def usp_degrees(method: str) -> tuple[int, int] | None:
+    """``(U, R)`` of a ``usp:UxR`` method (Ulysses over U ranks inside, ring over R groups
+    across), None for any other method."""
+    match = _USP.fullmatch(method)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def check_cp_method(method: str, cp: int | None = None) -> str:
+    """``method`` if it is one of :data:`CP_METHODS` (``usp:UxR`` with U, R >= 1 and, given
+    ``cp``, U x R = cp), else a ValueError naming it."""
+    degrees = usp_degrees(method)
+    if degrees is None:
+        one_of("cp_method", method, CP_METHODS[:-1] + ("usp:UxR (e.g. usp:2x2)",))
+        return method
+    u, r = degrees
+    if u < 1 or r < 1 or (cp is not None and u * r != cp):
+        raise ValueError(f"cp_method {method!r} runs Ulysses over {u} ranks inside each of {r} "
+                         f"ring groups: U x R = {u * r} must equal cp = {cp}")
+    return method
 ZERO_STAGES = (0, 1, 2, 3)
 
 
@@ -45,7 +70,7 @@ class Plan:
 
     def __post_init__(self):
         check_mesh(self.world, dp=self.dp, cp=self.cp, ep=self.ep, tp=self.tp, pp=self.pp)
-        one_of("cp_method", self.cp_method, CP_METHODS)
+        check_cp_method(self.cp_method, self.cp)
         one_of("zero", self.zero, ZERO_STAGES)
         positive_int("micro_batches", self.micro_batches)
         if self.sequence_parallel and self.tp == 1:
@@ -62,8 +87,11 @@ class Plan:
 
     @property
     def cp_layout(self) -> str:
-        """The token layout over the context-parallel ranks (Ulysses: contiguous)."""
-        return "zigzag" if self.cp_method == "ring-zigzag" else "contiguous"
+        """The token layout over the context-parallel ranks (Ulysses: contiguous; all-gather:
+        zig-zag; USP: ``"usp"``, :func:`engine.cp.usp_indices`)."""
+        if usp_degrees(self.cp_method):
+            return "usp"
+        return "zigzag" if self.cp_method in ("ring-zigzag", "allgather") else "contiguous"
 
     @property
     def name(self) -> str:
@@ -90,8 +118,18 @@ class Plan:
         for name, value in (("heads", cfg.heads), ("KV heads", cfg.kv_heads_or_heads),
                             ("vocab", cfg.vocab), ("ffn_hidden", cfg.ffn)):
             check_divides("tp", self.tp, name, value)
+        usp = usp_degrees(self.cp_method)
+        if usp:  # R zig-zag shares of S/R tokens, each cut into U; U divides the heads
+            u, r = usp
+            check_divides("2 R (the ring's zig-zag chunks)", 2 * r, "seq_len",
+                          cfg.seq_len)
+            check_divides("U (Ulysses inside usp)", u, "the tokens of one ring share",
+                          cfg.seq_len // r)
+            check_divides("U (Ulysses gives each rank whole heads)", u,
+                          "heads" + (" per tensor-parallel rank" if self.tp > 1 else ""),
+                          cfg.heads // self.tp)
         pieces = self.cp * (2 if self.cp_layout == "zigzag" else 1)
-        if cfg.seq_len % pieces:
+        if not usp and cfg.seq_len % pieces:
             raise ValueError(f"cp = {self.cp} with {self.cp_method} cuts the sequence into "
                              f"{pieces} equal chunks: {pieces} must divide seq_len = "
                              f"{cfg.seq_len}")
