@@ -72,6 +72,32 @@ def split_fragments(model: nn.Module, fragments: int) -> list[list[nn.Parameter]
             for i in range(fragments)]
 
 
+def module_fragments(model: nn.Module, parts) -> list[list[nn.Parameter]]:
+    """The fragments given as modules (torchft's ``model_fragments``: e.g. a transformer's
+    blocks, the embeddings with the first): each fragment's trainable parameters, a tied
+    weight in its first fragment only. A ValueError names what is wrong when a part is not in
+    ``model``, owns no parameter of its own, or a parameter of the model is in no part."""
+    owned = {id(p) for p in model.parameters() if p.requires_grad}
+    seen: set[int] = set()
+    split = []
+    for index, part in enumerate(parts):
+        mine = [p for p in part.parameters() if p.requires_grad and id(p) not in seen]
+        if any(id(p) not in owned for p in mine):
+            raise ValueError(f"fragment {index} ({type(part).__name__}) holds parameters that "
+                             "are not the model's")
+        if not mine:
+            raise ValueError(f"fragment {index} ({type(part).__name__}) has no trainable "
+                             "parameter of its own")
+        seen.update(id(p) for p in mine)
+        split.append(mine)
+    missing = [name for name, p in model.named_parameters() if p.requires_grad
+               and id(p) not in seen]
+    if missing:
+        raise ValueError(f"the fragments leave {len(missing)} of the model's parameters out "
+                         f"(first: {missing[0]}); every parameter must be in one fragment")
+    return split
+
+
 @dataclass
 class Sync:
     """One fragment's sync: started after inner step ``step``, applied after ``applied``."""
@@ -116,7 +142,8 @@ class DiLoCo:
             touches its state.
         sync_every: H, the inner steps between two syncs of a fragment (>= 1).
         outer_lr, outer_momentum, nesterov: the outer SGD (the paper: 0.7, 0.9, Nesterov).
-        fragments: F, streaming DiLoCo's number of fragments (must divide the layers).
+        fragments: F, streaming DiLoCo's number of fragments (must divide the layers), or
+            the fragments themselves as a list of modules (:func:`module_fragments`).
         delay: τ, the inner steps an outer all-reduce overlaps with (0 <= τ < H/F when F > 1,
             τ < H when F = 1).
         mix: α, the weight of the local parameters when an overlapped result is merged.
@@ -129,6 +156,9 @@ class DiLoCo:
                  outer_momentum: float = 0.9, nesterov: bool = True, fragments: int = 1,
                  delay: int = 0, mix: float = 0.0, outer_dtype: torch.dtype | None = None,
                  group=None):
+        parts = None if isinstance(fragments, int) else list(fragments)
+        if parts is not None:
+            fragments = len(parts)
         positive_int("sync_every (H, the inner steps between syncs)", sync_every)
         non_negative_number("outer_lr", outer_lr)
         fraction("outer_momentum", outer_momentum, open_low=False)
@@ -142,7 +172,8 @@ class DiLoCo:
         if delay >= stagger:
             raise ValueError(f"delay = {delay} must be below sync_every / fragments = {stagger}: "
                              "a fragment's sync must land before the next one starts")
-        split = split_fragments(model, fragments)  # a bad count fails before any traffic
+        split = split_fragments(model, fragments) if parts is None else \
+            module_fragments(model, parts)  # a bad count fails before any traffic
         self.model, self.inner, self.group = model, inner_optimizer, group
         self.sync_every, self.delay, self.mix = sync_every, delay, mix
         self.outer_dtype = outer_dtype
