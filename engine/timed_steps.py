@@ -131,8 +131,11 @@ def traffic_by_group(events, mesh: Mesh, more: dict | None = None) -> dict[str, 
     is the pipeline's (``pp``); a collective is ``dp``, ``tp`` or ``embedding`` by its group's
     ranks (the pp and embedding groups can hold the same two ranks: collectives there are the
     tied embedding's), or one of the strategy's ``more`` groups (kind -> group: expert
-    parallelism's ``ep`` and ``expert-dp``; the composed engine's ``cp`` and ``dp x cp``),
-    ``other`` if none. Point-to-point traffic over a ``cp`` group is ring attention's."""
+    parallelism's ``ep`` and ``expert-dp``), ``other`` if none. The composed engine's
+    (``more`` holds ``dp x cp``) are :func:`engine.compose.traffic.report_traffic`'s."""
+    if more and "dp x cp" in more:  # the composed engine: its one bookkeeper's kinds
+        from engine.compose.traffic import report_traffic
+        return report_traffic(events, mesh, moe="ep" in more)
     groups = {**(more or {}), "tp": mesh.tp_group, "dp": mesh.dp_group,
               "embedding": mesh.embedding_group}  # the mesh's kind wins for the same ranks
     kinds = {ops.group_ranks(g): kind for kind, g in groups.items() if g is not None}

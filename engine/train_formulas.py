@@ -8,20 +8,17 @@ peaks MFU divides by are :mod:`engine.hardware`'s.
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import NamedTuple
+from types import SimpleNamespace
 
 from engine import theory
+from engine.compose.formulas import Formula, compressed_dp_formula, layout_formulas
+from engine.compose.traffic import gradient_group_name, report_names
 from engine.pp import uniform_boundaries
 from engine.pp.link import SHAPE_HEADER_BYTES
-from engine.train_compose import model_config
+from engine.train_compose import plan_of
 
-
-class Formula(NamedTuple):
-    """What a formula predicts (bytes) and how the report writes it out."""
-
-    bytes: float
-    text: str
+__all__ = ["Formula", "traffic_formulas", "pipeline_formulas", "zero3_formula",
+           "memory_formula", "model_flops", "gradient_group_name", "composed_traffic_formulas"]
 
 
 def traffic_formulas(strategy, cfg, model_cfg) -> dict[str, Formula]:
@@ -122,36 +119,7 @@ def _tp_formula(mesh, cfg, model_cfg) -> Formula:
                                    f"b = {b}, s = {s}, h = {h}, t = {t}")
 
 
-def _compressed_formula(model, n: int) -> Formula:
-    """The data-parallel bytes of :class:`engine.dp.DataParallel` with its compressor, one
-    reduction per step (gradients accumulate under ``no_sync``)."""
-    from engine.compress.cast import BF16, FP16
-    from engine.compress.powersgd import PowerSGD
-    from engine.compress.topk import TopK
-
-    c, sizes = model.compressor, [b.buffer.numel() for b in model.buckets]
-    psi = sum(sizes)
-    if c is None:
-        return Formula(theory.ring_all_reduce_bytes(psi * 4, n),
-                       f"2(N-1)/N x Ψ x 4 B (theory.ring_all_reduce_bytes), N = {n}")
-    if isinstance(c, (FP16, BF16)):
-        return Formula(theory.ring_all_reduce_bytes(psi * 2, n),
-                       f"2(N-1)/N x Ψ x 2 B, 16-bit (theory.ring_all_reduce_bytes), N = {n}")
-    if isinstance(c, TopK):  # Random-K too: the same k per bucket
-        return Formula(sum(theory.topk_bytes_per_rank(size, c.ratio, n) for size in sizes),
-                       f"per bucket (N-1) x k x (4 B value + 4 B index), k = ceil({c.ratio} x "
-                       f"bucket) (theory.topk_bytes_per_rank), N = {n}")
-    if isinstance(c, PowerSGD) and c.iter >= c.start_iter:
-        shapes = [p.shape for b in model.buckets for p in b.params]
-        _, sent = theory.powersgd_elements(shapes, c.rank, c.min_compression_rate)
-        return Formula(theory.ring_all_reduce_bytes(sent * 4, n),
-                       f"2(N-1)/N x 4 B x (sum of (n+m)r over compressed matrices + the rest) "
-                       f"(theory.powersgd_elements), r = {c.rank}: {sent:,} elements")
-    if isinstance(c, PowerSGD):
-        return Formula(theory.ring_all_reduce_bytes(psi * 4, n),
-                       f"2(N-1)/N x Ψ x 4 B: PowerSGD averages plainly until step "
-                       f"{c.start_iter}")
-    return Formula(float("nan"), f"no formula for {c!r}")
+_compressed_formula = compressed_dp_formula  # its home is engine.compose.formulas
 
 
 def memory_formula(strategy, cfg) -> dict[str, float] | None:
@@ -179,55 +147,15 @@ def model_flops(model_cfg, sequences: int, top_k: int = 1) -> float:
     return flops
 
 
-def gradient_group_name(mesh) -> str:
-    """How the report names the group dense gradients are reduced over on the composed
-    engine (dp x cp): ``dp`` or ``cp`` when the other is 1 (the same ranks)."""
-    return "dp" if mesh.cp == 1 else "cp" if mesh.dp == 1 else "dp x cp"
-
-
 def composed_traffic_formulas(strategy, cfg) -> dict[str, Formula]:
-    """The composed engine's formulas, where one is known (:mod:`engine.train_compose`):
-    the dense gradients over dp x cp (DDP or ZeRO-1: one all-reduce's bytes per step, no
-    pipeline, no experts spread), ring or Ulysses attention over cp, Megatron's all-reduces
-    over tp (S/cp tokens a rank; no pipeline, no experts)."""
-    mesh, model_cfg, out = strategy.mesh, model_config(cfg), {}
-    b, s, m, layers = cfg.micro_batch, model_cfg.seq_len, cfg.microbatches, model_cfg.layers
-    grad = gradient_group_name(mesh)
-    n = mesh.dp * mesh.cp
-    if n > 1 and cfg.compress is not None:
-        compressed = _compressed_formula(strategy.model, n)
-        out[grad] = Formula(compressed.bytes + theory.ring_all_reduce_bytes(4, n),
-                            compressed.text + "; + 2(N-1)/N x 4 B, the step's loss")
-    elif n > 1 and cfg.zero in (0, 1) and mesh.ep == 1:
-        out[grad] = Formula(theory.zero_comm_elements(strategy.psi, n, cfg.zero) * 4 +
-                            theory.ring_all_reduce_bytes(4, n),
-                            f"ZeRO-{cfg.zero}: 2(N-1)/N x Ψ x 4 B over dp x cp, once per step, "
-                            f"+ 2(N-1)/N x 4 B, the step's loss; N = {n}")
-    if n > 1 and cfg.zero == 3 and mesh.ep == 1 and mesh.pp == 1:
-        zero3 = zero3_formula(strategy.model, strategy.psi, n, cfg.microbatches)
-        out[grad] = Formula(zero3.bytes + theory.ring_all_reduce_bytes(4, n),
-                            zero3.text + "; + 2(N-1)/N x 4 B, the step's loss")
-    if mesh.cp > 1 and mesh.pp == 1:
-        kv = model_cfg.kv_heads_or_heads * model_cfg.head_dim // mesh.tp
-        if cfg.cp_method == "ulysses":
-            per = theory.ulysses_bytes(b * s, model_cfg.hidden // mesh.tp, mesh.cp, 4, kv)
-            text = "Ulysses: 2 x (N-1)/N^2 S (2 h + 2 kv_hidden) x 4 B"
-        else:
-            per = theory.ring_attention_bytes(b * s, kv, mesh.cp, 4)
-            text = "ring attention: 3 x 2 (N-1) (S/N) kv_hidden x 4 B"
-        attention = m * layers * per["total"]
-        before = out.get("cp")
-        out["cp"] = Formula(attention + (before.bytes if before else 0),
-                            f"m x {layers} layers x {text} (theory."
-                            f"{'ulysses' if cfg.cp_method == 'ulysses' else 'ring_attention'}"
-                            f"_bytes), S = b x s = {b * s}, N = {mesh.cp}"
-                            + (f"; + {before.text}" if before else ""))
-    if mesh.tp > 1 and mesh.pp == 1 and not model_cfg.num_experts:  # s: this rank's tokens
-        out["tp"] = _tp_formula(mesh, cfg, replace(model_cfg, seq_len=s // mesh.cp))
-    if mesh.pp > 1 and mesh.cp == 1 and mesh.tp == 1:
-        out.update(pipeline_formulas(mesh, cfg, model_cfg))
-        tied = out.get("embedding")
-        if mesh.pp == 2 and mesh.is_last_stage and tied:  # the pp group's ranks: embedding
-            out["embedding"] = Formula(tied.bytes + 4, tied.text + " + 4 B, the step's loss "
-                                       "broadcast from the last stage")
-    return out
+    """The composed engine's formulas for one step of this rank, under the report's names:
+    :func:`engine.compose.formulas.layout_formulas`, the same the parity matrix checks
+    (:func:`engine.compose.traffic.report_names`: the gradients over dp x cp named ``dp``,
+    ``cp`` or ``dp x cp``). The experts' all-to-alls depend on the routing, unknown before the
+    step: no ep formula here (``python -m engine parity`` gives it from the routers' counts)."""
+    module = strategy.model
+    par = SimpleNamespace(plan=plan_of(cfg), mesh=strategy.mesh, module=module,
+                          model=getattr(module, "module", module), optimizer=strategy.optimizer)
+    formulas = layout_formulas(par, cfg.micro_batch, steps=1)
+    return report_names(formulas, strategy.mesh,
+                        add=lambda a, b: Formula(a.bytes + b.bytes, f"{a.text}; + {b.text}"))

@@ -2,8 +2,8 @@
 
 Each row: 3 AdamW steps in fp32, the largest loss and parameter differences on any rank at
 most 1e-6 (:mod:`engine.compose.parity`); the bytes each kind of group sent, counted on the
-wire, zero for a dimension of one rank and equal to the formula for the data-parallel
-gradients where one is given (:mod:`engine.compose.traffic`). The list of expected rows is
+wire, zero for a dimension of one rank and equal to its formula for every kind of group
+(:mod:`engine.compose.formulas`). The list of expected rows is
 explicit: a row that goes missing from the matrix fails here. Seconds per row are printed
 (``-s``)."""
 
@@ -13,8 +13,8 @@ import math
 
 import pytest
 
-from engine.compose.parity import (COMPRESSED_ROWS, ROWS_PHASE_1, SGD_ROWS, TOLERANCE, run_row,
-                                   table)
+from engine.compose.parity import (COMPRESSED_ROWS, KINDS, ROWS_PHASE_1, SGD_ROWS, TOLERANCE,
+                                   run_row, table)
 
 EXPECTED = [
     "dp2", "tp2", "tp2 sp", "dp2xtp2", "dp2 zero1", "dp2 zero2", "dp2 zero3", "dp2xtp2 zero1",
@@ -61,6 +61,11 @@ def test_row_equals_one_process(row):
         assert degree == 1 or kind == "dp" or result.sent[kind] > 0, (kind, result.sent)
     if result.dp_formula is not None:  # the data-parallel bytes, counted = formula
         assert result.sent["dp"] == result.dp_formula, (result.sent, result.dp_formula)
+    for kind in KINDS:  # every kind, summed over the ranks, counted = formula (exact: the
+        # ring's chunks and the experts' rows each travel a known number of times in all;
+        # engine.compose.formulas). The experts' formula takes the routers' counts as input.
+        assert result.formulas[kind] is not None, (kind, result.formulas)
+        assert result.sent[kind] == result.formulas[kind], (kind, result.sent, result.formulas)
 
 
 COMPRESSED = ["dp2 fp16", "dp2 bf16", "dp2xtp2 fp16", "dp2xcp2 ring-zigzag bf16",

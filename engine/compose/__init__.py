@@ -21,6 +21,7 @@ reads (:mod:`engine.tp`, :mod:`engine.cp`, :mod:`engine.moe`, :mod:`engine.dp`,
 * :mod:`~engine.compose.state`: the whole parameters back from any layout, for comparing;
 * :mod:`~engine.compose.resume`: what each rank of any layout saves to resume bit for bit;
 * :mod:`~engine.compose.loop`: the one training step and loop, with hooks;
-* :mod:`~engine.compose.traffic`: bytes on the wire per kind of group, and the formula;
+* :mod:`~engine.compose.formulas`: the bytes each kind of group must carry, by formula;
+* :mod:`~engine.compose.traffic`: bytes on the wire per kind of group, counted;
 * :mod:`~engine.compose.parity`: the parity matrix, every layout against one process.
 """

@@ -11,7 +11,8 @@ optimizer step. A row reports the largest difference of the loss at any step and
 parameter on any rank, the seconds it took (launch included), and the bytes each kind of group
 (dp, cp, ep, tp, pp) sent, counted on the wire by a :class:`engine.comm.CommMeter` (its
 collectives run on the engine's point-to-point rings) and summed over the ranks, beside the
-formula for the data-parallel gradients where there is one (:mod:`engine.compose.traffic`).
+formula for each kind (:mod:`engine.compose.formulas`; the experts' all-to-alls take the rows
+the routers sent to other ranks, counted by a hook on each MoE layer, as input).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from engine.compose.model import GPT, ModelConfig
 from engine.compose.parallelize import parallelize
 from engine.compose.plan import Plan
 from engine.compose.state import dense_state
-from engine.compose.traffic import KINDS, bytes_by_kind, dp_formula
+from engine.compose.formulas import dense_parameter_bytes, dp_formula, layout_formulas
+from engine.compose.traffic import KINDS, bytes_by_kind
 from engine.zero import ZeroDataParallel
 
 # No bias on q, k, v: the key bias's gradient is exactly zero in exact arithmetic (each
@@ -141,7 +143,8 @@ class Result:
     seconds: float
     losses: list[float] = field(default_factory=list)
     sent: dict[str, int] = field(default_factory=dict)  # bytes per kind, summed over ranks
-    dp_formula: float | None = None  # the same for dp, by engine.compose.traffic.dp_formula
+    dp_formula: float | None = None  # plain DDP/ZeRO's dp bytes (compressed rows: uncompressed)
+    formulas: dict[str, float | None] = field(default_factory=dict)  # per kind, summed
 
     loss_tolerance: float = TOLERANCE  # compressed rows: loss_bound
     param_tolerance: float = TOLERANCE  # compressed rows: drift_bound
@@ -176,14 +179,34 @@ def run_layout(rank: int, world_size: int, row: Row, steps: int = STEPS) -> dict
                       **kwargs)
     # under NCCL's rules (engine.comm.nccl_rules) on Gloo too: every tensor handed to a
     # collective is on the rank's device, as a GPU run of the same row needs
+    crossing = count_crossing_rows(par.model) if plan.ep > 1 else None
     with nccl_rules(), CommMeter(count="wire") as meter:
         losses = train(par, steps, ROWS, seed=SEED + 1, varlen=row.varlen)
-    root = getattr(par.module, "root", None)
-    formula = dp_formula(parameter_bytes(par), mesh.dp_cp_size, plan.zero, steps,
-                         plan.micro_batches, plan.pp, plan.ep,
-                         0 if root is None else root.padded * root.shard.element_size())
-    return {"losses": losses, "state": dense_state(par), "formula": formula,
+    size, root, tied = dense_parameter_bytes(par)
+    plain = dp_formula(size, mesh.dp_cp_size, plan.zero, steps, plan.micro_batches, root, tied)
+    formulas = layout_formulas(par, ROWS // (plan.dp * plan.micro_batches), steps,
+                               None if crossing is None else sum(crossing))
+    return {"losses": losses, "state": dense_state(par), "formula": plain,
+            "formulas": {k: None if f is None else f.bytes for k, f in formulas.items()},
             "bytes": bytes_by_kind(meter.events, mesh, row.moe)}
+
+
+def count_crossing_rows(model) -> list[int]:
+    """A list that each MoE layer of ``model`` adds to, after every forward, the (token,
+    expert) rows its router kept for experts on other ranks of its group: the input of the
+    expert-parallel formula (:func:`engine.compose.formulas.ep_formula`)."""
+    from engine.moe.layer import MoE
+
+    rows: list[int] = []
+
+    def hook(moe, inputs, output):
+        mine = range(moe.first_expert, moe.first_expert + len(moe.experts))
+        rows.append(sum(n for e, n in enumerate(moe.stats.kept) if e not in mine))
+
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.register_forward_hook(hook)
+    return rows
 
 
 def parameter_bytes(par) -> int:
@@ -232,27 +255,34 @@ def run_row(row: Row, steps: int = STEPS, timeout: float = 120) -> Result:
     if missing:  # a parameter no rank holds
         param_diff = float("inf")
     sent = {k: sum(r["bytes"][k] for r in ranks) for k in KINDS}
-    formulas = [r["formula"] for r in ranks]
-    formula = None if None in formulas else sum(formulas)
+    formula = sum(r["formula"] for r in ranks)
+    per_kind = {k: None if any(r["formulas"][k] is None for r in ranks)
+                else sum(r["formulas"][k] for r in ranks) for k in KINDS}
     bounds = (loss_bound(ref["grad_l1"], steps), drift_bound(steps)) if row.plan.compress \
         else (TOLERANCE, TOLERANCE)
     return Result(row, row.plan.world, loss_diff, param_diff, seconds, ranks[0]["losses"],
-                  sent, formula, *bounds)
+                  sent, formula, per_kind, *bounds)
 
 
 def table(results: list[Result]) -> str:
-    """One line per row: layout, world size, max |loss diff|, max |param diff|, seconds, the
-    bytes sent per kind of group (summed over ranks) and the dp formula."""
+    """One line per row: layout, world size, max |loss diff|, max |param diff|, seconds, and
+    per kind of group the bytes sent (summed over ranks) / the formula's (``-``: none)."""
     lines = [f"{'layout':<34} {'world':>5} {'loss diff':>10} {'param diff':>10} "
-             f"{'s':>5}  holds  " + " ".join(f"{k + ' B':>8}" for k in KINDS)
-             + f" {'dp formula':>10}"]
+             f"{'s':>5}  holds " + "".join(f" {k + ' counted/formula B':>21}" for k in KINDS)]
     for r in results:
-        formula = "-" if r.dp_formula is None else f"{r.dp_formula:.0f}"
         holds = ("yes" if r.holds else "NO") + ("*" if r.row.plan.compress else "")
         lines.append(f"{r.row.name:<34} {r.world:>5} {r.loss_diff:>10.1e} "
                      f"{r.param_diff:>10.1e} {r.seconds:>5.1f}  {holds:<5}"
-                     + "".join(f" {r.sent.get(k, 0):>8}" for k in KINDS) + f" {formula:>10}")
+                     + "".join(f" {traffic_cell(r.sent.get(k, 0), r.formulas.get(k)):>21}"
+                               for k in KINDS))
     return "\n".join(lines)
+
+
+def traffic_cell(counted: int, formula: float | None) -> str:
+    """``counted/formula`` (``0`` when both are)."""
+    if formula is None:
+        return f"{counted}/-"
+    return "0" if counted == formula == 0 else f"{counted}/{formula:.0f}"
 
 
 def run_matrix(rows: list[Row] = ROWS_PHASE_1, steps: int = STEPS, echo: bool = True

@@ -1,5 +1,5 @@
-"""Bytes on the wire per kind of group (dp, cp, ep, tp, pp) of a composed run, and the formula
-for the data-parallel gradient traffic where one is simple.
+"""Bytes on the wire per kind of group (dp, cp, ep, tp, pp) of a composed run: the one
+bookkeeper of composed bytes, for ``python -m engine parity`` and ``engine train`` alike.
 
 A :class:`engine.comm.CommMeter` opened with ``count="wire"`` counts every message this rank
 sends, each event naming the ranks of its group. :func:`bytes_by_kind` names the group by the
@@ -8,25 +8,18 @@ borrowed from dp x cp) by the operation: an all-to-all of an MoE model is expert
 another (Ulysses) context parallelism; a point-to-point message on the pipeline group is pp,
 on the context group cp (ring attention). Gradient reductions over ``dp_cp_group`` count as
 dp, over ``expert_dp_group`` as ep, the tied embedding's over ``embedding_group`` as pp.
-
-:func:`dp_formula` is what the data-parallel wrapper must send per rank, by the ring
-algorithm (:func:`engine.theory.ring_all_reduce_bytes`, A: an all-reduce of every parameter
-byte this rank holds; a reduce-scatter or an all-gather is A / 2), plus the 4-byte loss, per
-step of ``m`` micro-batches: DDP (gradients kept local but for the last micro-batch) and
-ZeRO-1 one A; ZeRO-2 a reduce-scatter per micro-batch and one all-gather, (m + 1) A / 2;
-ZeRO-3 per micro-batch two all-gathers (forward, backward) and a reduce-scatter, 1.5 m A,
-less one all-gather of its root unit per micro-batch (:mod:`engine.zero.stage3`: the root is
-gathered when the forward starts and kept until the backward ends).
-``None`` where the count depends on more than the parameter bytes (a pipeline or experts).
+The formulas beside the counts are :mod:`engine.compose.formulas`'.
 """
 
 from __future__ import annotations
 
 from engine.comm import ops
-from engine.theory import ring_all_reduce_bytes
+from engine.compose.formulas import dp_formula  # re-exported: its home before
 from engine.topology import Mesh
 
 KINDS = ("dp", "cp", "ep", "tp", "pp")
+__all__ = ["KINDS", "P2P", "group_kinds", "kind_of", "bytes_by_kind", "dp_formula",
+           "gradient_group_name", "report_names", "report_traffic"]
 P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 
 
@@ -61,16 +54,28 @@ def bytes_by_kind(events, mesh: Mesh, moe: bool) -> dict[str, int]:
     return sent
 
 
-def dp_formula(param_bytes: int, replicas: int, zero: int, steps: int, micro_batches: int,
-               pp: int = 1, ep: int = 1, root_bytes: int = 0) -> float | None:
-    """Bytes one rank sends over dp x cp in ``steps`` steps (module docstring);
-    ``root_bytes``: ZeRO-3's root unit, padded."""
-    if pp > 1 or ep > 1:
-        return None
-    if replicas == 1:
-        return 0.0
-    all_reduces = {0: 1.0, 1: 1.0, 2: (micro_batches + 1) / 2, 3: 1.5 * micro_batches}[zero]
-    per_step = ring_all_reduce_bytes(param_bytes, replicas) * all_reduces
-    if zero == 3:
-        per_step -= micro_batches * ring_all_reduce_bytes(root_bytes, replicas) / 2
-    return steps * (per_step + ring_all_reduce_bytes(4, replicas))
+def gradient_group_name(mesh: Mesh) -> str:
+    """How ``engine train``'s report names the group dense gradients are reduced over (dp x
+    cp): ``dp`` or ``cp`` when the other is 1 (the same ranks)."""
+    return "dp" if mesh.cp == 1 else "cp" if mesh.dp == 1 else "dp x cp"
+
+
+def report_names(by_kind: dict, mesh: Mesh, add=lambda a, b: a + b) -> dict:
+    """``by_kind`` (counted bytes or formulas, per kind) under ``engine train``'s names: the
+    gradients' ``dp`` renamed :func:`gradient_group_name` (merged with ``cp`` by ``add``
+    when dp = 1); kinds of one rank and ``None`` left out."""
+    out = {}
+    for kind, value in by_kind.items():
+        if value is None or (kind != "dp" and getattr(mesh, kind) == 1):
+            continue
+        if kind == "dp":
+            if mesh.dp_cp_size == 1:
+                continue
+            kind = gradient_group_name(mesh)
+        out[kind] = add(out[kind], value) if kind in out else value
+    return out
+
+
+def report_traffic(events, mesh: Mesh, moe: bool) -> dict[str, int]:
+    """:func:`bytes_by_kind` under ``engine train``'s names (:func:`report_names`)."""
+    return report_names(bytes_by_kind(events, mesh, moe), mesh)
