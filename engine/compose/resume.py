@@ -91,8 +91,8 @@ def compressor_state(compressor) -> dict:
             state[name] = {"torch_generator": value.get_state()}
         elif isinstance(value, np.random.RandomState):
             kind, keys, pos, gauss, cached = value.get_state()
-            state[name] = {"numpy_random": [kind, torch.from_numpy(keys.copy()), pos, gauss,
-                                            cached]}
+            state[name] = {"numpy_random": [kind, torch.from_numpy(keys.astype(np.int64)), pos,
+                                            gauss, cached]}  # uint32 keys: int64 tensors
         elif isinstance(value, (dict, int, float)):
             state[name] = value
     return state
@@ -105,7 +105,7 @@ def restore_compressor(compressor, state: dict, device: torch.device) -> None:
             current.set_state(value["torch_generator"])
         elif isinstance(current, np.random.RandomState):
             kind, keys, pos, gauss, cached = value["numpy_random"]
-            current.set_state((kind, keys.numpy(), pos, gauss, cached))
+            current.set_state((kind, keys.numpy().astype(np.uint32), pos, gauss, cached))
         elif isinstance(current, dict):
             setattr(compressor, name, {k: v.to(device) if isinstance(v, torch.Tensor) else v
                                        for k, v in value.items()})
