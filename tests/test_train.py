@@ -199,7 +199,9 @@ def test_help_gives_every_flag_its_text_choices_and_default(capsys):
     assert entries["--zero"].startswith("  --zero {0,1,2,3} ")
     assert entries["--model"].startswith("  --model {tiny,small,medium,tiny-moe} ")
     assert entries["--impl"].startswith("  --impl {engine,torch,both} ")
-    assert entries["--schedule"].startswith("  --schedule {1f1b,gpipe} ")
+    # every registered schedule: the composed engine runs each, the per-layout trainer two
+    assert entries["--schedule"].startswith(
+        "  --schedule {gpipe,1f1b,interleaved,zb_h1,zb_h2,zb_v,dualpipe_v} ")
     assert entries["--precision"].startswith("  --precision {auto,fp32,bf16} ")
     assert entries["--backend"].startswith("  --backend {auto,gloo,nccl} ")
 
