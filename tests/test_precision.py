@@ -17,6 +17,7 @@ from engine.precision import (DynamicLossScaler, Fp8Linear, bytes_per_parameter,
                               relative_error, scaling_errors, small_mlp, to_fp8,
                               token_relative_error, train_lm, train_mixed,
                               underflow_experiment)
+from engine.precision.mixed import low_precision_grads
 from tests.helpers import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("error")
@@ -111,14 +112,31 @@ def test_fp16_without_scaling_flushes_gradients_and_scaling_rescues_them():
           f"{scaled.flushed}, bf16 {bf16.flushed}")
     assert plain.flushed > 1000 and plain.overflowed == 0
     assert scaled.flushed < plain.flushed / 100 and bf16.flushed == 0
-    overflowing = gradient_underflow(model, x, y, torch.float16, scale=2.0**16)
-    assert overflowing.overflowed > 0  # what the scaler backs off from
+    # what the scaler backs off from: fp16 gradients past 65504. The loss is taken in fp32, as
+    # under autocast: an fp16 loss times 2^16 is inf itself, an overflow that is not the gradients'
+    assert gradient_underflow(model, x, y, torch.float16, 2.0**16, fp32_loss=True).overflowed == 0
+    overflowing = gradient_underflow(model, x, y, torch.float16, 2.0**28, fp32_loss=True)
+    assert overflowing.overflowed > 0
 
 
 def test_fp16_with_the_scaler_trains_like_bf16():
-    runs = {p: train_mixed(p, steps=8, rows=128) for p in ("bf16", "fp16+scaler")}
+    """The loss in fp32, as autocast computes it, so that an inf can only come from the
+    gradients (an fp16 loss times 2^16 is inf itself). Started at 2^28 the fp16 gradients
+    overflow (measured: the output bias's, a sum over the rows): the scaler skips and backs off
+    to 2^26, where they fit, and then trains like bf16."""
+    init = 2.0**28
+    runs = {"bf16": train_mixed("bf16", steps=8, rows=128),
+            "fp16+scaler": train_mixed("fp16+scaler", steps=8, rows=128, init_scale=init,
+                                       fp32_loss=True)}
     scaled = runs["fp16+scaler"]
-    assert scaled.skipped >= 1 and scaled.scales[0] == 2.0**16  # it backed off from overflow
+    loss, grads = low_precision_grads(small_mlp(), *regression_data(128), torch.float16, init,
+                                      fp32_loss=True)
+    fp16_max = torch.finfo(torch.float16).max
+    # the gradients themselves overflow; the scaled loss is past fp16's range at every scale
+    # used (an fp16 loss would be inf at each step), yet in fp32 it skips nothing at 2^26
+    assert not all(g.isfinite().all() for g in grads) and loss * 2.0**26 > fp16_max
+    assert scaled.scales[scaled.skipped:] == [2.0**26] * (8 - scaled.skipped)
+    assert scaled.skipped >= 1 and scaled.scales[0] == init  # it backed off from overflow
     assert sum(scaled.flushed[scaled.skipped:]) < 10
     # one step behind for each skipped step, else the same descent (bf16's loss has 8 bits)
     behind = runs["bf16"].losses[:len(scaled.losses) - scaled.skipped]
