@@ -6,7 +6,8 @@ optimizer moments, compressor residuals) equal by ``torch.equal``. Families: dp2
 with a Top-K compressor (error feedback) and with PowerSGD (error feedback, warm-started P and
 Q, its random generator), cp2 varlen, tiny-MoE ep2 (ZeRO-1), dp2 x tp2 ZeRO-3
 (FSDP + TP), dp2 x pp2 (1F1B, ZeRO-2); through ``engine train`` with ``--async-save``,
-tiny-MoE dp2 x ep2 x pp2 at ZeRO-1. Then ``engine train --reshard`` on the composed path:
+tiny-MoE dp2 x ep2 x pp2 at ZeRO-1. A rank that cannot serialise its state makes every rank
+raise, naming it, and leaves no manifest (the agreed protocol). Then ``engine train --reshard`` on the composed path:
 a dp-only change at ZeRO-0 resumes, a tp change is refused naming the flags."""
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ def _resume_families(rank, world_size, names, root):
         losses += _steps(again, SAVED, STEPS, varlen)
         found[name] = {"straight": straight, "resumed": losses, "whole": _state(whole),
                        "again": _state(again)}
+        if name == names[0]:  # a rank that cannot serialise: every rank raises, no manifest
+            found["failed save"] = _failed_save(rank, first, f"{directory}-failed")
         if plan.compress:  # the same resume without the compressor's memory: not the same run
             from engine.compress.experiment import make_compressor
 
@@ -99,6 +102,26 @@ def _resume_families(rank, world_size, names, root):
             _steps(lost, SAVED, STEPS, varlen)
             found[name]["without compressor state"] = _state(lost)
     return found
+
+
+def _failed_save(rank, par, directory) -> tuple[str, bool]:
+    from pathlib import Path
+
+    from engine.checkpoint.files import MANIFEST, CheckpointError
+    from engine.checkpoint.per_rank import save_per_rank
+    from engine.compose.resume import rank_state
+
+    tensors, optimizer = rank_state(par)
+    if rank == 1:
+        def no_space():
+            raise OSError("[Errno 28] No space left on device")
+        tensors.state_dict = no_space
+    try:
+        save_per_rank(directory, tensors, optimizer)
+        message = ""
+    except CheckpointError as e:
+        message = str(e)
+    return message, (Path(directory) / MANIFEST).exists()
 
 
 def _check(ranks, name):
@@ -120,6 +143,8 @@ def test_every_layout_family_resumes_bit_identical(world, tmp_path):
     ranks = run_ranks(_resume_families, world, names, str(tmp_path), timeout=240)
     for name in names:
         _check(ranks, name)
+    for message, manifest in (found["failed save"] for found in ranks):
+        assert "rank 1" in message and "No space left on device" in message and not manifest
 
 
 def test_engine_train_resumes_moe_ep2_pp2_zero1_bit_identical_with_async_save(tmp_path):
