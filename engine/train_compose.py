@@ -17,6 +17,10 @@ of any layout (``--composed --world-size 1``). Then:
   auxiliary loss (DeepSeek-AI 2024, section 2.1.2); parallelised by
   :func:`engine.compose.parallelize.parallelize` for the :class:`engine.compose.plan.Plan` of
   the flags;
+* ``--pp`` runs any schedule of the registry (:data:`COMPOSED_SCHEDULES`: the interleaved and
+  V schedules hold 2 chunks per rank, so pp x 2 must divide the layers); ``--cp-method`` is
+  ring attention (zig-zag or contiguous), Ulysses, all-gather or ``usp:UxR``
+  (:mod:`engine.compose.usp`);
 * step k trains on :func:`engine.compose.data.global_batch` ``(k, dp x microbatches x
   micro-batch rows)``: the same sequences whatever the layout, so the loss of every step, the
   mean over every token that counts in the global batch (:mod:`engine.compose.loss`), can be
