@@ -9,6 +9,7 @@
   ``context_parallel`` default), dK/dV reduce-scattered;
 * :func:`usp_attention`: Ulysses inside a group, ring across ("USP", Fang & Zhao 2024);
 * :class:`BufferCount`: the working buffers each method holds, counted;
+* :func:`rank_document_pairs`: each rank's work under a packed-document mask, per layout;
 * :func:`shard_sequence` / :func:`gather_sequence`: a rank's part of a sequence and back.
 
 Megatron sequence parallelism, which splits only the LayerNorm/dropout regions of a
@@ -17,6 +18,7 @@ tensor-parallel layer, lives in :mod:`engine.tp` (``sequence_parallel=True``).
 
 from engine.cp.allgather import allgather_attention
 from engine.cp.buffers import BufferCount
+from engine.cp.documents import document_imbalance, document_mask, rank_document_pairs
 from engine.cp.gpt import ContextParallelGPT, context_parallel_group
 from engine.cp.layout import (LAYOUTS, check_sequence_split, gather_sequence, rank_chunks,
                               shard_indices, shard_sequence)
@@ -28,4 +30,5 @@ __all__ = ["ring_attention", "ulysses_attention", "shard_sequence", "gather_sequ
            "shard_indices", "rank_chunks", "check_sequence_split", "check_ulysses_heads",
            "ring_schedule", "block_pairs", "LAYOUTS", "ContextParallelGPT",
            "context_parallel_group", "allgather_attention", "usp_attention", "usp_groups",
-           "usp_indices", "BufferCount"]
+           "usp_indices", "BufferCount", "document_mask", "rank_document_pairs",
+           "document_imbalance"]
