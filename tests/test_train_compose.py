@@ -102,9 +102,21 @@ def test_allgather_and_usp_context_parallelism_train_as_one_process(plan):
 
 
 def test_engine_train_runs_usp(capsys):
+    """--cp 4 --cp-method usp:2x2: the loss of one process, and the bytes over cp counted
+    beside USP's formula (theory.usp_bytes), within 2 B a rank: the step's loss, one float
+    all-reduced over 4 ranks, sends 4 or 8 B by rank where the formula counts the mean, 6 B."""
     alone = _run(["--composed", "--world-size", "1", "--microbatches", "2"], capsys)
-    usp = _run(["--cp", "4", "--cp-method", "usp:2x2", "--microbatches", "2"], capsys)
+    assert engine_main(["train", "--cp", "4", "--cp-method", "usp:2x2", "--microbatches", "2",
+                        *STEPS]) == 0
+    out = capsys.readouterr().out
+    usp = _losses(out)
     assert len(usp) == 3 and max(abs(a - b) for a, b in zip(usp, alone)) <= TOLERANCE
+    assert "USP: Ulysses over U = 2 + ring over R = 2 (theory.usp_bytes)" in out
+    traffic = out.split("bytes sent per step", 1)[1]
+    for line in [line for line in traffic.splitlines() if line.startswith("    rank ")][:4]:
+        counted, formula = (int(x.replace(",", "")) for x in
+                            re.search(r"cp ([\d,]+) B = ([\d,]+) B", line).groups())
+        assert abs(counted - formula) <= 2, line
 
 
 def test_bytes_per_group_are_counted_beside_their_formulas(capsys):

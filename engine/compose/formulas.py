@@ -59,7 +59,7 @@ from torch import nn
 from engine import theory
 from engine.compose.model import Block
 from engine.compose.pipeline import chunk_layout, chunks_per_rank, loss_stage, tied_across_ranks
-from engine.compose.plan import Plan
+from engine.compose.plan import Plan, usp_degrees
 from engine.pp import SCHEDULES
 from engine.pp.actions import virtual_stages
 from engine.pp.link import SHAPE_HEADER_BYTES
@@ -118,9 +118,18 @@ def cp_formula(gpt, plan: Plan, b: int, steps: int) -> Formula:
     cfg, n, m = gpt.cfg, plan.cp, plan.micro_batches
     layers, _ = layers_held(gpt)
     tokens, kv = b * cfg.seq_len, cfg.kv_heads_or_heads * cfg.head_dim // plan.tp
+    usp = usp_degrees(plan.cp_method)
     if plan.cp_method == "ulysses":
         per = theory.ulysses_bytes(tokens, cfg.hidden // plan.tp, n, FP32, kv)["total"]
         text = "Ulysses: 2 x (N-1)/N^2 S (2 h/t + 2 kv_hidden) x 4 B (theory.ulysses_bytes)"
+    elif usp:  # Ulysses over U inside, ring over R across (engine.compose.usp)
+        per = theory.usp_bytes(tokens, cfg.heads // plan.tp, kv // cfg.head_dim, cfg.head_dim,
+                               usp[0], usp[1], FP32)["total"]
+        text = f"USP: Ulysses over U = {usp[0]} + ring over R = {usp[1]} (theory.usp_bytes)"
+    elif plan.cp_method == "allgather":  # K/V gathered twice, dK/dV reduce-scattered
+        per = theory.ring_attention_bytes(tokens, kv, n, FP32)["total"]
+        text = ("all-gather: the ring's 3 x 2 (N-1) (S/N) kv_hidden x 4 B "
+                "(theory.ring_attention_bytes)")
     else:
         per = theory.ring_attention_bytes(tokens, kv, n, FP32)["total"]
         text = "ring attention: 3 x 2 (N-1) (S/N) kv_hidden x 4 B (theory.ring_attention_bytes)"
