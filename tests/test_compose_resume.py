@@ -7,8 +7,9 @@ with a Top-K compressor (error feedback) and with PowerSGD (error feedback, warm
 Q, its random generator), cp2 varlen, tiny-MoE ep2 (ZeRO-1), dp2 x tp2 ZeRO-3
 (FSDP + TP), dp2 x pp2 (1F1B, ZeRO-2); through ``engine train`` with ``--async-save``,
 tiny-MoE dp2 x ep2 x pp2 at ZeRO-1. A rank that cannot serialise its state makes every rank
-raise, naming it, and leaves no manifest (the agreed protocol). Then ``engine train --reshard`` on the composed path:
-a dp-only change at ZeRO-0 resumes, a tp change is refused naming the flags."""
+raise, naming it, and leaves no manifest (the agreed protocol). Then ``engine train --reshard``
+on the composed path: a dp-only change at ZeRO-0 resumes, a tp change or ZeRO-1 is refused
+naming the flags."""
 
 from __future__ import annotations
 
