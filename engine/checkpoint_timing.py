@@ -34,8 +34,8 @@ def blocked_per_save(cfg: TrainConfig) -> list[float]:
 def blocking_times(models=("tiny", "medium"), dp: int = 2, zero: int = 1, saves: int = 3,
                    directory=None) -> list[dict]:
     """For each preset in ``models``, DDP-style data parallelism at ``dp`` ranks with ZeRO
-    stage ``zero``: ``saves`` steps, a checkpoint after each, once synchronous and once
-    asynchronous. One row per model: the median seconds a save held the step either way
+    stage ``zero``: ``2 (saves + 1)`` steps, a checkpoint every second step (a write has a
+    step to run behind), once synchronous and once asynchronous. One row per model: the median seconds a save held the step either way
     (the first save of each run left out: it creates the files and, async, the Gloo group),
     and the ratio. ``directory``: where the checkpoints go (default: a temporary one)."""
     rows = []
@@ -43,8 +43,8 @@ def blocking_times(models=("tiny", "medium"), dp: int = 2, zero: int = 1, saves:
         for model in models:
             row = {"model": model}
             for mode in ("sync", "async"):
-                cfg = TrainConfig(dp=dp, zero=zero, model=model, steps=saves + 1,
-                                  save=str(Path(root, f"{model}-{mode}")), save_every=1,
+                cfg = TrainConfig(dp=dp, zero=zero, model=model, steps=2 * (saves + 1),
+                                  save=str(Path(root, f"{model}-{mode}")), save_every=2,
                                   keep=1, async_save=mode == "async")
                 blocked = blocked_per_save(cfg)[1:]
                 row[f"{mode}_ms"] = statistics.median(blocked) * 1e3
