@@ -8,6 +8,7 @@ the chapter (choice items); every item names the chapter section that teaches it
 from __future__ import annotations
 
 from engine import theory
+from engine.cp.documents import document_imbalance
 from engine.drill.items import Choice, Numeric
 
 C09 = "course/09_long_context.ipynb"
@@ -19,6 +20,7 @@ TWO_D = "2D attention: Ulysses inside, ring across"
 STRIPED = "Striped against zig-zag"
 MEMORY = "The memory each method holds"
 TORCH = "PyTorch's context_parallel"
+DOCUMENTS = "Load balance with document masks"
 
 
 def _see(section: str) -> str:
@@ -100,7 +102,21 @@ def _striped_critical_path(rng):
             "zig-zag 2N (S/2N)^2 + S/2N: equal to within a diagonal" + _see(STRIPED) + ".")
 
 
+def _document_zigzag(rng):
+    n, long = rng.choice([2, 4, 8]), rng.choice([2048, 4096, 6144])
+    lengths = [long] + [256] * ((8192 - long) // 256)
+    return (f"Context parallelism over {n} GPUs with the zig-zag layout, 8,192 tokens packed as "
+            f"one document of {long:,} followed by {len(lengths) - 1} documents of 256, a "
+            "document mask (a token sees the earlier tokens of its own document), a kernel that "
+            "skips masked pairs: the busiest GPU's score pairs over the mean?",
+            document_imbalance(lengths, n, ("zigzag",))["zigzag"],
+            "A query costs p - start + 1 pairs; zig-zag balances p, not p - start: count each "
+            "rank's chunks (engine.cp.documents). Zig-zagging each document restores 1"
+            + _see(DOCUMENTS) + ".")
+
+
 ITEMS: list = [  # Numeric, Choice and Outline items of topic 'long context'
+    Numeric("document-mask-zigzag", TOPIC, _document_zigzag, unit="x"),
     Numeric("ulysses-replicated-bytes", TOPIC, _replicated_ulysses_gb, unit="GB"),
     Numeric("ulysses-crossover", TOPIC, _ulysses_crossover, unit="GPUs"),
     Numeric("allgather-cp-bytes", TOPIC, _allgather_gb, unit="GB"),

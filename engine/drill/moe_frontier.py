@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from engine import hardware, theory
 from engine.drill.items import Choice, Numeric
+from engine.moe.redundant import imbalance_floor
 
 C10 = "course/10_moe.ipynb"
 DROPLESS = "Dropless MoE: no capacity, uneven batches"
@@ -15,6 +16,8 @@ AUX_FREE = "Aux-loss-free balancing: a bias on the choice"
 SHARED = "Shared and fine-grained experts"
 EXPERT_CHOICE = "Expert-choice routing"
 SIZES = "Published model sizes: Mixtral and DeepSeek-V3"
+REDUNDANT = "Redundant experts: balancing the GPUs at inference"
+INFERENCE = "Expert capacity at inference"
 
 
 def _max_violation(rng):
@@ -83,7 +86,23 @@ def _a2a_over_the_network(rng):
             "Chapter 10, 'Why all-to-all across nodes hurts'.")
 
 
+def _redundant_floor(rng):
+    gpus, share = rng.choice([8, 16, 32]), rng.choice([0.15, 0.2, 0.3, 0.4])
+    copies = rng.choice([1, 2, 4])
+    return (f"Serving an MoE layer on {gpus} GPUs, the hottest expert receives {share:.0%} of the "
+            "layer's token-assignments; "
+            + ("it has one copy (no redundant experts)" if copies == 1 else
+               f"its tokens are split evenly over {copies} copies on different GPUs")
+            + ". However the other experts are "
+            "placed, the busiest GPU's load is at least what multiple of the mean GPU load?",
+            imbalance_floor(share, gpus, copies),
+            "One copy's GPU takes share / copies of all tokens against a fair 1 / G: max(1, "
+            "share x G / copies). No rearrangement of whole experts goes below it; redundant "
+            f"copies (DeepSeek-V3, section 3.4) do. Chapter 10, '{REDUNDANT}'.")
+
+
 ITEMS: list = [  # Numeric, Choice and Outline items of topic 'moe'
+    Numeric("moe-redundant-floor", "moe", _redundant_floor, unit="x"),
     Numeric("moe-max-violation", "moe", _max_violation, unit="x"),
     Numeric("moe-deepseek-active", "moe", _deepseek_active, unit="billion"),
     Numeric("moe-deepseek-total", "moe", _deepseek_total, unit="billion"),
@@ -116,4 +135,15 @@ ITEMS: list = [  # Numeric, Choice and Outline items of topic 'moe'
             "Parallelism: it cannot be spread over ranks"), 0,
            "Each expert takes its top-c tokens; the chapter counts the tokens no expert chose.",
            (C10, EXPERT_CHOICE)),
+    Choice("moe-inference-dropless", "moe",
+           "An MoE trained with capacity factor 1.25 goes to serving. Why do servers usually run it "
+           "dropless (or with a much larger capacity)?",
+           ("With a capacity, whether a token is dropped depends on the batch it was served in "
+            "(its size and the other requests' routing), so the same prompt gets different "
+            "outputs under different traffic; dropless makes each token's output depend on it "
+            "alone", "Dropping is cheaper at inference, so servers drop more, not less",
+            "Capacity only exists in training, because it is part of the loss"), 0,
+           "The chapter serves the same tokens in different batches: with capacity 1.0 tens of "
+           "tokens change output, dropless none; the GPUs are balanced with redundant experts "
+           "instead.", (C10, INFERENCE)),
 ]

@@ -130,6 +130,18 @@ def gpu_loads(load, gpus: int, slots: int, redundant: int = 0) -> list[int]:
     return place_experts(load, gpus, slots, redundant).loads
 
 
+def imbalance_floor(share: float, gpus: int, copies: int = 1) -> float:
+    """The busiest GPU's load over the mean can be no lower than this, from one expert alone:
+    an expert taking ``share`` of the assignments, its tokens split over ``copies`` copies on
+    different GPUs, puts ``share / copies`` of all tokens on some GPU, whose fair part is
+    ``1 / gpus``: ``max(1, share * gpus / copies)``."""
+    positive_int("gpus", gpus)
+    positive_int("copies", copies)
+    if not 0 <= share <= 1:
+        raise ValueError(f"share must be a fraction of the assignments in [0, 1], got {share!r}")
+    return max(1.0, share * gpus / copies)
+
+
 def redundancy_table(load, gpus: int, redundant=(0, 1, 2, 4)) -> list[dict]:
     """One row per placement: the static training layout, then the rearranged one with each
     number of ``redundant`` copies (``E/G + ceil(R/G)`` slots per GPU); each row its GPU loads,
