@@ -127,6 +127,10 @@ class RankOptimizerState:
 
     def load_state_dict(self, state: dict) -> None:
         ours, spec = inner_optimizers(self.par), self.par.plan.compress or "none"
+        if not {"optimizers", "compress", "compressor"} <= state.keys():
+            raise CheckpointError(f"the checkpoint's optimizer part has {sorted(state)}, not a "
+                                  "composed rank's optimizers and compressor: saved before "
+                                  "engine.compose.resume existed, or by another strategy")
         if state["compress"] != spec or len(state["optimizers"]) != len(ours):
             raise CheckpointError(f"the checkpoint was saved with --compress "
                                   f"{state['compress']} and {len(state['optimizers'])} "
