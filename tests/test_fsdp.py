@@ -13,7 +13,7 @@ from engine import theory
 from engine.comm import CommMeter
 from engine.fsdp import (MixedPrecisionPolicy, full_state_dict, fully_shard, gather_full,
                          side_by_side)
-from engine.models import GPTConfig
+from engine.models import GPTConfig, TinyGPT
 from tests.helpers import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("error")
@@ -212,6 +212,16 @@ PSI = 28_032  # the tiny GPT's parameters (the tied embedding once)
 ROOT = 64 * 32 + 16 * 32 + 2 * 32  # tok (= head), pos, ln_f: gathered once, kept
 
 
+def _padded(n: int, prefix: str) -> int:
+    """Elements of the tiny GPT's parameters under ``prefix`` (``""``: the root's, outside
+    the blocks), each padded by ``theory.dim0_padding_rows`` to a multiple of ``n`` rows."""
+    total = 0
+    for name, p in TinyGPT(GPT, seed=0).named_parameters():
+        if name.startswith("blocks.") == (prefix == "blocks."):
+            total += (p.shape[0] + theory.dim0_padding_rows(p.shape[0], n)) * p[0].numel()
+    return total
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_the_tiny_gpt_as_pytorchs_fsdp2_and_beside_the_flat_bucket_zero3(world_size):
     n = world_size
@@ -233,7 +243,17 @@ def test_the_tiny_gpt_as_pytorchs_fsdp2_and_beside_the_flat_bucket_zero3(world_s
             assert ours.held == torchs.held  # no dimension to pad: the flat buckets' bytes exactly
             assert ours.bytes_sent == torchs.bytes_sent == zero3.bytes_sent == \
                 round((theory.zero_comm_elements(PSI, n, 3) - (n - 1) / n * ROOT) * 4)
-        else:  # padded rows travel too (64 / 3, 16 / 3, 96 / 3 ... round up), and PyTorch's
+            zero3_held = theory.zero_model_state_bytes(PSI, n, 3, k=8, param_bytes=4,
+                                                       grad_bytes=4)
+            assert (ours.held.params, ours.held.grads) == (zero3_held["params"],
+                                                           zero3_held["grads"])
+            # AdamW's step counters besides: one 4-byte scalar per parameter
+            assert ours.held.optimizer == zero3_held["optimizer"] + 4 * len(ours.params)
+        # every collective carries each parameter padded to ceil(rows / n) rows a rank: the
+        # blocks gathered twice (forward, backward) and reduce-scattered, the root once each
+        assert ours.bytes_sent == round(4 * (n - 1) / n * (3 * _padded(n, "blocks.")
+                                                           + 2 * _padded(n, "")))
+        if n == 3:  # padded rows travel too (64 / 3, 16 / 3, 96 / 3 ... round up), and PyTorch's
             # last rank's local shards are views of padded storage: ours keep no padding
             assert ours.bytes_sent == torchs.bytes_sent > zero3.bytes_sent
             last = index == n - 1
