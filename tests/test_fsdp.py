@@ -204,6 +204,11 @@ def test_bad_input_names_the_value():
         MixedPrecisionPolicy(param_dtype=torch.int8)
     with pytest.raises(ValueError, match="reduce_dtype='bf16'"):
         MixedPrecisionPolicy(reduce_dtype="bf16")
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy  # a likely mix-up
+
+    with pytest.raises(TypeError, match=r"mp_policy=MixedPrecisionPolicy\(param_dtype=torch."
+                                        r"bfloat16.*expected an engine.fsdp.MixedPrecisionPolicy"):
+        fully_shard(Net(), mp_policy=TorchPolicy(param_dtype=torch.bfloat16))
     assert run_ranks(_bad_input, 2) == [True, True]
 
 
