@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from engine.moe.redundant import place_experts, redundancy_table, static_placement
+from engine.moe.redundant import (imbalance_floor, place_experts, redundancy_table,
+                                  static_placement)
 from engine.moe.serving import batching_experiment
 
 
@@ -59,6 +60,17 @@ def test_redundancy_helps_a_skewed_router():
     assert [row["redundant"] for row in rows] == ["static", 0, 1, 2, 4]
     assert imbalance[0] > imbalance[1] > imbalance[2] >= imbalance[3] > imbalance[4]
     assert imbalance[4] < 1.05  # four copies: the hottest expert no longer dominates a GPU
+
+
+def test_the_hottest_expert_bounds_every_placement():
+    assert imbalance_floor(0.3, 16) == pytest.approx(4.8)
+    assert imbalance_floor(0.15, 8, 2) == 1.0
+    rng = random.Random(1)
+    for _ in range(50):
+        load = _random_loads(rng, 16)
+        share = max(load) / sum(load)
+        assert place_experts(load, 4, 4).imbalance >= imbalance_floor(share, 4) - 1e-12
+        assert static_placement(load, 4).imbalance >= imbalance_floor(share, 4) - 1e-12
 
 
 def test_placement_refuses_too_many_copies():
