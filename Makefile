@@ -33,6 +33,14 @@ $(STAMP): pyproject.toml
 	    ( $(BIN)/python -c '$(HAS_TORCH)' 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)" ); \
 	fi
 	$(BIN)/pip install -q -e ".[test]"
+	@# torchft (chapter 11's real system, the extra "ft") only beside the torch already there:
+	@# pinned to its version, so it never replaces it; where it cannot, its test is skipped.
+	@v=$$($(BIN)/python -c 'import torch; print(torch.__version__.split("+")[0])'); \
+	if $(BIN)/pip install -q -e ".[ft]" "torch==$$v" >/dev/null 2>&1; then \
+	    echo "setup: torchft installed beside torch $$v (chapter 11's comparison)"; \
+	else \
+	    echo "setup: torchft not installed beside torch $$v (it needs torch >= 2.7 on Linux); its comparison test is skipped"; \
+	fi
 	@touch $(STAMP)
 
 course: setup
