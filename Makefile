@@ -64,6 +64,7 @@ bench: setup
 	$(BIN)/python benchmarks/dp.py
 	$(BIN)/python benchmarks/compression.py
 	$(BIN)/python benchmarks/zero.py
+	$(BIN)/python benchmarks/fsdp2.py
 	$(BIN)/python benchmarks/pipeline.py
 	$(BIN)/python benchmarks/compose.py
 
