@@ -90,6 +90,9 @@ def test_compressed_row_differs_within_its_bound_and_sends_less(row):
     assert result.param_diff > TOLERANCE  # lossy: it does differ
     # 16 bits a gradient element or fewer (+ the fp32 loss, 4 bytes a step): half DDP's bytes
     assert result.sent["dp"] <= 0.51 * result.dp_formula, (result.sent, result.dp_formula)
+    # and exactly what the compressor's formula says (engine.compose.formulas.
+    # compressed_dp_formula: 16-bit casts, top-k's values and indices, PowerSGD's factors)
+    assert result.sent["dp"] == result.formulas["dp"], (result.sent, result.formulas)
 
 
 def _doubled(global_token_loss):
