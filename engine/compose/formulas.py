@@ -75,6 +75,10 @@ class Formula(NamedTuple):
     text: str
 
 
+def counted(steps: int) -> str:
+    return f"{steps} step{'s' if steps != 1 else ''}"
+
+
 def layers_held(gpt: nn.Module) -> tuple[int, int]:
     """``(layers, dense layers)`` this rank runs (a pipeline stage's others are Identity)."""
     blocks = [b for b in gpt.blocks if isinstance(b, Block)]
@@ -109,7 +113,7 @@ def tp_formula(gpt, plan: Plan, b: int, steps: int) -> Formula:
                 + (" + output layer 2bsh(t-1)/t" if last else ""))
     per_mb += last * 3 * theory.ring_all_reduce_bytes(b * s, t)
     text += " + loss 3 x 2bs(t-1)/t" if last else ""
-    return Formula(steps * m * per_mb * FP32, f"{steps} steps x m x ({text}) x 4 B; b = {b}, "
+    return Formula(steps * m * per_mb * FP32, f"{counted(steps)} x m x ({text}) x 4 B; b = {b}, "
                    f"s = {s}, h = {h}, t = {t}, m = {m}")
 
 
@@ -133,7 +137,7 @@ def cp_formula(gpt, plan: Plan, b: int, steps: int) -> Formula:
     else:
         per = theory.ring_attention_bytes(tokens, kv, n, FP32)["total"]
         text = "ring attention: 3 x 2 (N-1) (S/N) kv_hidden x 4 B (theory.ring_attention_bytes)"
-    return Formula(steps * m * layers * per, f"{steps} steps x m x {layers} layers x {text}; "
+    return Formula(steps * m * layers * per, f"{counted(steps)} x m x {layers} layers x {text}; "
                    f"S = b x seq = {tokens}, kv_hidden = {kv}, N = {n}, m = {m}")
 
 
@@ -158,7 +162,7 @@ def ep_formula(gpt, plan: Plan, mesh: Mesh, optimizer, steps: int,
         grads = steps * gradient_all_reduces(plan.zero, m) * \
             theory.ring_all_reduce_bytes(size, replicas)
     return Formula(counts + rows + grads,
-                   f"{steps} x m x {layers} layers x counts (N-1)/N x E x 8 B + 4 x "
+                   f"{counted(steps)} x m x {layers} layers x counts (N-1)/N x E x 8 B + 4 x "
                    f"{crossing_rows} rows sent to other ranks' experts (router) x h x 4 B"
                    + (f" + the experts' gradients over {replicas} ranks" if grads else ""))
 
@@ -180,7 +184,7 @@ def pp_formula(gpt, plan: Plan, mesh: Mesh, b: int, steps: int) -> Formula:
     s = cfg.seq_len // plan.cp // (plan.tp if plan.sequence_parallel else 1)
     activation = b * s * cfg.hidden * FP32
     total = steps * ((forward + backward) * m * activation + forward * SHAPE_HEADER_BYTES)
-    text = (f"{steps} steps x ({forward} + {backward}) boundaries x m x bsh x 4 B + "
+    text = (f"{counted(steps)} x ({forward} + {backward}) boundaries x m x bsh x 4 B + "
             f"{forward} x {SHAPE_HEADER_BYTES} B shape header; b = {b}, s = {s}")
     holds_tied = gpt.tok is not None or gpt.head is not None
     if cfg.tied and tied_across_ranks(plan.schedule) and holds_tied:
@@ -254,12 +258,12 @@ def layout_formulas(par, micro_rows: int, steps: int = 1,
     if plan.compress is not None and n > 1:
         c = compressed_dp_formula(par.module, n)
         out["dp"] = Formula(steps * (c.bytes + ring_all_reduce(4, n)),
-                            f"{steps} steps x ({c.text} + the loss 2(N-1)/N x 4 B)")
+                            f"{counted(steps)} x ({c.text} + the loss 2(N-1)/N x 4 B)")
     else:
         out["dp"] = Formula(dp_formula(size, n, plan.zero, steps, plan.micro_batches, root,
                                        tied),
-                            f"{steps} steps x ZeRO-{plan.zero} over N = {n}: "
-                            f"Ψ = {size:,} B (+ the loss 2(N-1)/N x 4 B)")
+                            f"{counted(steps)} x ZeRO-{plan.zero} over N = {n}: "
+                            f"parameters of {size:,} B (+ the loss 2(N-1)/N x 4 B)")
     out["tp"] = tp_formula(gpt, plan, b, steps) if plan.tp > 1 else Formula(0, "tp = 1")
     out["cp"] = cp_formula(gpt, plan, b, steps) if plan.cp > 1 else Formula(0, "cp = 1")
     out["ep"] = ep_formula(gpt, plan, mesh, par.optimizer, steps, crossing_rows) \
