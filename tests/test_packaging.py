@@ -63,6 +63,18 @@ def test_notebooks_are_committed_without_outputs():
                 assert cell.get("execution_count") is None, f"{path.name} cell {i} has a count"
 
 
+def test_every_notebook_cell_has_a_unique_id():
+    """nbformat 4.5 gives every cell an ``id``; a cell without one makes nbformat warn, and
+    JupyterLab invents a new one on every save."""
+    for path in sorted((ROOT / "course").glob("*.ipynb")):
+        nb = json.loads(path.read_text())
+        assert (nb["nbformat"], nb["nbformat_minor"]) >= (4, 5), path.name
+        ids = [cell.get("id") for cell in nb["cells"]]
+        missing = [i for i, cell_id in enumerate(ids) if not cell_id]
+        assert not missing, f"{path.name}: cells {missing} have no id"
+        assert len(set(ids)) == len(ids), f"{path.name}: two cells share an id"
+
+
 def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     assert "make course" in readme and "make test" in readme
