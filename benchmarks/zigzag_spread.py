@@ -32,9 +32,15 @@ LAYOUTS = ("contiguous", "zigzag")
 
 def one_pass(seq: int, n: int, heads: int, head_dim: int, first: str) -> dict[str, float]:
     """The busiest rank's seconds of each layout, ``first`` timed first."""
+    return {layout: max(seconds) for layout, seconds in
+            rank_pass(seq, n, heads, head_dim, first).items()}
+
+
+def rank_pass(seq: int, n: int, heads: int, head_dim: int,
+              first: str) -> dict[str, list[float]]:
+    """Every rank's seconds of each layout, ``first`` timed first."""
     order = (first, *(layout for layout in LAYOUTS if layout != first))
-    return {layout: max(rank_seconds(seq, n, layout, heads=heads, head_dim=head_dim,
-                                     repeats=1))
+    return {layout: rank_seconds(seq, n, layout, heads=heads, head_dim=head_dim, repeats=1)
             for layout in order}
 
 
@@ -49,16 +55,22 @@ def spread(values: list[float], unit: str, scale: float = 1.0) -> str:
 
 def measure(seq: int, n: int, heads: int, head_dim: int, warmup: int,
             repeats: int) -> dict[str, list[float]]:
-    """``{"contiguous": [...], "zigzag": [...], "speedup": [...]}`` over ``repeats`` passes,
-    after ``warmup`` passes whose times are discarded."""
+    """``{"contiguous": [...], "zigzag": [...], "speedup": [...], "per_flop": [...]}`` over
+    ``repeats`` passes, after ``warmup`` passes whose times are discarded. ``per_flop``: the
+    contiguous layout's seconds per counted FLOP over the zig-zag's, all ranks together (1
+    when the two layouts' blocks run at the same speed)."""
     for i in range(warmup):
         one_pass(seq, n, heads, head_dim, LAYOUTS[i % 2])
-    out: dict[str, list[float]] = {"contiguous": [], "zigzag": [], "speedup": []}
+    total = {layout: sum(rank_flops(seq, n, layout)) for layout in LAYOUTS}
+    out: dict[str, list[float]] = {"contiguous": [], "zigzag": [], "speedup": [],
+                                   "per_flop": []}
     for i in range(repeats):
-        busiest = one_pass(seq, n, heads, head_dim, LAYOUTS[i % 2])
+        seconds = rank_pass(seq, n, heads, head_dim, LAYOUTS[i % 2])
         for layout in LAYOUTS:
-            out[layout].append(busiest[layout])
-        out["speedup"].append(busiest["contiguous"] / busiest["zigzag"])
+            out[layout].append(max(seconds[layout]))
+        out["speedup"].append(out["contiguous"][-1] / out["zigzag"][-1])
+        rate = {layout: sum(seconds[layout]) / total[layout] for layout in LAYOUTS}
+        out["per_flop"].append(rate["contiguous"] / rate["zigzag"])
     return out
 
 
@@ -83,6 +95,8 @@ def main(argv=None) -> int:
         print(f"  {layout:<11} busiest rank: {spread(times[layout], ' ms', 1e3)}")
     print(f"  speed-up (busiest contiguous / busiest zig-zag, per pass): "
           f"{spread(times['speedup'], 'x')}")
+    print(f"  seconds per counted FLOP, all ranks, contiguous / zig-zag (1 = blocks equally "
+          f"fast): {spread(times['per_flop'], 'x')}")
     flops = {layout: max(rank_flops(args.seq, args.n, layout)) for layout in LAYOUTS}
     whole = {layout: critical_path(args.seq, args.n, layout) for layout in LAYOUTS}
     kernel = {layout: critical_path(args.seq, args.n, layout, skip_masked=True)

@@ -100,7 +100,9 @@ class PipelineRun:
     chunks between F and B; with W also ``weight_stash_bytes`` (per chunk, what one micro-batch
     holds between B and W), ``peak_grad_stash_bytes`` (the most output-gradient bytes held for
     W at once) and ``peak_held`` (micro-batch chunks between F and W). ``p2p_log``: the
-    point-to-point batches posted and waited on (:attr:`engine.pp.link.Link.log`)."""
+    point-to-point batches posted and waited on (:attr:`engine.pp.link.Link.log`).
+    ``p2p_events``: the spans this rank spent in those batches (posting and waiting, lane
+    ``p2p``), kept apart from ``events`` so the idle share still counts them as idle."""
 
     loss: float | None
     events: list[TraceEvent] = field(default_factory=list)
@@ -111,6 +113,7 @@ class PipelineRun:
     peak_grad_stash_bytes: int = 0
     peak_held: int = 0
     p2p_log: list = field(default_factory=list)
+    p2p_events: list[TraceEvent] = field(default_factory=list)
 
 
 def _check_stage(stage, p: int, group) -> tuple[int, ...]:
@@ -162,11 +165,11 @@ def run_pipeline(chunks: list[nn.Module], schedule, inputs: list[torch.Tensor],
                 first_param.device)
     clock = Clock(first_param.device)  # CUDA events on a GPU: execution, not launch, times
     params = [q for c in chunks for q in c.parameters()]
-    stored, waiting, marks = {}, {}, []
+    stored, waiting, marks, rounds = {}, {}, [], []
     memory = StageMemory()
     total_loss = 0.0  # a tensor once the last stage adds its first loss
 
-    for kind, mb, c in link.actions():  # each after the batch that brings its input
+    for kind, mb, c in _timed(link, clock, rounds):  # each after its input came
         vs = mine[c]
         if kind == "F":
             if vs == 0:  # its own copy: a view would pin (and count) the whole batch
@@ -208,9 +211,25 @@ def run_pipeline(chunks: list[nn.Module], schedule, inputs: list[torch.Tensor],
     events = [TraceEvent(f"{kind}{mb}", stage, clock.seconds(start), clock.seconds(end),
                          lane="compute", args={"kind": kind, "mb": mb, "chunk": c})
               for kind, mb, c, start, end in marks]
+    p2p = [TraceEvent("p2p", stage, clock.seconds(start), clock.seconds(end), lane="p2p")
+           for start, end in rounds]
     holds_last = rank_of(last, p, placement) == stage
     loss = float(total_loss) if holds_last else None
-    return PipelineRun(loss, events, p2p_log=link.log, **memory.counts())
+    return PipelineRun(loss, events, p2p_log=link.log, p2p_events=p2p, **memory.counts())
+
+
+def _timed(link: Link, clock, rounds: list):
+    """``link.actions()``; each span spent getting the next action in which a batch of sends
+    and receives was posted and waited on is appended to ``rounds`` as two clock marks."""
+    iterator = link.actions()
+    while True:
+        start, logged = clock.mark(), len(link.log)
+        item = next(iterator, None)
+        if len(link.log) != logged:
+            rounds.append((start, clock.mark()))
+        if item is None:
+            return
+        yield item
 
 
 def measured_idle(events: list[TraceEvent]) -> dict[int, float]:

@@ -1,0 +1,170 @@
+"""The ZeRO-3 ratio of ``engine train --zero 3 --impl both``, measured properly and taken apart.
+
+The trainer times 3 steps of each implementation one after the other; this script builds the
+same strategies the trainer builds (:func:`engine.strategy.build`, the same GPT, global batch
+and micro-batches), plus two that change one thing each, and times them interleaved (each
+repeat runs every variant once, the order rotating) after a warm-up:
+
+* ``engine (trainer)``: the trainer's ZeRO-3, a unit per module that owns parameters;
+* ``engine, blocks as units``: ``ZeroDataParallel(units=gpt.blocks)``, the rest in the root;
+* ``torch (trainer)``: the trainer's PyTorch side, FSDP1 ``FULL_SHARD`` with no wrap policy
+  (the whole GPT is one unit) and ``no_sync`` on every micro-batch but the last;
+* ``torch, blocks wrapped``: FSDP1 with each transformer block its own unit, as the engine's
+  blocks variant.
+
+Each step is the slowest rank's (times all-reduced with MAX); the table prints the median, the
+10th/90th percentiles, the number of units and the collectives per step (counted with
+:class:`engine.comm.CommMeter` for the engine; for FSDP from its units: per micro-batch one
+all-gather per unit in forward and in backward, one reduce-scatter per unit on the last).
+``--profile`` also runs ``cProfile`` over a few engine steps on rank 0 and prints the functions
+that took longest (cumulative).
+
+    python benchmarks/zero3_trainer.py [--model tiny] [--warmup 3] [--repeats 15] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from engine import launch
+from engine.comm import CommMeter
+from engine.pp import one_f_one_b
+from engine.presets import MODELS
+from engine.steps import Strategy, autocast, global_batch, pipeline_step
+from engine.strategy import build
+from engine.topology import Mesh
+from engine.train import parse
+
+VARIANTS = ("engine (trainer)", "engine, blocks as units", "torch (trainer)",
+            "torch, blocks wrapped")
+
+
+def _blocks_engine(cfg, mesh, device) -> Strategy:
+    from engine.models import TinyGPT
+    from engine.zero import ZeroDataParallel
+
+    gpt = TinyGPT(MODELS[cfg.model], seed=cfg.seed)
+    model = ZeroDataParallel(autocast(gpt, "fp32"), torch.optim.AdamW, units=list(gpt.blocks),
+                             group=mesh.dp_group, lr=cfg.lr)
+    step = pipeline_step(model, model.optimizer, mesh, one_f_one_b(1, cfg.microbatches))
+    return Strategy("ZeRO-3 blocks", model, model.optimizer, step, 0, mesh, device)
+
+
+def _blocks_torch(cfg, mesh, device) -> Strategy:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from engine.models import Block, TinyGPT
+    from engine.steps import accumulate_step
+
+    gpt = TinyGPT(MODELS[cfg.model], seed=cfg.seed)
+    model = FSDP(gpt, device_id=device, process_group=mesh.dp_group,
+                 auto_wrap_policy=ModuleWrapPolicy({Block}))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    return Strategy("FSDP blocks", model, optimizer, accumulate_step(model, optimizer, mesh),
+                    0, mesh, device, engine=False)
+
+
+def _units(strategy) -> int:
+    model = strategy.model
+    if hasattr(model, "all_units"):
+        return len(model.all_units)
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    return len(FSDP.fsdp_modules(model))
+
+
+def _run(rank, world_size, argv, warmup, repeats, profile):
+    torch.set_num_threads(1)
+    cfg, _, _ = parse(argv)
+    device = torch.device("cpu")
+    mesh = Mesh(dp=world_size, tp=1, pp=1)
+    inputs, labels = global_batch(MODELS[cfg.model], mesh, cfg.microbatches, cfg.micro_batch,
+                                  device, seed=cfg.seed + 1)
+    built = {VARIANTS[0]: build(cfg, MODELS[cfg.model], "engine", mesh, device, "fp32"),
+             VARIANTS[1]: _blocks_engine(cfg, mesh, device),
+             VARIANTS[2]: build(cfg, MODELS[cfg.model], "torch", mesh, device, "fp32"),
+             VARIANTS[3]: _blocks_torch(cfg, mesh, device)}
+    collectives = {}
+    for name in VARIANTS[:2]:
+        with CommMeter(count="model") as meter:
+            built[name].step(inputs, labels)
+        collectives[name] = len(meter.events)
+    m = cfg.microbatches
+    for name in VARIANTS[2:]:
+        units = _units(built[name])
+        collectives[name] = 2 * m * units + units  # gathers per micro-batch, one reduce-scatter
+    times = {name: [] for name in VARIANTS}
+    order = list(VARIANTS)
+    for repeat in range(warmup + repeats):
+        shift = repeat % len(order)
+        for name in order[shift:] + order[:shift]:
+            dist.barrier()
+            start = time.perf_counter()
+            built[name].step(inputs, labels)
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if repeat >= warmup:
+                times[name].append(elapsed.item())
+    text = None
+    if profile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(5):
+            built[VARIANTS[0]].step(inputs, labels)
+        profiler.disable()
+        if rank == 0:
+            out = io.StringIO()
+            pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(14)
+            text = out.getvalue()
+    return times, {n: _units(built[n]) for n in VARIANTS}, collectives, text
+
+
+def _pct(values, q):
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny", choices=tuple(MODELS))
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args(argv)
+    trainer = ["--world-size", "2", "--dp", "2", "--zero", "3", "--model", args.model]
+    results = launch(_run, 2, trainer, args.warmup, args.repeats, args.profile,
+                     backend="gloo", quiet=True)
+    times, units, collectives, text = results[0]
+    cfg, _, _ = parse(trainer)
+    tokens = 2 * cfg.microbatches * cfg.micro_batch * MODELS[args.model].seq_len
+    print(f"2 Gloo ranks, --model {args.model}, {cfg.microbatches} micro-batches of "
+          f"{cfg.micro_batch} sequences a rank ({tokens} tokens a step); {args.warmup} warm-up "
+          f"step(s), then {args.repeats} interleaved repeats; each step the slowest rank's")
+    print(f"{'variant':<26}{'units':>6}{'colls/step':>11}{'median ms':>11}{'p10':>8}{'p90':>8}"
+          f"{'tokens/s':>10}")
+    medians = {}
+    for name in VARIANTS:
+        t = times[name]
+        medians[name] = statistics.median(t)
+        print(f"{name:<26}{units[name]:>6}{collectives[name]:>11}{medians[name] * 1e3:>11.1f}"
+              f"{_pct(t, .1) * 1e3:>8.1f}{_pct(t, .9) * 1e3:>8.1f}"
+              f"{tokens / medians[name]:>10,.0f}")
+    pairs = ((VARIANTS[0], VARIANTS[2]), (VARIANTS[1], VARIANTS[3]), (VARIANTS[1], VARIANTS[2]))
+    for ours, theirs in pairs:
+        print(f"tokens/s {ours} / {theirs}: {medians[theirs] / medians[ours]:.2f}x")
+    if text:
+        print("\ncProfile of 5 steps of the trainer's engine ZeRO-3 on rank 0 (by own time):")
+        print(text)
+    return medians
+
+
+if __name__ == "__main__":
+    main()
