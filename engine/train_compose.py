@@ -144,8 +144,6 @@ def check_composed(cfg, world_size: int | None = None) -> None:
                              f"{why}")
     if cfg.compress is not None:
         check_composed_compress(cfg)
-    if cfg.pp > 1 and cfg.zero == 3:
-        raise ValueError(f"--zero 3 with --pp {cfg.pp} is not composed yet; use --zero 0-2")
     try:
         plan = plan_of(cfg)
         plan.check(model_config(cfg), global_rows(cfg), cfg.varlen)

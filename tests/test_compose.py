@@ -82,7 +82,8 @@ def test_the_plan_refuses_bad_degrees_before_any_rank_starts():
      r"\(micro-batches\) >= 2p = 4"),
     (Plan(pp=2, schedule="interleaved", micro_batches=3),
      r"schedule 'interleaved' on pp = 2 with micro_batches = 3: .*multiple"),
-    (Plan(dp=2, pp=2, zero=3, micro_batches=2), r"zero = 3 with pp = 2 is not composed yet"),
+    (Plan(dp=2, pp=2, zero=3, schedule="zb_h1", micro_batches=2),
+     r"zero = 3 with schedule 'zb_h1': its W actions .* use schedule gpipe, 1f1b, interleaved"),
 ])
 def test_the_plan_refuses_what_a_schedule_rejects_before_any_rank_starts(plan, message):
     cfg = ModelConfig(layers=4)

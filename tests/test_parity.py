@@ -22,11 +22,12 @@ EXPECTED = [
     "dp2xcp2 ring-zigzag", "dp2xcp2 ring-zigzag zero3", "cp2xtp2 ring-zigzag",
     "cp2xtp2 sp ring-zigzag", "dp2xcp2xtp2 ring-zigzag", "pp2 1f1b", "pp2 zb_h1", "pp2 gpipe",
     "dp2xpp2 1f1b", "tp2xpp2 1f1b", "cp2xpp2 ring-zigzag 1f1b", "dp2xpp2 1f1b zero1",
-    "dp2xtp2xpp2 1f1b zero1", "dp2xtp2xpp2 1f1b zero2",
+    "dp2xtp2xpp2 1f1b zero1", "dp2xtp2xpp2 1f1b zero2", "dp2xpp2 1f1b zero3",
 ]
 MOE = ["moe dp2", "moe dp2xep2", "moe dp2xep2 zero1", "moe dp2xep2 zero2",
        "moe cp2xep2 ring-zigzag", "moe dp2xep2xtp2", "moe dp2xep2xpp2 1f1b"]
-EXPECTED += ["pp2 interleaved", "pp2 zb_v", "pp2 dualpipe_v"]  # 4 layers: 2 chunks a rank
+EXPECTED += ["pp2 interleaved", "pp2 zb_v", "pp2 dualpipe_v",  # 4 layers: 2 chunks a rank
+             "dp2xpp2 interleaved zero3"]
 EXPECTED = [*EXPECTED, *(f"{name} varlen" for name in EXPECTED), "dp2xtp2 untied",
             "tp2 sp untied varlen", *MOE, *(f"{name} varlen" for name in MOE)]
 

@@ -44,10 +44,12 @@ degree, ``m`` the micro-batches, 4 B an fp32 element.
   and one all-gather, ``(m + 1) A / 2`` (in a pipeline one all-gather more on the stages holding
   the tied embedding: :func:`engine.compose.pipeline.sum_tied_embedding` gathers its bucket),
   ZeRO-3 two all-gathers and a reduce-scatter per micro-batch less one all-gather of its root
-  unit, kept from forward to backward; plus the step's loss, an all-reduce of 4 B. A ring over
-  n ranks cuts a tensor into n chunks; when n does not divide it the chunks differ and so do the
-  ranks' bytes, but every chunk still travels ``2(n-1)`` times: summed over the group the
-  formula is exact. Compressed DDP: :func:`compressed_dp_formula`.
+  unit, kept from forward to backward (in a pipeline, ``v`` chunks a rank: each chunk's backward
+  reduce-scatters every unit of the rank, ``(2 + v) A / 2`` per micro-batch, and the stages
+  holding the tied embedding gather its unit once more, as ZeRO-2); plus the step's loss, an
+  all-reduce of 4 B. A ring over n ranks cuts a tensor into n chunks; when n does not divide
+  it the chunks differ and so do the ranks' bytes, but every chunk still travels ``2(n-1)``
+  times: summed over the group the formula is exact. Compressed DDP: :func:`compressed_dp_formula`.
 """
 
 from __future__ import annotations
@@ -197,14 +199,16 @@ def pp_formula(gpt, plan: Plan, mesh: Mesh, b: int, steps: int) -> Formula:
 
 
 def dp_formula(par_bytes: int, replicas: int, zero: int, steps: int, micro_batches: int,
-               root_bytes: int = 0, tied_bucket_bytes: int = 0) -> float:
+               root_bytes: int = 0, tied_bucket_bytes: int = 0, chunks: int = 1) -> float:
     """Bytes one rank sends over dp x cp in ``steps`` steps (module docstring), for
     ``par_bytes`` of (padded) parameters; ``root_bytes``: ZeRO-3's root unit, padded;
-    ``tied_bucket_bytes``: ZeRO-2's bucket holding a tied embedding gathered in a pipeline."""
+    ``tied_bucket_bytes``: ZeRO-2's bucket (ZeRO-3's unit) holding a tied embedding gathered
+    in a pipeline; ``chunks``: model chunks per pipeline rank (ZeRO-3 reduce-scatters every
+    unit of the rank at each chunk's backward: ``chunks`` reduce-scatters per micro-batch)."""
     if replicas == 1:
         return 0.0
     if zero == 3:
-        per_step = ring_all_reduce(par_bytes, replicas) * 1.5 * micro_batches - \
+        per_step = ring_all_reduce(par_bytes, replicas) * (2 + chunks) / 2 * micro_batches - \
             micro_batches * ring_all_reduce(root_bytes, replicas) / 2
     else:
         per_step = ring_all_reduce(par_bytes, replicas) * gradient_all_reduces(zero,
@@ -224,17 +228,22 @@ def dense_parameter_bytes(par) -> tuple[int, int, int]:
     from engine.zero import ZeroDataParallel, ZeroOptimizer
 
     module, optimizer, plan, mesh = par.module, par.optimizer, par.plan, par.mesh
+    gpt = par.model
+    tied_here = plan.pp > 1 and gpt.cfg.tied and tied_across_ranks(plan.schedule) and \
+        (gpt.tok is not None or gpt.head is not None)
     if isinstance(module, ZeroDataParallel):
         root = module.root
+        tied = 0
+        if tied_here:
+            weight = (gpt.tok if gpt.tok is not None else gpt.head).weight
+            tied = module.launcher.bucket_of[weight].padded * weight.element_size()
         return (sum(u.padded * u.shard.element_size() for u in module.all_units),
-                0 if root is None else root.padded * root.shard.element_size(), 0)
+                0 if root is None else root.padded * root.shard.element_size(), tied)
     dense = getattr(optimizer, "optimizers", (optimizer,))[0]
     if isinstance(dense, ZeroOptimizer):
         size = sum(bk.padded * bk.flat.element_size() for bk in dense.buckets)
         tied = 0
-        gpt = par.model
-        if plan.zero == 2 and plan.pp > 1 and gpt.cfg.tied and \
-                tied_across_ranks(plan.schedule) and (gpt.tok is not None or gpt.head is not None):
+        if plan.zero == 2 and tied_here:
             weight = (gpt.tok if gpt.tok is not None else gpt.head).weight
             tied = dense.launcher.bucket_of[weight].padded * weight.element_size()
         return size, 0, tied
@@ -261,7 +270,8 @@ def layout_formulas(par, micro_rows: int, steps: int = 1,
                             f"{counted(steps)} x ({c.text} + the loss 2(N-1)/N x 4 B)")
     else:
         out["dp"] = Formula(dp_formula(size, n, plan.zero, steps, plan.micro_batches, root,
-                                       tied),
+                                       tied, chunks_per_rank(plan.schedule) if plan.pp > 1
+                                       else 1),
                             f"{counted(steps)} x ZeRO-{plan.zero} over N = {n}: "
                             f"parameters of {size:,} B (+ the loss 2(N-1)/N x 4 B)")
     out["tp"] = tp_formula(gpt, plan, b, steps) if plan.tp > 1 else Formula(0, "tp = 1")

@@ -27,7 +27,14 @@ compile, then FSDP): each step changes modules the next one wraps, never the oth
    ``plan.compress``: DDP's all-reduce through a compressor (:mod:`engine.compress`).
    Each averages over the group; :mod:`engine.compose.loss` scales the loss to match. In a
    pipeline ZeRO-0 is :class:`engine.zero.ZeroOptimizer` at stage 0 (one all-reduce at the
-   step: the schedule runs many backward passes, some of weights only). With
+   step: the schedule runs many backward passes, some of weights only); ZeRO-3 is
+   :class:`engine.zero.ZeroDataParallel` over the stage's modules, each unit gathered for
+   every micro-batch's forward and again for its backward, freed after each (torchtitan keeps
+   the last stage's gathered after forward; here every stage reshards), backward prefetch off
+   (it would follow another micro-batch's order); every backward of a chunk (each B action)
+   reduce-scatters all of the rank's units, so gradients leave per micro-batch and chunk (GPipe,
+   1F1B, interleaved: schedules with a W action are refused, :data:`engine.compose.plan.
+   ZERO3_SCHEDULES`). With
    experts spread (ep > 1): ZeRO-0 reduces after backward by the experts' rule, ZeRO-1/2 run
    one sharded optimizer per group (experts' over ``mesh.expert_dp_group``). In a pipeline
    each stage adds its MoE layers' router losses itself
@@ -159,10 +166,11 @@ def apply_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls, compre
                              f"zero = 0 and pp = 1, got zero = {zero}, pp = {mesh.pp}")
         module = DataParallel(model, group=group, compressor=make_compressor(compress))
         return module, optimizer_cls(model.parameters(), **kwargs), module.no_sync
+    if mesh.pp > 1 and zero == 3:  # gathered per micro-batch, no prefetch (module docstring)
+        module = ZeroDataParallel(model, optimizer_cls, group=group, backward_prefetch=False,
+                                  **kwargs)
+        return module, module.optimizer, contextlib.nullcontext
     if mesh.pp > 1:
-        if zero > 2:
-            raise ValueError(f"zero = {zero} with pp > 1 is not composed yet; use zero 0, 1 "
-                             "or 2")
         optimizer = ZeroOptimizer(list(model.parameters()), optimizer_cls, stage=zero,
                                   group=group, **kwargs)
         return model, optimizer, contextlib.nullcontext
@@ -230,5 +238,6 @@ def parallelize(model: GPT, mesh: Mesh, plan: Plan, optimizer_cls=torch.optim.Ad
                         mesh.dp_cp_size, finish)
     module, optimizer, no_sync = apply_data_parallel(model, mesh, plan.zero, optimizer_cls,
                                                      plan.compress, **optimizer_kwargs)
+    holder = module if isinstance(module, ZeroDataParallel) else optimizer  # has .launcher
     return Parallel(model, module, optimizer, mesh, plan, no_sync, tp_group, mesh.dp_cp_size,
-                    lambda: sum_tied_embedding(model, mesh, optimizer, across))
+                    lambda: sum_tied_embedding(model, mesh, holder, across))

@@ -30,6 +30,7 @@ from engine.compose.loss import masked_sum
 from engine.compose.loop import train
 from engine.compose.model import GPT, ModelConfig
 from engine.compose.parallelize import parallelize
+from engine.compose.pipeline import chunks_per_rank
 from engine.compose.plan import Plan
 from engine.compose.state import dense_state
 from engine.compose.formulas import dense_parameter_bytes, dp_formula, layout_formulas
@@ -91,11 +92,13 @@ PHASE_1 = [_p(dp=2), _p(tp=2), _p(tp=2, sequence_parallel=True), _p(dp=2, tp=2),
            _p(cp=2, tp=2, sequence_parallel=True), _p(dp=2, cp=2, tp=2),
            _p(pp=2), _p(pp=2, schedule="zb_h1"), _p(pp=2, schedule="gpipe"), _p(dp=2, pp=2),
            _p(tp=2, pp=2), _p(cp=2, pp=2), _p(dp=2, pp=2, zero=1),
-           _p(dp=2, tp=2, pp=2, zero=1), _p(dp=2, tp=2, pp=2, zero=2)]
+           _p(dp=2, tp=2, pp=2, zero=1), _p(dp=2, tp=2, pp=2, zero=2),
+           _p(dp=2, pp=2, zero=3)]
 MOE_LAYOUTS = [_p(dp=2), _p(dp=2, ep=2), _p(dp=2, ep=2, zero=1), _p(dp=2, ep=2, zero=2),
                _p(cp=2, ep=2), _p(dp=2, ep=2, tp=2), _p(dp=2, ep=2, pp=2)]
 MULTI_CHUNK = [Plan(pp=2, schedule=name, micro_batches=4)
-               for name in ("interleaved", "zb_v", "dualpipe_v")]
+               for name in ("interleaved", "zb_v", "dualpipe_v")] + \
+    [_p(dp=2, pp=2, schedule="interleaved", zero=3)]  # ZeRO-3 over a stage's two chunks
 ROWS_PHASE_1 = [Row(plan, varlen) for varlen in (False, True) for plan in PHASE_1] + \
     [Row(plan, varlen, layers=4) for varlen in (False, True) for plan in MULTI_CHUNK] + \
     [Row(_p(dp=2, tp=2), tied=False), Row(_p(tp=2, sequence_parallel=True), True, False)] + \
@@ -183,7 +186,8 @@ def run_layout(rank: int, world_size: int, row: Row, steps: int = STEPS) -> dict
     with nccl_rules(), CommMeter(count="wire") as meter:
         losses = train(par, steps, ROWS, seed=SEED + 1, varlen=row.varlen)
     size, root, tied = dense_parameter_bytes(par)
-    plain = dp_formula(size, mesh.dp_cp_size, plan.zero, steps, plan.micro_batches, root, tied)
+    plain = dp_formula(size, mesh.dp_cp_size, plan.zero, steps, plan.micro_batches, root, tied,
+                       chunks_per_rank(plan.schedule) if plan.pp > 1 else 1)
     formulas = layout_formulas(par, ROWS // (plan.dp * plan.micro_batches), steps,
                                None if crossing is None else sum(crossing))
     return {"losses": losses, "state": dense_state(par), "formula": plain,

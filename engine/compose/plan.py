@@ -45,6 +45,8 @@ def check_cp_method(method: str, cp: int | None = None) -> str:
                          f"ring groups: U x R = {u * r} must equal cp = {cp}")
     return method
 ZERO_STAGES = (0, 1, 2, 3)
+# schedules ZeRO-3 runs under: a whole backward per B action (no W action)
+ZERO3_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 def check_divides(what: str, degree: int, name: str, value: int) -> None:
@@ -163,9 +165,11 @@ class Plan:
             except ValueError as e:
                 raise ValueError(f"schedule {self.schedule!r} on pp = {self.pp} with "
                                  f"micro_batches = {self.micro_batches}: {e}") from None
-            if self.zero == 3:
-                raise ValueError(f"zero = 3 with pp = {self.pp} is not composed yet; use zero "
-                                 "0, 1 or 2")
+            if self.zero == 3 and self.schedule not in ZERO3_SCHEDULES:
+                raise ValueError(f"zero = 3 with schedule {self.schedule!r}: its W actions "
+                                 "add weight gradients outside autograd, unseen by ZeRO-3's "
+                                 "gradient hooks (not composed yet); use schedule "
+                                 + ", ".join(ZERO3_SCHEDULES))
             chunks = self.pp * (SCHEDULES[self.schedule].chunks or 2)  # interleaved: 2 a rank
             if self.pp > cfg.layers:
                 raise ValueError(f"pp = {self.pp} pipeline stages need at least {self.pp} "

@@ -204,7 +204,8 @@ class ZeroDataParallel(nn.Module):
     def _before_forward(self, unit: _Unit) -> None:
         if not torch.is_grad_enabled() and unit.full is not None:
             return
-        self._order.append(unit)
+        if self.backward_prefetch:  # the only reader of the order
+            self._order.append(unit)
         self._gather(unit, "forward")
         if self.forward_prefetch:  # the next unit's gather overlaps with this unit's compute
             following = self._next_in(self.units, unit)
