@@ -11,10 +11,11 @@ of any layout (``--composed --world-size 1``). Then:
   Megatron-Core's meaning of ``--ep``);
 * the model is :class:`engine.compose.model.GPT` with ``--model``'s sizes (no bias on q, k, v:
   see :mod:`engine.compose.parity`). An MoE model runs *dropless* (capacity E/k: no token is
-  dropped, so the routing does not depend on which tokens share a rank) and without the
-  balancing and z-losses (statistics of each rank's tokens: their gradients would depend on
-  the layout), as DeepSeek-V3 drops no token and balances its experts mostly without an
-  auxiliary loss (DeepSeek-AI 2024, section 2.1.2); parallelised by
+  dropped, so the routing does not depend on which tokens share a rank, as DeepSeek-V3 drops
+  none: DeepSeek-AI 2024, section 2.1.2) with Switch's balancing loss (0.01) and ST-MoE's
+  z-loss (1e-3), each computed over the global micro-batch, every rank of dp x cp's tokens,
+  so that their gradients are one process's whatever the layout
+  (:mod:`engine.compose.experts`); parallelised by
   :func:`engine.compose.parallelize.parallelize` for the :class:`engine.compose.plan.Plan` of
   the flags;
 * ``--pp`` runs any schedule of the registry (:data:`COMPOSED_SCHEDULES`: the interleaved and
@@ -79,13 +80,13 @@ def global_rows(cfg) -> int:
 
 def model_config(cfg) -> ModelConfig:
     """The composed GPT of ``--model``: its sizes, tied embeddings, no bias on q, k, v; an MoE
-    model's experts and top-k, *dropless* and without router losses (below)."""
+    model's experts and top-k, *dropless*, with the balancing loss and z-loss of
+    :class:`engine.compose.model.ModelConfig` (module docstring)."""
     choices = dict(qkv_bias=False)
     moe = MOE_MODELS.get(cfg.model)
     if moe is not None:
         choices.update(num_experts=moe["num_experts"], top_k=moe["top_k"],
-                       capacity_factor=moe["num_experts"] / moe["top_k"], aux_loss_coef=0.0,
-                       z_loss_coef=0.0)
+                       capacity_factor=moe["num_experts"] / moe["top_k"])
     return ModelConfig.from_gpt(MODELS[cfg.model], **choices)
 
 

@@ -1,4 +1,5 @@
-"""The differentiable all-to-all: the engine's one all-to-all that autograd can see through.
+"""The differentiable all-to-all (the engine's one all-to-all that autograd can see through), and a
+differentiable all-reduce (:func:`all_reduce`).
 
 The gradient of an all-to-all is the all-to-all the other way: what rank i sent to rank j as
 rows of its input, rank j's gradient sends back to rank i, so the backward is the same
@@ -46,3 +47,30 @@ def all_to_all(rows: torch.Tensor, output_splits: list[int] | None = None,
     lands in rank j's output, piece i. ``None`` splits: equal pieces."""
     return AllToAll.apply(rows, None if output_splits is None else list(output_splits),
                           None if input_splits is None else list(input_splits), group)
+
+
+class AllReduce(torch.autograd.Function):
+    """Sum over ``group`` on every rank; backward sums the gradients over ``group`` too. Every
+    rank's output is the same sum, and each rank's loss uses its copy, so the gradient of
+    rank i's input is the sum of every rank's gradient of that output (as
+    ``torch.distributed.nn.functional.all_reduce``), not only its own (Megatron's
+    ``reduce_from_tensor_model_parallel_region``, which passes the gradient through, is for
+    outputs whose gradients are already equal)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.clone()
+        ops.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        ops.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Differentiable sum of ``x`` over ``group`` (:class:`AllReduce`)."""
+    return AllReduce.apply(x, group)

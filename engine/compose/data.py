@@ -1,8 +1,11 @@
 """The global batch of step k, the same sequences whatever the layout, and each rank's slice.
 
 Every rank draws the *whole* global batch of the step from the step's seed (a few thousand
-token ids: cheap) and keeps its part: rows ``[d B/dp, (d+1) B/dp)`` for its data-parallel
-index ``d``, cut into ``micro_batches`` micro-batches; along the sequence, the tokens of its
+token ids: cheap) and keeps its part: the batch is cut into ``m`` global micro-batches of
+``B/m`` consecutive rows, and of micro-batch ``j`` the data-parallel rank ``d`` takes rows
+``j B/m + [d, d+1) B/(m dp)`` (Megatron-LM's sampler: the set of sequences of global
+micro-batch ``j`` is the same whatever dp, which a statistic per micro-batch, the MoE
+balancing loss of :mod:`engine.compose.experts`, needs); along the sequence, the tokens of its
 context-parallel index in the plan's layout (:func:`engine.cp.layout.shard_indices`), with
 their positions. So one process, given the same step, sees exactly the union of what every
 layout's ranks see, and the number of tokens that count in the loss is known to every rank
@@ -76,18 +79,17 @@ def global_batch(step: int, rows: int, seq_len: int, vocab: int, seed: int = 1,
 
 def rank_slice(batch: Batch, dp: int, dp_index: int, cp: int = 1, cp_index: int = 0,
                cp_layout: str = "zigzag", micro_batches: int = 1) -> list[Batch]:
-    """This rank's micro-batches of ``batch``: its data-parallel rows, cut into
-    ``micro_batches``, each holding its context-parallel tokens in ``cp_layout``."""
+    """This rank's micro-batches of ``batch``: of each of the ``micro_batches`` global
+    micro-batches its data-parallel rows (module docstring), each holding its
+    context-parallel tokens in ``cp_layout``."""
     rows = batch.ids.shape[0]
     if rows % (dp * micro_batches):
         raise ValueError(f"a global batch of {rows} rows does not split into dp x "
                          f"micro_batches = {dp} x {micro_batches} equal parts")
-    per = rows // dp
-    mine = slice(dp_index * per, (dp_index + 1) * per)
+    per = rows // (dp * micro_batches)  # rows of one rank's micro-batch
     tokens = shard_indices(batch.ids.shape[1], cp, cp_index, cp_layout)
-    ids, targets, mask = (t[mine][:, tokens] for t in (batch.ids, batch.targets, batch.mask))
     positions = batch.positions[tokens]
-    return [Batch(i, t, m, positions) for i, t, m in zip(ids.chunk(micro_batches),
-                                                         targets.chunk(micro_batches),
-                                                         mask.chunk(micro_batches),
-                                                         strict=True)]
+    starts = [(j * dp + dp_index) * per for j in range(micro_batches)]
+    return [Batch(*(t[start:start + per][:, tokens]
+                    for t in (batch.ids, batch.targets, batch.mask)), positions)
+            for start in starts]

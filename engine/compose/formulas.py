@@ -59,6 +59,7 @@ from typing import NamedTuple
 from torch import nn
 
 from engine import theory
+from engine.compose.experts import balance_bytes
 from engine.compose.model import Block
 from engine.compose.pipeline import chunk_layout, chunks_per_rank, loss_stage, tied_across_ranks
 from engine.compose.plan import Plan, usp_degrees
@@ -271,9 +272,11 @@ def layout_formulas(par, micro_rows: int, steps: int = 1,
     else:
         out["dp"] = Formula(dp_formula(size, n, plan.zero, steps, plan.micro_batches, root,
                                        tied, chunks_per_rank(plan.schedule) if plan.pp > 1
-                                       else 1),
+                                       else 1)
+                            + balance_bytes(gpt, mesh, plan.micro_batches, steps),
                             f"{counted(steps)} x ZeRO-{plan.zero} over N = {n}: "
-                            f"parameters of {size:,} B (+ the loss 2(N-1)/N x 4 B)")
+                            f"parameters of {size:,} B (+ the loss 2(N-1)/N x 4 B; MoE: + "
+                            "the balancing statistics, experts.balance_bytes)")
     out["tp"] = tp_formula(gpt, plan, b, steps) if plan.tp > 1 else Formula(0, "tp = 1")
     out["cp"] = cp_formula(gpt, plan, b, steps) if plan.cp > 1 else Formula(0, "cp = 1")
     out["ep"] = ep_formula(gpt, plan, mesh, par.optimizer, steps, crossing_rows) \

@@ -4,8 +4,9 @@ A step, whatever the layout: this rank's micro-batches of the step's global batc
 (:mod:`engine.compose.data`), for each a forward, the loss normalised by the global token
 count (:mod:`engine.compose.loss`) and a backward (gradients kept local but for the last
 micro-batch, where the data-parallel wrapper reduces them over ``mesh.dp_cp_group``; experts'
-over ``mesh.expert_dp_group``), then the optimizer step. An MoE model's router losses (per
-rank, GShard's groups) are added to each micro-batch's loss, over the micro-batches (in a
+over ``mesh.expert_dp_group``), then the optimizer step (and an MoE model's aux-loss-free
+biases move). An MoE model's router losses (over the global micro-batch:
+:mod:`engine.compose.experts`) are added to each micro-batch's loss, over the micro-batches (in a
 pipeline each stage adds its own: :class:`engine.compose.pipeline.RouterLossScaler`). The
 reported loss is the sum of every rank's local sums over the global count: one all-reduce of
 one number, after the step.
@@ -23,6 +24,7 @@ import torch
 
 from engine.comm import ops
 from engine.compose.data import Batch, global_batch, rank_slice
+from engine.compose.experts import update_expert_biases
 from engine.compose.loss import global_token_loss, masked_sum, micro_batch_mean
 from engine.compose.parallelize import Parallel
 from engine.compose.pipeline import loss_stage, pipeline_backward
@@ -71,6 +73,7 @@ def train_step(par: Parallel, batch: Batch, step: int = 0, hooks=(),
     par.finish_gradients()
     call_hooks(hooks, "after_backward", step, par)
     par.optimizer.step()
+    update_expert_biases(par.model, par.mesh)  # aux-loss-free biases, if any
     if par.replicas > 1:
         ops.all_reduce(local, group=par.mesh.dp_cp_group)
     if par.plan.pp > 1:  # the last virtual stage has the loss: every stage reports it

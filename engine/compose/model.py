@@ -7,7 +7,8 @@ feed-forward, learned positions), with the three choices 2026 models make:
   ``kv_heads`` key/value heads (``kv_heads = heads``: multi-head attention; 1: multi-query).
   The fused projection is ``[q | k | v]`` of ``heads + 2 kv_heads`` heads.
 * **dense or mixture-of-experts feed-forward layers** (``num_experts > 0``: every block's MLP
-  is an :class:`engine.moe.MoE`, as in :class:`engine.moe.gpt.TinyMoEGPT`);
+  is an :class:`engine.moe.MoE`, as in :class:`engine.moe.gpt.TinyMoEGPT`; with Switch's
+  balancing loss, ST-MoE's z-loss and optionally DeepSeek-V3's aux-loss-free bias);
 * **tied or untied** input embedding and output layer.
 
 With ``kv_heads = heads``, ``tied=True`` and no experts, ``GPT(cfg, seed)`` has the same
@@ -49,8 +50,11 @@ class ModelConfig:
     num_experts: int = 0  # 0: dense feed-forward layers
     top_k: int = 2
     capacity_factor: float = 1.25
-    aux_loss_coef: float = 0.01  # Switch's load-balancing loss, per rank (GShard's groups)
-    z_loss_coef: float = 1e-3  # ST-MoE's router z-loss
+    # Switch's load-balancing loss and ST-MoE's router z-loss, each over the global
+    # micro-batch under a parallel layout (engine.compose.experts.balance_globally)
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 1e-3
+    bias_update_rate: float | None = None  # DeepSeek-V3's aux-loss-free bias (gamma)
     ffn_hidden: int = 0  # 0: 4 x hidden
 
     def __post_init__(self):
@@ -165,7 +169,7 @@ class GPT(nn.Module):
                 for block in self.blocks:
                     block.moe = MoE(cfg.hidden, cfg.ffn, cfg.num_experts, cfg.top_k,
                                     cfg.capacity_factor, expert_group, cfg.aux_loss_coef,
-                                    cfg.z_loss_coef)
+                                    cfg.z_loss_coef, bias_update_rate=cfg.bias_update_rate)
                     block.moe.apply(gpt2_init)
                     del block.fc, block.out
 

@@ -52,8 +52,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from engine.compose.experts import (Optimizers, apply_expert_parallel, dense_parameters,
-                                    expert_parameters, reduce_gradients)
+from engine.compose.experts import (Optimizers, apply_expert_parallel, balance_globally,
+                                    dense_parameters, expert_parameters, reduce_gradients)
 from engine.compose.model import GPT
 from engine.compose.pipeline import apply_pipeline, sum_tied_embedding, tied_across_ranks
 from engine.compose.plan import Plan, usp_degrees
@@ -228,6 +228,7 @@ def parallelize(model: GPT, mesh: Mesh, plan: Plan, optimizer_cls=torch.optim.Ad
     tp_group = mesh.tp_group if plan.tp > 1 else None
     if plan.ep > 1:
         apply_expert_parallel(model, mesh)
+    balance_globally(model, mesh)  # router losses over dp x cp (engine.compose.experts)
     if plan.pp > 1:
         apply_pipeline(model, mesh, plan.schedule)
     across = plan.pp == 1 or tied_across_ranks(plan.schedule)

@@ -26,6 +26,7 @@ import torch
 from engine.comm import CommMeter
 from engine.comm.nccl_rules import nccl_rules
 from engine.compose.data import global_batch
+from engine.compose.experts import balance_bytes
 from engine.compose.loss import masked_sum
 from engine.compose.loop import train
 from engine.compose.model import GPT, ModelConfig
@@ -72,12 +73,14 @@ class Row:
     moe: bool = False
     layers: int = 2  # multi-chunk schedules: 4 (two chunks of one layer on each of 2 ranks)
     optimizer: str = "adamw"  # or "sgd": sees a gradient off by a constant factor
+    balance: str = ""  # MoE: "loss" (balancing loss and z-loss), "bias" (aux-loss-free)
 
     @property
     def name(self) -> str:
         return ("moe " if self.moe else "") + self.plan.name + \
             ("" if self.tied else " untied") + (" varlen" if self.varlen else "") + \
-            ("" if self.optimizer == "adamw" else f" {self.optimizer}")
+            ("" if self.optimizer == "adamw" else f" {self.optimizer}") + \
+            {"": "", "loss": " balanced", "bias": " bias"}[self.balance]
 
 
 def _p(**kw) -> Plan:
@@ -110,7 +113,13 @@ COMPRESSED_ROWS = [Row(_p(dp=2, compress="fp16")), Row(_p(dp=2, compress="bf16")
                    Row(_p(dp=2, compress="powersgd:1")), Row(_p(dp=2, compress="topk:0.1"))]
 # Every layout without varlen once more with SGD (see OPTIMIZERS): the gradients themselves
 SGD_ROWS = [replace(row, optimizer="sgd") for row in ROWS_PHASE_1 if not row.varlen]
-ALL_ROWS = ROWS_PHASE_1 + SGD_ROWS + COMPRESSED_ROWS
+# MoE with balancing over the global micro-batch (MOE and BALANCE below)
+BALANCED_ROWS = [Row(_p(dp=2, ep=2), moe=True, balance="loss"),
+                 Row(_p(dp=2, ep=2, tp=2), moe=True, balance="loss"),
+                 Row(_p(dp=2, ep=2, pp=2), moe=True, balance="loss"),
+                 Row(_p(cp=2, ep=2), True, moe=True, balance="loss"),
+                 Row(_p(dp=2, ep=2), moe=True, balance="bias")]
+ALL_ROWS = ROWS_PHASE_1 + SGD_ROWS + COMPRESSED_ROWS + BALANCED_ROWS
 
 
 def adam_step_bound(t: int, beta1: float = 0.9, beta2: float = 0.999) -> float:
@@ -159,13 +168,18 @@ class Result:
 
 
 # MoE rows: 4 experts, top-2, a capacity of every token (capacity_factor = E / k: nothing is
-# dropped, so routing does not depend on which tokens share a rank) and no balancing or z-loss
-# (per-rank statistics, not sums over tokens: engine.compose.experts)
+# dropped, so routing does not depend on which tokens share a rank). The rows of MOE_LAYOUTS
+# train without balancing or z-loss; the BALANCED_ROWS with them (Switch's 0.01, ST-MoE's 1e-3:
+# ModelConfig's defaults), computed over each global micro-batch (engine.compose.experts), or
+# with DeepSeek-V3's aux-loss-free bias alone (gamma 0.01: it changes choices within 3 steps)
 MOE = dict(num_experts=4, top_k=2, capacity_factor=2.0, aux_loss_coef=0.0, z_loss_coef=0.0)
+BALANCE = {"": {}, "loss": dict(aux_loss_coef=0.01, z_loss_coef=1e-3),
+           "bias": dict(bias_update_rate=0.01)}
 
 
 def model_config(row: Row) -> ModelConfig:
-    return replace(MODEL, tied=row.tied, layers=row.layers, **(MOE if row.moe else {}))
+    return replace(MODEL, tied=row.tied, layers=row.layers,
+                   **({**MOE, **BALANCE[row.balance]} if row.moe else {}))
 
 
 def run_layout(rank: int, world_size: int, row: Row, steps: int = STEPS) -> dict:
@@ -187,10 +201,12 @@ def run_layout(rank: int, world_size: int, row: Row, steps: int = STEPS) -> dict
         losses = train(par, steps, ROWS, seed=SEED + 1, varlen=row.varlen)
     size, root, tied = dense_parameter_bytes(par)
     plain = dp_formula(size, mesh.dp_cp_size, plan.zero, steps, plan.micro_batches, root, tied,
-                       chunks_per_rank(plan.schedule) if plan.pp > 1 else 1)
+                       chunks_per_rank(plan.schedule) if plan.pp > 1 else 1) + \
+        balance_bytes(par.model, mesh, plan.micro_batches, steps)
     formulas = layout_formulas(par, ROWS // (plan.dp * plan.micro_batches), steps,
                                None if crossing is None else sum(crossing))
-    return {"losses": losses, "state": dense_state(par), "formula": plain,
+    return {"losses": losses, "state": {**dense_state(par), **expert_biases(par.model)},
+            "formula": plain,
             "formulas": {k: None if f is None else f.bytes for k, f in formulas.items()},
             "bytes": bytes_by_kind(meter.events, mesh, row.moe)}
 
@@ -213,6 +229,11 @@ def count_crossing_rows(model) -> list[int]:
     return rows
 
 
+def expert_biases(model) -> dict[str, torch.Tensor]:
+    """The MoE layers' aux-loss-free biases (buffers), compared as parameters are."""
+    return {n: b.detach().clone() for n, b in model.named_buffers() if n.endswith("expert_bias")}
+
+
 def parameter_bytes(par) -> int:
     """The bytes of the parameters this rank's data-parallel wrapper reduces (ZeRO-3: its
     units, padded to a multiple of the group)."""
@@ -222,8 +243,12 @@ def parameter_bytes(par) -> int:
 
 
 def reference(cfg: ModelConfig, varlen: bool, steps: int = STEPS,
-              optimizer_name: str = "adamw") -> dict:
-    """One process, no parallelism of any kind: the losses and the parameters."""
+              optimizer_name: str = "adamw", micro_batches: int = 1) -> dict:
+    """One process, no parallelism of any kind: the losses and the parameters. With
+    ``micro_batches > 1`` (the MoE rows with balancing: their statistics are per micro-batch)
+    gradient accumulation over the global micro-batches (:mod:`engine.compose.data`), each
+    adding its MoE layers' own router losses (one call: every token of it) over ``m``; with
+    a bias, every MoE layer moves it after the step from the step's loads."""
     model = GPT(cfg, seed=SEED)
     optimizer_cls, kwargs = OPTIMIZERS[optimizer_name]
     optimizer = optimizer_cls(model.parameters(), **kwargs)
@@ -231,13 +256,26 @@ def reference(cfg: ModelConfig, varlen: bool, steps: int = STEPS,
     for k in range(steps):
         batch = global_batch(k, ROWS, cfg.seq_len, cfg.vocab, SEED + 1, varlen)
         optimizer.zero_grad()
-        loss = masked_sum(model(batch.ids), batch.targets, batch.mask) / batch.tokens
-        loss.backward()
+        if micro_batches == 1:
+            loss = masked_sum(model(batch.ids), batch.targets, batch.mask) / batch.tokens
+            loss.backward()
+        else:
+            loss = 0.0
+            for ids, targets, mask in zip(*(t.chunk(micro_batches) for t in
+                                            (batch.ids, batch.targets, batch.mask))):
+                part = masked_sum(model(ids), targets, mask) / batch.tokens
+                (part + model.router_losses() / micro_batches).backward()
+                loss += part.detach()
         grad_l1 = max(grad_l1, sum(p.grad.abs().sum().item() for p in model.parameters()))
         optimizer.step()
+        for block in model.blocks:
+            if block.moe is not None and block.moe.expert_bias is not None:
+                block.moe.update_bias("none")
         losses.append(loss.item())
-    return {"losses": losses, "grad_l1": grad_l1, "state": {n: p.detach().clone() for n, p in
-                                        model.named_parameters(remove_duplicate=False)}}
+    return {"losses": losses, "grad_l1": grad_l1,
+            "state": {**{n: p.detach().clone() for n, p in
+                         model.named_parameters(remove_duplicate=False)},
+                      **expert_biases(model)}}
 
 
 def run_row(row: Row, steps: int = STEPS, timeout: float = 120) -> Result:
@@ -249,7 +287,8 @@ def run_row(row: Row, steps: int = STEPS, timeout: float = 120) -> Result:
     row.plan.check(cfg, ROWS, row.varlen)
     ranks = launch(run_layout, row.plan.world, row, steps, backend="gloo", timeout=timeout,
                    quiet=True)
-    ref = reference(cfg, row.varlen, steps, row.optimizer)
+    ref = reference(cfg, row.varlen, steps, row.optimizer,
+                    row.plan.micro_batches if row.balance else 1)
     seconds = time.perf_counter() - start
     loss_diff = max(abs(a - b) for r in ranks for a, b in zip(r["losses"], ref["losses"],
                                                                strict=True))
