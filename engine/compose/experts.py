@@ -43,8 +43,9 @@ Each micro-batch's losses weigh ``1 / m`` (:mod:`engine.compose.loop`; Megatron-
 ``MoEAuxLossAutoScaler``). The aux-loss-free bias (DeepSeek-V3; :mod:`engine.moe.balance`):
 :func:`update_expert_biases`, after the optimizer step, sums each layer's loads of the step over
 ``mesh.dp_cp_group``, so every rank moves its bias as one process does. Their bytes:
-:func:`balance_bytes`. Megatron-Core's ``global_aux_loss`` and Qwen's global-batch balancing
-(Qiu et al., "Demons in the detail", 2025) reduce the statistics over data parallelism too.
+:func:`balance_bytes`. Tensor-parallel ranks route the same tokens, so nothing is reduced over
+tp (the plan refuses sequence parallelism with MoE layers). Qwen's global-batch balancing loss
+(Qiu et al., "Demons in the detail", 2025) also reduces the statistics over data parallelism.
 """
 
 from __future__ import annotations

@@ -17,6 +17,10 @@ of the local ones over global_tokens, exactly one process's gradient.
 
 Under tensor parallelism the logits are split over the vocabulary and the cross-entropy is
 Megatron's vocab-parallel one (:func:`engine.tp.layers.vocab_parallel_cross_entropy`).
+
+An MoE model's router z-loss is a mean over tokens too, and is normalised the same way (its
+sum over the global count of tokens routed); the balancing loss is not a sum over tokens, and
+is computed from statistics all-reduced over the ranks (:mod:`engine.compose.experts`).
 """
 
 from __future__ import annotations
