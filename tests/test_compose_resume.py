@@ -4,12 +4,12 @@ agreed per-rank protocol), loaded into a freshly built layout, 2 more steps; aga
 in one go, the losses and every tensor of every rank's state (parameters or ZeRO-3 shards,
 optimizer moments, compressor residuals) equal by ``torch.equal``. Families: dp2 ZeRO-1, dp2
 with a Top-K compressor (error feedback) and with PowerSGD (error feedback, warm-started P and
-Q, its random generator), cp2 varlen, tiny-MoE ep2 (ZeRO-1), dp2 x tp2 ZeRO-3
+Q, its random generator), cp2 varlen, tiny-MoE ep2 (ZeRO-1; ZeRO-3), dp2 x tp2 ZeRO-3
 (FSDP + TP), dp2 x pp2 (1F1B, ZeRO-2 and ZeRO-3); through ``engine train`` with
-``--async-save``, tiny-MoE dp2 x ep2 x pp2 at ZeRO-1. A rank that cannot serialise its state makes every rank
-raise, naming it, and leaves no manifest (the agreed protocol). Then ``engine train --reshard``
-on the composed path: a dp-only change at ZeRO-0 resumes, a tp change or ZeRO-1 is refused
-naming the flags."""
+``--async-save``, tiny-MoE dp2 x ep2 x pp2 at ZeRO-1. A rank that cannot serialise its state
+makes every rank raise, naming it, and leaves no manifest (the agreed protocol). Then
+``engine train --reshard`` on the composed path: a dp-only change at ZeRO-0 resumes, a tp
+change or ZeRO-1 is refused naming the flags."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ FAMILIES = {  # name: (plan, moe, varlen)
     "dp2 compress powersgd": (Plan(dp=2, zero=0, compress="powersgd:1"), False, False),
     "cp2 varlen": (Plan(cp=2, zero=1), False, True),
     "tiny-moe dp2 ep2 zero1": (Plan(dp=2, ep=2, zero=1), True, False),
+    "tiny-moe dp2 ep2 zero3": (Plan(dp=2, ep=2, zero=3), True, False),
     "dp2xtp2 zero3": (Plan(dp=2, tp=2, zero=3), False, False),
     "dp2xpp2 1f1b zero2": (Plan(dp=2, pp=2, zero=2, micro_batches=2), False, False),
     "dp2xpp2 1f1b zero3": (Plan(dp=2, pp=2, zero=3, micro_batches=2), False, False),

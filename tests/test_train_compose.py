@@ -88,8 +88,6 @@ def test_every_layout_has_the_loss_of_one_process(name, capsys):
     (["--varlen", "--dp", "2", "--pp", "2", "--zero", "3", "--schedule", "zb_h1"],
      "zero = 3 with schedule 'zb_h1'"),
     (["--varlen", "--pp", "2", "--microbatches", "1"], "at least 2 micro-batches"),
-    (["--composed", "--dp", "2", "--ep", "2", "--zero", "3", "--model", "tiny-moe"],
-     "zero = 3 with ep > 1 is not composed yet"),
 ])
 def test_what_the_composed_engine_cannot_carry_is_refused_naming_the_flags(args, message,
                                                                           capsys):

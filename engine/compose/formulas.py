@@ -162,7 +162,8 @@ def ep_formula(gpt, plan: Plan, mesh: Mesh, optimizer, steps: int,
         inner = getattr(optimizer, "optimizers", (None, None))[1]
         size = sum(bk.padded * bk.flat.element_size() for bk in inner.buckets) if inner \
             else sum(p.numel() * p.element_size() for p in experts)
-        grads = steps * gradient_all_reduces(plan.zero, m) * \
+        zero = 1 if plan.zero == 3 else plan.zero  # ZeRO-3 gives the experts ZeRO-1
+        grads = steps * gradient_all_reduces(zero, m) * \
             theory.ring_all_reduce_bytes(size, replicas)
     return Formula(counts + rows + grads,
                    f"{counted(steps)} x m x {layers} layers x counts (N-1)/N x E x 8 B + 4 x "

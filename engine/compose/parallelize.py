@@ -36,7 +36,11 @@ compile, then FSDP): each step changes modules the next one wraps, never the oth
    1F1B, interleaved: schedules with a W action are refused, :data:`engine.compose.plan.
    ZERO3_SCHEDULES`). With
    experts spread (ep > 1): ZeRO-0 reduces after backward by the experts' rule, ZeRO-1/2 run
-   one sharded optimizer per group (experts' over ``mesh.expert_dp_group``). In a pipeline
+   one sharded optimizer per group (experts' over ``mesh.expert_dp_group``), ZeRO-3 shards
+   the dense parameters over ``mesh.dp_cp_group`` (the experts are its ``ignored_params``, as
+   FSDP's) and gives the experts a ZeRO-1 optimizer over ``mesh.expert_dp_group``: their
+   ``1/ep`` of the expert weights is already what expert parallelism divides, and that group is
+   ``dp x cp / ep`` ranks (often one). In a pipeline
    each stage adds its MoE layers' router losses itself
    (:class:`engine.compose.pipeline.RouterLossScaler`); the tied embedding's gradient is then
    summed over its two stages.
@@ -197,11 +201,16 @@ def apply_expert_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls,
             sum_tied_embedding(model, mesh, across_ranks=across)
 
         return model, optimizer_cls(model.parameters(), **kwargs), finish
-    if zero == 3:
-        raise ValueError("zero = 3 with ep > 1: ZeRO-3 over experts spread by expert "
-                         "parallelism is not composed yet; use zero 0-2")
     for p in expert_parameters(model):  # averaged over R / ep ranks: a sum over R after this
         p.register_hook(lambda grad, ep=mesh.ep: grad / ep)
+    if zero == 3:  # dense: ZeRO-3 over dp x cp; experts: ZeRO-1 over expert_dp (docstring)
+        module = ZeroDataParallel(model, optimizer_cls, group=mesh.dp_cp_group,
+                                  backward_prefetch=mesh.pp == 1,
+                                  ignored_params=expert_parameters(model), **kwargs)
+        optimizers = Optimizers(module.optimizer, ZeroOptimizer(
+            expert_parameters(model), optimizer_cls, stage=1, group=mesh.expert_dp_group,
+            **kwargs))
+        return module, optimizers, lambda: sum_tied_embedding(model, mesh, module, across)
     optimizers = Optimizers(
         ZeroOptimizer(dense_parameters(model), optimizer_cls, stage=zero,
                       group=mesh.dp_cp_group, **kwargs),

@@ -149,8 +149,6 @@ class Plan:
                 raise ValueError("sequence_parallel=True with MoE layers: each tensor-parallel "
                                  "rank would route other tokens through replicated experts "
                                  "(not composed yet); use sequence_parallel=False")
-            if self.ep > 1 and self.zero == 3:
-                raise ValueError("zero = 3 with ep > 1 is not composed yet; use zero 0-2")
         elif self.ep > 1:
             raise ValueError(f"ep = {self.ep} spreads experts, but the model is dense "
                              "(num_experts = 0)")

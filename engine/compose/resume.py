@@ -11,9 +11,9 @@ own part, whole (:mod:`engine.checkpoint.per_rank`, through the agreed protocol 
 objects with ``state_dict()`` / ``load_state_dict()``:
 
 * :class:`RankTensors` (the per-rank file's ``"model"``): the model's ``state_dict()``; under
-  ZeRO-3 each unit's shard and the model's buffers instead (the parameters are empty between
-  uses); and any tensor an optimizer updates that shares no storage with those (a separate
-  fp32 master copy);
+  ZeRO-3 each unit's shard, the parameters it ignores (experts) and the model's buffers instead
+  (the parameters are empty between uses); and any tensor an optimizer updates that shares
+  no storage with those (a separate fp32 master copy);
 * :class:`RankOptimizerState` (``"optimizer"``): every inner optimizer's ``state_dict()`` (a
   plain AdamW, each :class:`engine.zero.ZeroOptimizer`'s shard optimizer, ZeRO-3's, the dense
   and the experts' under expert parallelism) and the compressor's state with its spec.
@@ -63,6 +63,9 @@ class RankTensors:
             found = {f"fsdp.{i}.{unit.name}.shard": unit.shard
                      for i, unit in enumerate(module.all_units)}
             found.update({f"buffer.{name}": b for name, b in self.par.model.named_buffers()})
+            sharded = module.launcher.bucket_of  # its ignored_params (experts) live whole
+            found.update({f"param.{name}": p.detach() for name, p in
+                          self.par.model.named_parameters() if p not in sharded})
         else:
             found = dict(self.par.model.state_dict())
         held = {_storage(t) for t in found.values()}

@@ -27,10 +27,11 @@ _EXPERT = re.compile(r"blocks\.(\d+)\.moe\.experts\.(\d+)\.(.*)")
 
 
 def local_tensors(par: Parallel) -> dict[int, torch.Tensor]:
-    """``id(parameter) -> this rank's tensor of it`` (ZeRO-3: gathered over its group)."""
+    """``id(parameter) -> this rank's tensor of it`` (ZeRO-3: gathered over its group; its
+    ``ignored_params``, the experts, as they are)."""
+    found = {id(p): p.detach() for p in par.model.parameters()}
     if not isinstance(par.module, ZeroDataParallel):
-        return {id(p): p.detach() for p in par.model.parameters()}
-    found = {}
+        return found
     for unit in par.module.all_units:
         full = torch.empty(unit.padded, dtype=unit.shard.dtype, device=unit.shard.device)
         ops.all_gather_into_tensor(full, unit.shard.detach().contiguous(), group=par.module.group)

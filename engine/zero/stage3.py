@@ -101,6 +101,9 @@ class ZeroDataParallel(nn.Module):
             current unit's backward (FSDP's ``BackwardPrefetch.BACKWARD_PRE``, its default;
             False is FSDP's ``backward_prefetch=None``).
         group: the data-parallel group (default: the world).
+        ignored_params: parameters left alone, neither broadcast nor sharded nor reduced (FSDP's
+            ``ignored_params``): e.g. experts that differ across ranks, handled by another
+            optimizer over another group.
 
     With both prefetches off at most one unit is whole at a time; each one that is on lets two
     be whole during its pass. Both defaults are PyTorch FSDP's (a test reads them from it).
@@ -111,20 +114,23 @@ class ZeroDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, optimizer_cls, units=None, *,
                  forward_prefetch: bool = False, backward_prefetch: bool = True, group=None,
-                 **kwargs):
+                 ignored_params=(), **kwargs):
         super().__init__()
         if "prefetch" in kwargs:  # else it goes to the optimizer, which says only "unexpected"
             raise TypeError("ZeroDataParallel takes forward_prefetch= and backward_prefetch= "
                             f"(PyTorch FSDP's names), not prefetch={kwargs['prefetch']!r}")
         self.forward_prefetch = boolean("forward_prefetch", forward_prefetch)
         self.backward_prefetch = boolean("backward_prefetch", backward_prefetch)
-        check_params(module.parameters())
+        self.ignored_params = list(ignored_params)
+        ignored = {id(p) for p in self.ignored_params}
+        check_params(p for p in module.parameters() if id(p) not in ignored)
         self.module, self.group = module, group
         self.world_size, rank = dist.get_world_size(group), dist.get_rank(group)
         root = ops.group_ranks(group)[0]
         with torch.no_grad():
             for p in module.parameters():
-                ops.broadcast(p.data, root, group)
+                if id(p) not in ignored:
+                    ops.broadcast(p.data, root, group)
         self.root, self.units = self._make_units(module, units, rank)
         self.all_units = ([self.root] if self.root else []) + self.units
         self.device_type = self.all_units[0].shard.device.type
@@ -152,9 +158,10 @@ class ZeroDataParallel(nn.Module):
             units = [m for m in module.modules() if any(True for _ in m.parameters(False))]
         units = list(units)
         claimed: dict[nn.Parameter, int] = {}
+        ignored = {id(p) for p in self.ignored_params}
         for i, mod in enumerate(units):
             for p in mod.parameters():
-                if p.requires_grad:
+                if p.requires_grad and id(p) not in ignored:
                     claimed.setdefault(p, i) if p not in claimed else claimed.__setitem__(p, -1)
         self._unit_modules, groups = [], []
         for i, mod in enumerate(units):
@@ -163,7 +170,7 @@ class ZeroDataParallel(nn.Module):
                 self._unit_modules.append(mod)
                 groups.append((type(mod).__name__, list(dict.fromkeys(mine))))
         root = [p for p in dict.fromkeys(module.parameters())
-                if p.requires_grad and claimed.get(p, -1) == -1]
+                if p.requires_grad and claimed.get(p, -1) == -1 and id(p) not in ignored]
         if root:  # the root unit comes first: gathered for the whole step
             groups.insert(0, ("(root)", root))
         made = [_Unit(name, params, rank, self.world_size, i)
