@@ -2,15 +2,16 @@
 
 The trainer times 3 steps of each implementation one after the other; this script builds the
 same strategies the trainer builds (:func:`engine.strategy.build`, the same GPT, global batch
-and micro-batches), plus two that change one thing each, and times them interleaved (each
-repeat runs every variant once, the order rotating) after a warm-up:
+and micro-batches), and the two the trainer built before its units were matched, and times
+them interleaved (each repeat runs every variant once, the order rotating) after a warm-up:
 
-* ``engine (trainer)``: the trainer's ZeRO-3, a unit per module that owns parameters;
-* ``engine, blocks as units``: ``ZeroDataParallel(units=gpt.blocks)``, the rest in the root;
-* ``torch (trainer)``: the trainer's PyTorch side, FSDP1 ``FULL_SHARD`` with no wrap policy
-  (the whole GPT is one unit) and ``no_sync`` on every micro-batch but the last;
-* ``torch, blocks wrapped``: FSDP1 with each transformer block its own unit, as the engine's
-  blocks variant.
+* ``engine, a unit per module``: the trainer's ZeRO-3 before, a unit per module that owns
+  parameters (``ZeroDataParallel``'s default);
+* ``engine (trainer)``: the trainer's ZeRO-3 now, ``units=gpt.blocks``, the rest in the root;
+* ``torch, one unit``: the trainer's PyTorch side before, FSDP1 ``FULL_SHARD`` with no wrap
+  policy (the whole GPT is one unit) and ``no_sync`` on every micro-batch but the last;
+* ``torch (trainer)``: the trainer's PyTorch side now, each transformer block wrapped, the
+  engine's units.
 
 Each step is the slowest rank's (times all-reduced with MAX); the table prints the median, the
 10th/90th percentiles, the number of units and the collectives per step (counted with
@@ -43,33 +44,31 @@ from engine.strategy import build
 from engine.topology import Mesh
 from engine.train import parse
 
-VARIANTS = ("engine (trainer)", "engine, blocks as units", "torch (trainer)",
-            "torch, blocks wrapped")
+VARIANTS = ("engine, a unit per module", "engine (trainer)", "torch, one unit",
+            "torch (trainer)")
 
 
-def _blocks_engine(cfg, mesh, device) -> Strategy:
+def _per_module_engine(cfg, mesh, device) -> Strategy:
     from engine.models import TinyGPT
     from engine.zero import ZeroDataParallel
 
     gpt = TinyGPT(MODELS[cfg.model], seed=cfg.seed)
-    model = ZeroDataParallel(autocast(gpt, "fp32"), torch.optim.AdamW, units=list(gpt.blocks),
-                             group=mesh.dp_group, lr=cfg.lr)
+    model = ZeroDataParallel(autocast(gpt, "fp32"), torch.optim.AdamW, group=mesh.dp_group,
+                             lr=cfg.lr)
     step = pipeline_step(model, model.optimizer, mesh, one_f_one_b(1, cfg.microbatches))
-    return Strategy("ZeRO-3 blocks", model, model.optimizer, step, 0, mesh, device)
+    return Strategy("ZeRO-3, a unit per module", model, model.optimizer, step, 0, mesh, device)
 
 
-def _blocks_torch(cfg, mesh, device) -> Strategy:
+def _one_unit_torch(cfg, mesh, device) -> Strategy:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    from engine.models import Block, TinyGPT
+    from engine.models import TinyGPT
     from engine.steps import accumulate_step
 
     gpt = TinyGPT(MODELS[cfg.model], seed=cfg.seed)
-    model = FSDP(gpt, device_id=device, process_group=mesh.dp_group,
-                 auto_wrap_policy=ModuleWrapPolicy({Block}))
+    model = FSDP(gpt, device_id=device, process_group=mesh.dp_group)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    return Strategy("FSDP blocks", model, optimizer, accumulate_step(model, optimizer, mesh),
+    return Strategy("FSDP, one unit", model, optimizer, accumulate_step(model, optimizer, mesh),
                     0, mesh, device, engine=False)
 
 
@@ -88,10 +87,10 @@ def _run(rank, world_size, argv, warmup, repeats, profile):
     mesh = Mesh(dp=world_size, tp=1, pp=1)
     inputs, labels = global_batch(MODELS[cfg.model], mesh, cfg.microbatches, cfg.micro_batch,
                                   device, seed=cfg.seed + 1)
-    built = {VARIANTS[0]: build(cfg, MODELS[cfg.model], "engine", mesh, device, "fp32"),
-             VARIANTS[1]: _blocks_engine(cfg, mesh, device),
-             VARIANTS[2]: build(cfg, MODELS[cfg.model], "torch", mesh, device, "fp32"),
-             VARIANTS[3]: _blocks_torch(cfg, mesh, device)}
+    built = {VARIANTS[0]: _per_module_engine(cfg, mesh, device),
+             VARIANTS[1]: build(cfg, MODELS[cfg.model], "engine", mesh, device, "fp32"),
+             VARIANTS[2]: _one_unit_torch(cfg, mesh, device),
+             VARIANTS[3]: build(cfg, MODELS[cfg.model], "torch", mesh, device, "fp32")}
     collectives = {}
     for name in VARIANTS[:2]:
         with CommMeter(count="model") as meter:
@@ -161,7 +160,8 @@ def main(argv=None):
     for ours, theirs in pairs:
         print(f"tokens/s {ours} / {theirs}: {medians[theirs] / medians[ours]:.2f}x")
     if text:
-        print("\ncProfile of 5 steps of the trainer's engine ZeRO-3 on rank 0 (by own time):")
+        print("\ncProfile of 5 steps of the engine's ZeRO-3 with a unit per module (the "
+              "trainer's before) on rank 0 (by own time):")
         print(text)
     return medians
 

@@ -87,7 +87,8 @@ def zero3_formula(model, psi: int, n: int, m: int) -> Formula:
         m * (theory.zero_comm_elements(psi, n, 3) - (n - 1) / n * kept) * 4,
         f"ZeRO-3: m x (N-1)/N x (3Ψ - Ψ_root) x 4 B: per micro-batch two all-gathers "
         f"(forward, backward) and one reduce-scatter (theory.zero_comm_elements), except "
-        f"the root unit's Ψ_root = {kept:,} parameters (the tied embedding), gathered once "
+        f"the root unit's Ψ_root = {kept:,} parameters (what is outside the blocks: the "
+        f"embeddings, the final norm, the tied head), gathered once "
         f"and kept through backward; N = {n}, m = {m}")
 
 

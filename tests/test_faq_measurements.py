@@ -56,6 +56,7 @@ def test_zero3_engine_rows_count_m_times_3u_minus_1_collectives_as_the_faq_says(
     engine, torch_ = zero3_trainer.VARIANTS[0], zero3_trainer.VARIANTS[2]
     assert f"**{units[engine]} units**" in FAQ and f"**{collectives[engine]} collectives**" \
         in FAQ and f"**{collectives[torch_]}** for FSDP" in FAQ
-    assert re.search(rf"\| tiny \| engine, as the trainer runs it \| {units[engine]} \| "
+    assert re.search(rf"\| tiny \| engine, a unit per module \(the trainer before\) \| "
+                     rf"{units[engine]} \| "
                      rf"{collectives[engine]} \|", FAQ)
     assert all(len(t) == 1 and t[0] > 0 for t in times.values())
