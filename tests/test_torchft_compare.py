@@ -6,9 +6,9 @@ with Nesterov momentum (0.7, 0.9), H = 2, three syncs, each replica its own batc
 fragment, and two (streaming DiLoCo, one Linear layer each, one outer optimizer per fragment as
 torchft's own trainer has it: a single outer SGD over the whole model would also step the
 fragments not being synced, on the inner gradients their ``.grad`` still holds). torchft
-runs as it is meant to: a ``LighthouseServer`` (its Rust quorum service, shipped in the wheel), one ``Manager`` per
-replica on its own ``TCPStore``, its ``ProcessGroupGloo``; the two replicas are threads of this
-process, as in torchft's own integration tests. The engine runs its two replicas as two Gloo
+runs as it is meant to: a ``LighthouseServer`` (its Rust quorum service, shipped in the
+wheel), one ``Manager`` per replica on its own ``TCPStore``, its ``ProcessGroupGloo``; the two
+replicas are threads of this process, as in torchft's own integration tests. The engine runs its two replicas as two Gloo
 ranks.
 
 Measured (torch 2.13 CPU, torchft 0.2.0): with ``Manager(init_sync=False)`` the losses and the
