@@ -8,8 +8,8 @@ torchft's own trainer has it: a single outer SGD over the whole model would also
 fragments not being synced, on the inner gradients their ``.grad`` still holds). torchft
 runs as it is meant to: a ``LighthouseServer`` (its Rust quorum service, shipped in the
 wheel), one ``Manager`` per replica on its own ``TCPStore``, its ``ProcessGroupGloo``; the two
-replicas are threads of this process, as in torchft's own integration tests. The engine runs its two replicas as two Gloo
-ranks.
+replicas are threads of this process, as in torchft's own integration tests. The engine runs
+its two replicas as two Gloo ranks.
 
 Measured (torch 2.13 CPU, torchft 0.2.0): with ``Manager(init_sync=False)`` the losses and the
 parameters are equal **bit for bit**. With torchft's default ``init_sync=True`` they differ, by
