@@ -3,7 +3,7 @@ quantize and dequantize)."""
 
 import torch
 
-E4M3 = torch.float8_e4m3fn
+_E4M3 = torch.float8_e4m3fn
 
 
 def _blocks(x, tile):
@@ -17,8 +17,8 @@ def _blocks(x, tile):
 def quantize_tiles(x, tile):
     blocks = _blocks(x, tile)
     amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
-    scales = torch.where(amax > 0, amax / torch.finfo(E4M3).max, torch.ones_like(amax))
-    q = (blocks / scales).to(E4M3).reshape(x.shape)
+    scales = torch.where(amax > 0, amax / torch.finfo(_E4M3).max, torch.ones_like(amax))
+    q = (blocks / scales).to(_E4M3).reshape(x.shape)
     return q, scales[:, 0, :, 0]
 
 

@@ -3,7 +3,7 @@ engine/precision/loss_scaler.py, DynamicLossScaler.update)."""
 
 import torch
 
-FP32_MAX = torch.finfo(torch.float32).max
+_FP32_MAX = torch.finfo(torch.float32).max
 
 
 def update_scale(scale, clean_steps, found_inf, growth_factor=2.0, backoff_factor=0.5,
@@ -12,7 +12,7 @@ def update_scale(scale, clean_steps, found_inf, growth_factor=2.0, backoff_facto
         return scale * backoff_factor, 0, True
     clean_steps += 1
     if clean_steps == growth_interval:
-        if scale * growth_factor <= FP32_MAX:
+        if scale * growth_factor <= _FP32_MAX:
             scale = scale * growth_factor
         clean_steps = 0
     return scale, clean_steps, False

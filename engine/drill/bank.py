@@ -127,11 +127,12 @@ class Scores:
         self.path.write_text(json.dumps(out, indent=1))
 
     def table(self) -> str:
-        lines = [f"{'topic':<18}{'right':>7}{'asked':>7}{'score':>8}"]
+        width = max(len(topic) for topic in TOPICS) + 2
+        lines = [f"{'topic':<{width}}{'right':>7}{'asked':>7}{'score':>8}"]
         for topic in TOPICS:
             right, total = self.counts(topic)
             score = f"{right / total:.0%}" if total else "-"
-            lines.append(f"{topic:<18}{right:>7}{total:>7}{score:>8}")
+            lines.append(f"{topic:<{width}}{right:>7}{total:>7}{score:>8}")
         earlier = sum(e["total"] for e in self.earlier.values())
         if earlier:
             lines.append(f"(includes {earlier} answers saved before results were kept per item; "

@@ -203,7 +203,7 @@ CHOICE = [
            "Measured: the stacked per-shard results are far from the whole matrix's (relative "
            "error of order one); distributed Muon gives each matrix an owner.", (C12, MUON)),
     Choice("fp8-gather-bytes", TOPIC,
-           "FSDP gathering its parameters in FP8 instead of bf16 sends:",
+           "What does FSDP send when it gathers its parameters in FP8 instead of bf16?",
            ("About half the bytes: one per element, plus one fp32 scale per rank",
             "A quarter of the bytes", "The same bytes: Gloo and NCCL pad FP8 to 16 bits"), 0,
            "Counted on the wire: 1000 elements per rank, FP8 1000 + 4 bytes against bf16's "

@@ -148,7 +148,7 @@ CHOICES = [
            "Measured on 4 replicas over 200 steps: local SGD at H = 50 trains steadily with 50 "
            "times fewer syncs, ending behind DDP. It only equals DDP at H = 1.", DILOCO),
     Choice("diloco-h1-is-ddp", TOPIC,
-           "DiLoCo with H = 1, inner SGD, outer SGD at lr 1 without momentum is ...",
+           "What is DiLoCo with H = 1, inner SGD, and outer SGD at lr 1 without momentum?",
            ("data parallelism: the same step, up to rounding", "worse than DDP by a factor "
             "of 2 in bytes", "local SGD with H = 2"), 0,
            "theta - mean(theta - (theta - lr g_i)) = theta - lr mean(g_i); engine.diloco's test "
