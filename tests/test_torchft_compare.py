@@ -8,8 +8,9 @@ torchft's own trainer has it: a single outer SGD over the whole model would also
 fragments not being synced, on the inner gradients their ``.grad`` still holds). torchft
 runs as it is meant to: a ``LighthouseServer`` (its Rust quorum service, shipped in the
 wheel), one ``Manager`` per replica on its own ``TCPStore``, its ``ProcessGroupGloo``; the two
-replicas are threads of this process, as in torchft's own integration tests. The engine runs
-its two replicas as two Gloo ranks.
+replicas are threads of one process, as in torchft's own integration tests (a freshly
+spawned one: torchft leaves native threads running, and pytest's process forks the ranks of
+later tests). The engine runs its two replicas as two Gloo ranks.
 
 Measured (torch 2.13 CPU, torchft 0.2.0): with ``Manager(init_sync=False)`` the losses and the
 parameters are equal **bit for bit**. With torchft's default ``init_sync=True`` they differ, by
@@ -157,15 +158,85 @@ def _assert_same(ours, theirs) -> None:
             assert torch.equal(t, their_state[name]), name
 
 
-@pytest.mark.timeout(120)
+# -- every torchft run that uses threads, in one fresh process --------------------------------
+
+
+def _torchft_thread_runs() -> dict:
+    """The DiLoCo runs and the late-join run, whose replicas are threads of one process."""
+    return {"diloco": {(fragments, init_sync): _torchft_run(fragments, init_sync)
+                       for fragments, init_sync in ((1, False), (2, False), (1, True))},
+            "late join": _torchft_late_join()}
+
+
+def _run_and_send(writer, fn) -> None:
+    import io
+    import os
+    import traceback
+
+    torch.set_num_threads(1)
+    try:
+        out = ("ok", fn())
+    except BaseException:  # noqa: BLE001 (reported to the test, which raises it)
+        out = ("error", traceback.format_exc())
+    buffer = io.BytesIO()
+    torch.save(out, buffer)
+    writer.send_bytes(buffer.getvalue())
+    writer.close()
+    os._exit(0)  # torchft's threads are not joined by shutdown: do not wait for them
+
+
+def _in_a_fresh_process(fn, timeout_s: float = 100.0):
+    """``fn()`` in a freshly spawned process, its result sent back. torchft's lighthouse and
+    managers leave native threads running after ``shutdown()``, and a process with threads
+    must not fork: ``engine.launch`` forks the ranks of every later test from pytest's own
+    process (a rank hung in tests/test_tp.py after this file ran its threads in-process)."""
+    import io
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    reader, writer = context.Pipe(duplex=False)
+    child = context.Process(target=_run_and_send, args=(writer, fn))
+    child.start()
+    writer.close()
+    try:
+        if not reader.poll(timeout_s):
+            raise TimeoutError(f"{fn.__name__} sent nothing in {timeout_s} s")
+        status, result = torch.load(io.BytesIO(reader.recv_bytes()), weights_only=False)
+    finally:
+        child.join(timeout=10)
+        if child.is_alive():
+            child.kill()
+            child.join(timeout=5)
+        reader.close()
+    if status != "ok":
+        raise RuntimeError(f"{fn.__name__} failed in its process:\n{result}")
+    return result
+
+
+def _threads() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.fixture(scope="module")
+def torchft_runs():
+    before = _threads()
+    runs = _in_a_fresh_process(_torchft_thread_runs)
+    assert _threads() == before, "torchft left threads in pytest's process, which forks ranks"
+    return runs
+
+
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("fragments", [1, 2])
-def test_torchft_diloco_equals_the_engine_bit_for_bit(fragments):
-    _assert_same(run_ranks(_engine_rank, 2, fragments, False), _torchft_run(fragments, False))
+def test_torchft_diloco_equals_the_engine_bit_for_bit(fragments, torchft_runs):
+    _assert_same(run_ranks(_engine_rank, 2, fragments, False),
+                 torchft_runs["diloco"][fragments, False])
 
 
-@pytest.mark.timeout(120)
-def test_torchft_init_sync_replaces_the_first_window_with_replica_0s():
-    theirs = _torchft_run(1, True)
+@pytest.mark.timeout(150)
+def test_torchft_init_sync_replaces_the_first_window_with_replica_0s(torchft_runs):
+    theirs = torchft_runs["diloco"][1, True]
     healed = run_ranks(_engine_rank, 2, 1, True)  # replica 1 on replica 0's first batches
     _assert_same(healed[:1], theirs[:1])  # replica 0: every loss and parameter
     (state, losses), (their_state, their_losses) = healed[1], theirs[1]
@@ -230,8 +301,9 @@ def engine_failure_run():
                             group_size=2)
 
 
-@pytest.mark.timeout(120)
-def test_a_late_replica_heals_from_a_peer_in_torchft_and_in_the_engine(engine_failure_run):
+def _torchft_late_join() -> dict:
+    """Three Manager replicas as threads; replica 2 starts once replica 0 is at step 4.
+    ``{replica: (seconds from its start to its first committed step, its state)}``."""
     import threading
     import time
 
@@ -254,6 +326,13 @@ def test_a_late_replica_heals_from_a_peer_in_torchft_and_in_the_engine(engine_fa
             t.join(timeout=90)
     finally:
         lighthouse.shutdown()
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_a_late_replica_heals_from_a_peer_in_torchft_and_in_the_engine(torchft_runs,
+                                                                        engine_failure_run):
+    out = torchft_runs["late join"]
     assert sorted(out) == [0, 1, 2]
     for replica in (1, 2):  # the late replica healed to the survivors' bits and kept them
         for name, t in out[0][1].items():
