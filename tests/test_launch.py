@@ -63,21 +63,6 @@ def test_no_process_is_left_behind_after_success():
     assert descendants() == []
 
 
-def _late_group(rank, world_size):
-    if rank != 0:
-        time.sleep(1.0)  # rank 0 is outside the group: its new_group returns at once
-    group = dist.new_group([1, 2])  # the members rendezvous through rank 0's store
-    if rank != 0:
-        dist.all_reduce(torch.ones(1), group=group)
-    return rank
-
-
-def test_rank_0_keeps_the_store_until_every_rank_is_done_with_it():
-    """Rank 0 hosts the rendezvous store: before engine.launch.rank.leave it exited as soon
-    as its own new_group returned, and the group's members failed with "Failed to recv"."""
-    assert run_ranks(_late_group, 3) == [0, 1, 2]
-
-
 def test_two_launches_at_once_do_not_collide(tmp_path):
     """Each launch's rendezvous store takes a port the OS hands out, so parallel runs coexist."""
     script = tmp_path / "job.py"

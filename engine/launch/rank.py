@@ -16,7 +16,6 @@ import os
 import pickle
 import signal
 import sys
-import time
 import traceback
 from datetime import timedelta
 
@@ -39,7 +38,7 @@ def rank_main(fn, rank, world_size, args, backend, timeout, port, port_ready, ou
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     capture_output(out_path)
     torch.set_num_threads(1)
-    code, store = 0, None
+    code = 0
     try:
         store = rendezvous(rank, world_size, timeout, port, port_ready)
         # as torchrun sets them, for fn's own code and any process it starts
@@ -75,37 +74,12 @@ def rank_main(fn, rank, world_size, args, backend, timeout, port, port_ready, ou
                 ),
             )
         )
-    leave(store, rank, world_size, timeout, wait=code == 0)
     try:
         sys.stdout.flush()  # all output is in the file before the parent hears back
         sys.stderr.flush()
         conn.send_bytes(message)
     finally:
         os._exit(code)  # skip atexit handlers inherited from the parent (Jupyter, torch)
-
-
-DONE_KEY = "engine.launch/done"
-
-
-def leave(store, rank: int, world_size: int, timeout: float, wait: bool = True) -> None:
-    """Rank 0 serves the rendezvous store, so it must not exit while another rank still talks
-    to it: ``dist.new_group`` returns at once on a rank outside the group while the members
-    are still connecting through the store (seen: 8 ranks building a mesh, rank 0 done first,
-    rank 3 failing with "Failed to recv ... Connection was likely closed"). Every rank counts
-    itself out in the store; rank 0, when ``fn`` returned (``wait``), waits at most
-    ``timeout`` seconds until all have: a rank 0 that failed reports at once. A rank that
-    failed counts itself out too; one that died does not, and the parent, which stops every
-    rank when one fails, ends the wait."""
-    if store is None:
-        return
-    try:
-        store.add(DONE_KEY, 1)
-        give_up = time.monotonic() + timeout
-        while wait and rank == 0 and store.add(DONE_KEY, 0) < world_size and \
-                time.monotonic() < give_up:
-            time.sleep(0.005)
-    except Exception:  # noqa: BLE001 - the store is gone: nothing left to wait for
-        pass
 
 
 def _safe_str(e: BaseException) -> str:
