@@ -94,9 +94,12 @@ def _over_every_replica(tensor, quorum, replica, store, timeout_s=5.0):
 
 def test_quorum_average_check_catches_a_group_of_every_replica():
     """Its collectives pair with other quorums' calls, then wait on replicas that are gone:
-    named as such once a peer's connection closes (about 8 s on a loaded 2-core machine)."""
+    named as such once a peer's connection closes (about 8 s on a loaded 2-core machine).
+    The check after it (input_left_intact) may fail too or not, depending on when the broken
+    group's stray messages arrive (seen both ways in CI): only the check that names the
+    mistake is asserted."""
     name = "ch11.quorum_average"
-    assert _failing(name, _over_every_replica) == {"mean_over_the_live_replicas"}
+    assert "mean_over_the_live_replicas" in _failing(name, _over_every_replica)
     assert "Build a group of the members only" in _messages(name, _over_every_replica)
 
 
