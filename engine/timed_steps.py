@@ -143,7 +143,7 @@ def traffic_by_group(events, mesh: Mesh, more: dict | None = None) -> dict[str, 
     for event in events:
         point_to_point = event.op in ("send", "recv", "isend", "irecv")
         kind = kinds.get(event.group, "other")
-        if point_to_point and kind != "cp":  # ring attention's K/V blocks go round cp
+        if point_to_point:  # the older paths send point to point for the pipeline only
             kind = "pp"
         if event.op == "all_to_all" and "ep" in groups:  # dispatch and combine, even when
             kind = "ep"  # the expert-parallel group is every rank
