@@ -85,21 +85,33 @@ def _state(model) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _torchft_replica(replica: int, lighthouse: str, model, fragments: int, init_sync: bool):
+def _manager(replica: int, lighthouse: str, model, optimizer, timeout_s: float = 20.0,
+             quorum_timeout_s: float | None = None, **options):
+    """One replica's torchft ``Manager`` on its own ``TCPStore`` and Gloo group: a quorum per
+    step from ``lighthouse``, healing a late replica with ``model`` and ``optimizer``'s state.
+    Returns ``(manager, store)``: the store must outlive the manager."""
     from torchft import Manager, ProcessGroupGloo
-    from torchft.local_sgd import DiLoCo as TorchftDiLoCo
 
     store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    timeout = datetime.timedelta(seconds=20)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    quorum_timeout = timeout if quorum_timeout_s is None else \
+        datetime.timedelta(seconds=quorum_timeout_s)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timeout), min_replica_size=2, use_async_quorum=False,
         load_state_dict=lambda s: (model.load_state_dict(s["model"]),
-                                   inner.load_state_dict(s["inner"])),
-        state_dict=lambda: {"model": model.state_dict(), "inner": inner.state_dict()},
+                                   optimizer.load_state_dict(s["optimizer"])),
+        state_dict=lambda: {"model": model.state_dict(), "optimizer": optimizer.state_dict()},
         replica_id=str(replica), store_addr="localhost", store_port=store.port, rank=0,
         world_size=1, lighthouse_addr=lighthouse, port=0, hostname="localhost",
-        timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout, init_sync=init_sync)
+        timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=timeout, **options)
+    return manager, store
+
+
+def _torchft_replica(replica: int, lighthouse: str, model, fragments: int, init_sync: bool):
+    from torchft.local_sgd import DiLoCo as TorchftDiLoCo
+
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    manager, store = _manager(replica, lighthouse, model, inner, init_sync=init_sync)
     layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
     parts = [model] if fragments == 1 else layers
     # one outer optimizer per fragment, as torchft's own trainer has it: a single one over
@@ -257,20 +269,9 @@ def _torchft_manager_replica(replica: int, lighthouse: str, model, steps: int, p
     heals from a peer (torchft's HTTP checkpoint transport, from memory)."""
     import time
 
-    from torchft import Manager, ProcessGroupGloo
-
     began = time.perf_counter()
-    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    timeout = datetime.timedelta(seconds=20)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout), min_replica_size=2, use_async_quorum=False,
-        load_state_dict=lambda s: (model.load_state_dict(s["model"]),
-                                   optimizer.load_state_dict(s["optimizer"])),
-        state_dict=lambda: {"model": model.state_dict(), "optimizer": optimizer.state_dict()},
-        replica_id=str(replica), store_addr="localhost", store_port=store.port, rank=0,
-        world_size=1, lighthouse_addr=lighthouse, port=0, hostname="localhost",
-        timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout)
+    manager, store = _manager(replica, lighthouse, model, optimizer)
     first = None
     try:
         while manager.current_step() < steps:
@@ -368,23 +369,12 @@ def _torchft_process(replica: int, incarnation: int, lighthouse: str, go, stop_a
 
     began = time.perf_counter()
     torch.set_num_threads(1)  # as engine.launch's ranks: torch's thread pool after a fork
-    from torchft import Manager, ProcessGroupGloo
-
     from tests.test_ft import _loss as ft_loss, _model as ft_model, _optimizer as ft_optimizer
 
     model = ft_model()
     optimizer = ft_optimizer(model)
-    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    timeout = datetime.timedelta(seconds=10)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout), min_replica_size=2, use_async_quorum=False,
-        load_state_dict=lambda s: (model.load_state_dict(s["model"]),
-                                   optimizer.load_state_dict(s["optimizer"])),
-        state_dict=lambda: {"model": model.state_dict(), "optimizer": optimizer.state_dict()},
-        replica_id=str(replica), store_addr="localhost", store_port=store.port, rank=0,
-        world_size=1, lighthouse_addr=lighthouse, port=0, hostname="localhost",
-        timeout=timeout, quorum_timeout=datetime.timedelta(seconds=30),
-        connect_timeout=timeout)
+    manager, store = _manager(replica, lighthouse, model, optimizer, timeout_s=10.0,
+                              quorum_timeout_s=30.0)
     pid, iterations, log, first, step, step_began, attempts = os.getpid(), 0, [], None, -1, 0, 0
     try:
         reports.send(("ready", pid))
