@@ -31,6 +31,17 @@ ranks create every group, in the same order; a set of ranks already built is reu
 pipeline stages, the first and the last stage of each (dp, cp, tp) position also share an
 *embedding group*: a GPT's input embedding and its tied output layer live on those two
 stages, and their gradients are summed there (Megatron-LM does the same).
+
+**Sub-axes.** :meth:`Mesh.split` unflattens one dimension into ``outer x inner``, inner
+fastest, as PyTorch's ``DeviceMesh`` unflattens a dimension: torchtitan's HSDP cuts ``dp`` into
+``dp_replicate x dp_shard`` (:class:`engine.zero.hsdp.HybridShardedDataParallel`), USP cuts
+``cp`` into ``cp_ring x cp_ulysses`` (:func:`engine.cp.usp_groups`; Fang & Zhao 2024), so a
+shard group (or a Ulysses group) is ``inner`` consecutive indices of the dimension and a
+replica group (or a ring) the indices with the same place in theirs. ``init_device_mesh`` with
+``("pp", "dp_replicate", "dp_shard", "cp", "tp")`` or ``("pp", "dp", "cp_ring", "cp_ulysses",
+"tp")`` gives the same rank sets (tests/test_mesh.py). The groups of a split are built on its
+first call and cached on the mesh: that first call is collective, so every rank makes the same
+splits in the same order. No other module creates a group of the layout.
 """
 
 from __future__ import annotations
@@ -39,9 +50,10 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from engine.validation import positive_int
+from engine.validation import divides, positive_int
 
 DIMENSIONS = ("pp", "dp", "cp", "tp")  # slowest to fastest: init_device_mesh's order
+SUB_AXES = {"dp": ("dp_replicate", "dp_shard"), "cp": ("cp_ring", "cp_ulysses")}  # outer, inner
 
 
 @dataclass(frozen=True)
@@ -55,15 +67,17 @@ class Coordinates:
     ep: int = field(default=0, repr=False)
 
 
-def new_groups(groups: list[list[int]], rank: int):
-    """Create every group of ``groups`` (every rank must call this, with the same lists in the
-    same order, as ``dist.new_group`` requires); return the one holding ``rank``."""
-    mine = None
-    for ranks in groups:
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            mine = group
-    return mine
+def split_rank_sets(sets: list[list[int]], inner: int) -> tuple[list[list[int]],
+                                                                 list[list[int]]]:
+    """Each group of ``sets`` (its ranks in index order) unflattened into ``outer x inner``,
+    inner fastest: ``(inner groups, outer groups)``, the inner ones ``inner`` consecutive
+    members, the outer ones the members with the same place in their inner group. Pure."""
+    positive_int("inner", inner)
+    for ranks in sets:
+        divides("inner", inner, "the size of the dimension it splits", len(ranks))
+    inner_sets = [ranks[g:g + inner] for ranks in sets for g in range(0, len(ranks), inner)]
+    outer_sets = [ranks[j::inner] for ranks in sets for j in range(inner)]
+    return inner_sets, outer_sets
 
 
 def check_mesh(world: int, dp: int = 1, cp: int = 1, ep: int = 1, tp: int = 1,
@@ -97,6 +111,7 @@ class Mesh:
         self.rank = dist.get_rank()
         self.coords = self.coordinates(self.rank)
         self._built: dict[tuple[int, ...], object] = {}
+        self._splits: dict[tuple[str, int], tuple] = {}
         # the 3D groups first, each created anew in its historical order (as before cp and
         # ep existed); then what cp and ep add, reusing a group whose ranks exist already
         self.tp_group = self._build(self.rank_sets("tp"), reuse=False)
@@ -143,6 +158,25 @@ class Mesh:
             key = tuple(v for i, v in enumerate((p, d, c, t)) if i not in varying)
             groups.setdefault(key, []).append(self.rank_of(d, t, p, c))
         return list(groups.values())
+
+    def split(self, dim: str, inner: int):
+        """``(inner_group, outer_group)`` of this rank: dimension ``dim`` unflattened into
+        ``outer x inner`` (:func:`split_rank_sets`; ``dp`` into ``dp_replicate x dp_shard``,
+        ``cp`` into ``cp_ring x cp_ulysses``). Built on the first call for ``(dim, inner)``,
+        then cached: that first call is collective (every rank makes it, in the same order)."""
+        key = (dim, inner)
+        if key not in self._splits:
+            inner_sets, outer_sets = self.split_rank_sets(dim, inner)
+            self._splits[key] = (self._build(inner_sets), self._build(outer_sets))
+        return self._splits[key]
+
+    def split_rank_sets(self, dim: str, inner: int) -> tuple[list[list[int]], list[list[int]]]:
+        """``(inner groups, outer groups)`` of :meth:`split` as lists of global ranks. Pure."""
+        if dim not in DIMENSIONS:
+            raise ValueError(f"a split cuts one of the dimensions {DIMENSIONS}, got {dim!r}")
+        positive_int(f"inner ({dim} split)", inner)
+        divides(f"inner ({dim} split)", inner, dim, getattr(self, dim))
+        return split_rank_sets(self.rank_sets(dim), inner)
 
     def _build(self, groups: list[list[int]], reuse: bool = True):
         mine = None

@@ -1,14 +1,16 @@
 """engine.topology.Mesh with every named dimension: dp x cp x tp x pp, ep borrowed from dp x cp.
 
-The rank sets equal ``init_device_mesh``'s with the same names; the 3D numbering (cp = ep = 1)
-is unchanged; the gradient groups are the ones the parallelisms need."""
+The rank sets equal ``init_device_mesh``'s with the same names, the sub-axes of ``Mesh.split``
+(dp_replicate x dp_shard, cp_ring x cp_ulysses) too; the 3D numbering (cp = ep = 1) is
+unchanged; the gradient groups are the ones the parallelisms need."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine.comm import ops
-from engine.topology import Mesh, check_mesh
+from engine.topology import DIMENSIONS, SUB_AXES, Mesh, check_mesh, split_rank_sets
+from engine.zero.hsdp import hsdp_rank_sets
 from tests.helpers import run_ranks
 
 GROUPS = ("dp", "cp", "tp", "pp", "dp_cp", "ep", "expert_dp")
@@ -84,3 +86,70 @@ def test_bad_degrees_are_refused_naming_the_value():
         check_mesh(4, dp=2, cp=2, ep=3)
     with pytest.raises(ValueError, match="cp must be a positive int, got 0"):
         check_mesh(4, dp=2, cp=0)
+
+
+# -- sub-axes: Mesh.split, as DeviceMesh unflattens a dimension ---------------------------------
+
+SPLITS = {  # world: (dimension, inner, the Mesh's degrees), each split nontrivially
+    4: [("dp", 2, {"dp": 4}), ("cp", 2, {"cp": 4})],  # HSDP's and usp_groups' default meshes
+    8: [("dp", 2, {"dp": 4, "tp": 2}), ("cp", 2, {"cp": 4, "pp": 2})],
+}
+
+
+def _splits(rank, world_size):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    found = []
+    for dim, inner, degrees in SPLITS[world_size]:
+        mesh = Mesh(**degrees)
+        groups = mesh.split(dim, inner=inner)
+        cached = mesh.split(dim, inner=inner) == groups
+        outer_name, inner_name = SUB_AXES[dim]
+        sizes = {"pp": mesh.pp, "dp": mesh.dp, "cp": mesh.cp, "tp": mesh.tp,
+                 outer_name: getattr(mesh, dim) // inner, inner_name: inner}
+        names = tuple(n for d in DIMENSIONS for n in ((outer_name, inner_name) if d == dim
+                                                      else (d,)))
+        device_mesh = init_device_mesh("cpu", tuple(sizes[n] for n in names),
+                                       mesh_dim_names=names)
+        theirs = {n: tuple(dist.get_process_group_ranks(device_mesh[n].get_group()))
+                  for n in (inner_name, outer_name)}
+        ours = dict(zip((inner_name, outer_name), map(ops.group_ranks, groups)))
+        found.append((ours, theirs, cached))
+    errors = []
+    for dim, inner in (("cp", 3), ("ep", 2)):  # refused before any group is built
+        with pytest.raises(ValueError) as refused:
+            Mesh(dp=world_size).split(dim, inner=inner)
+        errors.append(str(refused.value))
+    return found, errors
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_split_axes_equal_init_device_mesh(world):
+    layout = run_ranks(_splits, world)
+    for rank, (found, _) in enumerate(layout):
+        for ours, theirs, cached in found:
+            assert ours == theirs, (rank, ours, theirs)
+            assert cached, rank
+    if world == 4:  # hsdp_rank_sets and the Ulysses groups of consecutive ranks, as before
+        shards, replicas = hsdp_rank_sets(4, 2)
+        for rank, (found, _) in enumerate(layout):
+            (hsdp, _, _), (usp, _, _) = found
+            assert hsdp["dp_shard"] == tuple(shards[rank // 2]), rank
+            assert hsdp["dp_replicate"] == tuple(replicas[rank % 2]), rank
+            assert (usp["cp_ulysses"], usp["cp_ring"]) == (hsdp["dp_shard"],
+                                                          hsdp["dp_replicate"]), rank
+    else:  # rank 5: dp 2 / tp 1 of dp4 x tp2; pp 1 / cp 1 of pp2 x cp4
+        (hsdp, _, _), (usp, _, _) = layout[5][0]
+        assert (hsdp["dp_shard"], hsdp["dp_replicate"]) == ((5, 7), (1, 5))
+        assert (usp["cp_ulysses"], usp["cp_ring"]) == ((4, 5), (5, 7))
+    assert layout[0][1] == ["inner (cp split) = 3 must divide cp = 1 (1 % 3 = 1)",
+                            f"a split cuts one of the dimensions {DIMENSIONS}, got 'ep'"]
+
+
+def test_split_rank_sets_cut_each_group_inner_fastest():
+    assert split_rank_sets([[0, 2, 4, 6], [1, 3, 5, 7]], 2) == (
+        [[0, 2], [4, 6], [1, 3], [5, 7]], [[0, 4], [2, 6], [1, 5], [3, 7]])
+    with pytest.raises(ValueError, match=r"inner = 3 must divide the size of the dimension it "
+                                         r"splits = 4"):
+        split_rank_sets([[0, 1, 2, 3]], 3)

@@ -2,13 +2,13 @@
 of ``U`` context-parallel ranks, ring attention across ``R`` such groups (``--cp-method
 usp:UxR``, ``cp = U x R``).
 
-:func:`engine.cp.usp_groups` cuts the whole world; here every context-parallel group of
-:class:`engine.topology.Mesh` (ranks ``c = 0 .. cp-1`` at fixed dp, tp and pp coordinates) is
-cut the same way: its Ulysses groups are ``U`` consecutive cp indices ``c = g U .. (g+1) U - 1``
-(ring index ``g``), its rings the cp indices with the same place ``j`` in their Ulysses group.
-Every rank creates every group, in the same order. A rank of cp index ``c`` holds the tokens
-:func:`engine.cp.usp_indices` names: ring share ``c // U`` (zig-zag over the ``R`` rings),
-its ``c % U``-th consecutive piece.
+Every context-parallel group of :class:`engine.topology.Mesh` (ranks ``c = 0 .. cp-1`` at
+fixed dp, tp and pp coordinates) is cut by :meth:`engine.topology.Mesh.split` (``cp`` into
+``cp_ring x cp_ulysses``, as :func:`engine.cp.usp_groups` does): its Ulysses groups are ``U``
+consecutive cp indices ``c = g U .. (g+1) U - 1`` (ring index ``g``), its rings the cp indices
+with the same place ``j`` in their Ulysses group; the mesh builds them once and caches them.
+A rank of cp index ``c`` holds the tokens :func:`engine.cp.usp_indices` names: ring share
+``c // U`` (zig-zag over the ``R`` rings), its ``c % U``-th consecutive piece.
 
 The attention runs :func:`engine.cp.usp_attention` with ``check=False``: its check is a
 collective over the whole world, which the ranks of other pipeline stages do not join at the
@@ -22,18 +22,14 @@ import functools
 
 import torch
 
-from engine.cp import usp_attention, usp_indices
-from engine.topology import Mesh, new_groups
+from engine.cp import usp_attention, usp_groups, usp_indices
+from engine.topology import Mesh
 
 
 def mesh_usp_groups(mesh: Mesh, ulysses: int):
     """``(ulysses_group, ring_group)`` of this rank inside its context-parallel group.
-    Collective: every rank calls it."""
-    cp_sets = mesh.rank_sets("cp")  # each ordered by cp index
-    uly = [ranks[g * ulysses:(g + 1) * ulysses] for ranks in cp_sets
-           for g in range(len(ranks) // ulysses)]
-    ring = [ranks[j::ulysses] for ranks in cp_sets for j in range(ulysses)]
-    return new_groups(uly, mesh.rank), new_groups(ring, mesh.rank)
+    Collective on the first call for a mesh: every rank calls it."""
+    return usp_groups(ulysses, mesh)
 
 
 def usp_core(mesh: Mesh, ulysses: int):

@@ -26,20 +26,21 @@ from engine.cp.checks import check_attention_inputs, check_same_on_every_rank
 from engine.cp.layout import check_sequence_split, shard_indices
 from engine.cp.ring import ring_attention
 from engine.cp.ulysses import check_ulysses_heads, gather_heads, scatter_heads
-from engine.topology import new_groups
+from engine.topology import Mesh
 from engine.validation import divides
 
 
-def usp_groups(ulysses: int):
-    """``(ulysses_group, ring_group)`` of this rank: Ulysses groups of ``ulysses`` consecutive
-    ranks, rings of the ranks with the same place in their Ulysses group. Collective: every
-    rank must call it."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    divides("ulysses", ulysses, "the world size", world)
-    rings = world // ulysses
-    uly = new_groups([list(range(g * ulysses, (g + 1) * ulysses)) for g in range(rings)], rank)
-    ring = new_groups([list(range(j, world, ulysses)) for j in range(ulysses)], rank)
-    return uly, ring
+def usp_groups(ulysses: int, mesh: Mesh | None = None):
+    """``(ulysses_group, ring_group)`` of this rank: the ``cp`` dimension of ``mesh``
+    (``Mesh(cp=world)`` by default) split into ``cp_ring x cp_ulysses``
+    (:meth:`engine.topology.Mesh.split`): Ulysses groups of ``ulysses`` consecutive
+    context-parallel ranks, rings of the ranks with the same place in their Ulysses group.
+    Collective: every rank must call it."""
+    if mesh is None:
+        world = dist.get_world_size()
+        divides("ulysses", ulysses, "the world size", world)
+        mesh = Mesh(cp=world)
+    return mesh.split("cp", inner=ulysses)
 
 
 def usp_indices(seq_len: int, ring: int, ulysses: int, rank: int, layout: str = "zigzag"

@@ -11,6 +11,10 @@ and reduce-scatters the gradients. The ranks holding the same shard in the ``R``
 (the slow links) and divides by ``R``, so every replica takes the step of ZeRO-3 over all
 ``R·S`` ranks.
 
+The groups are views of the one mesh: :meth:`engine.topology.Mesh.split` cuts its ``dp``
+dimension into ``dp_replicate x dp_shard`` (torchtitan's names, ``init_device_mesh``'s rank
+sets), ``Mesh(dp=world)`` unless a mesh is given.
+
 With ``stage=2`` the shard group runs ZeRO-2 instead (:class:`engine.zero.ZeroOptimizer`;
 PyTorch FSDP's ``ShardingStrategy._HYBRID_SHARD_ZERO2``): the parameters stay whole on every
 rank (no gather in forward or backward), the gradients are reduce-scattered over the shard
@@ -38,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.comm import ops
-from engine.topology import new_groups
+from engine.topology import Mesh, split_rank_sets
 from engine.validation import divides, positive_int
 from engine.zero.optimizer import ZeroOptimizer
 from engine.zero.stage3 import ZeroDataParallel
@@ -49,9 +53,7 @@ def hsdp_rank_sets(world: int, shard_size: int) -> tuple[list[list[int]], list[l
     shard group; the ranks with the same index in each shard group per replica group. Pure."""
     positive_int("shard_size", shard_size)
     divides("shard_size (ranks per shard group)", shard_size, "the world size", world)
-    replicas = world // shard_size
-    shards = [list(range(g * shard_size, (g + 1) * shard_size)) for g in range(replicas)]
-    return shards, [list(range(i, world, shard_size)) for i in range(shard_size)]
+    return split_rank_sets([list(range(world))], shard_size)  # Mesh(dp=world).split("dp", S)
 
 
 class HybridShardedDataParallel(nn.Module):
@@ -59,18 +61,23 @@ class HybridShardedDataParallel(nn.Module):
     then ``model(x)...backward(); model.optimizer.step(); model.optimizer.zero_grad()``.
 
     Args:
-        module: the model; the first rank's parameters are copied to every rank.
+        module: the model; the first rank's parameters are copied to every rank (of the
+            mesh's dp dimension).
         optimizer_cls, **kwargs: the optimizer, run on this rank's shards.
-        shard_size: S, the ranks of one shard group (must divide the world size).
+        shard_size: S, the ranks of one shard group (must divide the world size, or the
+            mesh's dp).
         units: as for :class:`engine.zero.ZeroDataParallel` (ZeRO-3 only).
         stage: 3 (the default) or 2: ZeRO's stage inside the shard group.
+        mesh: the :class:`engine.topology.Mesh` whose ``dp`` dimension HSDP splits into
+            ``dp_replicate x dp_shard`` (:meth:`~engine.topology.Mesh.split`); by default
+            ``Mesh(dp=world)``, which gives :func:`hsdp_rank_sets`.
 
     ``.shard_group``, ``.replica_group``, ``.replicas`` (R), ``.stage`` and ``.zero`` (the
     ZeRO-3 wrapper over the shard group; at stage 2 the ZeRO-2 optimizer) are public.
     """
 
     def __init__(self, module: nn.Module, optimizer_cls, shard_size: int, units=None,
-                 stage: int = 3, **kwargs):
+                 stage: int = 3, mesh: Mesh | None = None, **kwargs):
         super().__init__()
         if stage not in (2, 3):
             raise ValueError(f"HSDP runs ZeRO-2 or ZeRO-3 inside a shard group; stage must be "
@@ -78,14 +85,15 @@ class HybridShardedDataParallel(nn.Module):
         if stage == 2 and units is not None:
             raise ValueError("units are ZeRO-3's gather units; at stage 2 the parameters stay "
                              "whole: leave units=None")
-        world, rank = dist.get_world_size(), dist.get_rank()
-        shard_sets, replica_sets = hsdp_rank_sets(world, shard_size)
-        self.shard_size, self.replicas, self.stage = shard_size, world // shard_size, stage
-        self.shard_group = new_groups(shard_sets, rank)
-        self.replica_group = new_groups(replica_sets, rank)
+        if mesh is None:
+            hsdp_rank_sets(dist.get_world_size(), shard_size)  # the error names the world size
+            mesh = Mesh(dp=dist.get_world_size())
+        self.shard_size, self.replicas, self.stage = shard_size, mesh.dp // shard_size, stage
+        self.shard_group, self.replica_group = mesh.split("dp", inner=shard_size)
+        root = ops.group_ranks(self.replica_group)[0]
         with torch.no_grad():  # group 0's parameters everywhere (ZeRO-3 then copies its root's)
             for p in module.parameters():
-                ops.broadcast(p.data, replica_sets[rank % shard_size][0], self.replica_group)
+                ops.broadcast(p.data, root, self.replica_group)
         if stage == 3:
             self.zero = ZeroDataParallel(module, optimizer_cls, units, group=self.shard_group,
                                          **kwargs)
