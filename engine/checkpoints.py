@@ -154,7 +154,8 @@ class AsyncSaver:
         every rank, at the same step."""
         start = time.perf_counter()
         self.wait()
-        if self.group is None:  # every rank creates it here, at the same save
+        if self.group is None:  # every rank creates it here, at the same save; a Gloo side
+            # channel of the whole world for the background write, no axis of the Mesh
             self.group = dist.new_group(backend="gloo")
         temporary = step_dir(root, step).with_name(f".step-{step:08d}.tmp")
         taken = take_agreed(temporary, lambda: snapshot(strategy, host=True))

@@ -38,6 +38,7 @@ def _built_in_collectives_blocked():
 
 
 def _ring_on_rank(rank, world_size, impl, numel, subgroup):
+    # a subgroup to test the learner's ring on, not an axis of the layout: no Mesh needed
     group = dist.new_group([1, 3]) if subgroup else None
     t = ((torch.arange(numel) * 3 + rank * 5) % 13).float()
     expected = t.clone()
