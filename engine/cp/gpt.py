@@ -18,10 +18,10 @@ Megatron-Core reduces gradients over the combined data x context group; here
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from engine.cp.allgather import allgather_attention
@@ -34,30 +34,21 @@ from engine.validation import one_of
 ATTENTIONS = ("ring", "ulysses", "allgather")
 
 
-class ContextParallelAttention(nn.Module):
-    """A :class:`engine.models.CausalSelfAttention` whose attention spans the group's tokens."""
-
-    def __init__(self, attn: nn.Module, group=None, layout: str = "zigzag",
-                 attention: str = "ring"):
-        super().__init__()
-        self.qkv, self.proj, self.heads = attn.qkv, attn.proj, attn.heads
-        self.group, self.layout, self.attention = group, layout, attention
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2)
-                   for t in self.qkv(x).split(h, dim=2))
-        if self.attention == "ring":
-            y = ring_attention(q, k, v, self.group, causal=True, layout=self.layout)
-        elif self.attention == "allgather":
-            y = allgather_attention(q, k, v, self.group, causal=True, layout=self.layout)
-        else:
-            y = ulysses_attention(q, k, v, self.group, causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, s, h))
+def context_parallel_core(group=None, layout: str = "zigzag", attention: str = "ring"):
+    """The attention ``core(q, k, v)`` of an :class:`engine.models.Attention` that spans the
+    tokens of ``group``: ring, all-gather or Ulysses attention, causal."""
+    one_of("attention", attention, ATTENTIONS)
+    if attention == "ring":
+        return functools.partial(ring_attention, group=group, causal=True, layout=layout)
+    if attention == "allgather":
+        return functools.partial(allgather_attention, group=group, causal=True, layout=layout)
+    return functools.partial(ulysses_attention, group=group, causal=True)
 
 
 class ContextParallelGPT(nn.Module):
-    """A copy of ``gpt`` (an :class:`engine.models.TinyGPT`) that takes this rank's tokens.
+    """A copy ``.gpt`` of ``gpt`` (an :class:`engine.models.TinyGPT`) that takes this rank's
+    tokens: each attention's ``core`` spans the group (:func:`context_parallel_core`), the
+    positions are the ones this rank holds. Nothing else changes.
 
     ``attention="ulysses"`` needs the contiguous layout and heads divisible by the group size.
     """
@@ -71,8 +62,9 @@ class ContextParallelGPT(nn.Module):
                              f"layout='contiguous', not {layout!r}")
         self.group, self.layout = group, layout
         self.gpt = copy.deepcopy(gpt)
+        core = context_parallel_core(group, layout, attention)
         for block in self.gpt.blocks:
-            block.attn = ContextParallelAttention(block.attn, group, layout, attention)
+            block.attn.core = core
 
     def positions(self, local_len: int, device=None) -> torch.Tensor:
         """The positions in the whole sequence of this rank's ``local_len`` tokens."""
@@ -81,16 +73,11 @@ class ContextParallelGPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits for this rank's tokens ``idx`` (``(batch, S/N)``, in the layout's order)."""
-        gpt = self.gpt
-        x = gpt.tok(idx) + gpt.pos(self.positions(idx.shape[1], idx.device))
-        for block in gpt.blocks:
-            x = block(x)
-        return gpt.head(gpt.ln_f(x))
+        return self.gpt(idx, self.positions(idx.shape[1], idx.device))
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy over this rank's tokens."""
-        logits = self(idx)
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return self.gpt.loss(idx, targets, self.positions(idx.shape[1], idx.device))
 
 
 def context_parallel_group(cp: int):
