@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from engine.comm import ops
 from engine.memory import ActivationTracker, StateBytes, model_state_bytes
 from engine.models import GPTConfig, token_data
 from engine.pp import PipelineRun, run_pipeline
@@ -43,6 +44,7 @@ PRECISIONS = ("fp32", "bf16")
 # the schedules of engine.pp's registry that a one-chunk-per-rank pipeline step runs
 TRAINER_SCHEDULES = ("1f1b", "gpipe")
 SCHEDULES = {name: PIPELINE_SCHEDULES[name].make for name in TRAINER_SCHEDULES}
+GROUP_KINDS = ("dp", "tp", "pp", "embedding")  # what traffic_by_group always reports
 
 
 def trainer_schedule(name: str, p: int, m: int):
@@ -70,12 +72,38 @@ def global_batch(cfg: GPTConfig, mesh: Mesh, microbatches: int, micro_batch: int
             list(targets[mine].to(device).chunk(microbatches)))
 
 
+def traffic_by_group(events, mesh: Mesh, more: dict | None = None) -> dict[str, int]:
+    """The default :attr:`Strategy.traffic`: bytes sent, by the kind of mesh group each op
+    went through. Point-to-point traffic is the pipeline's (``pp``); a collective is ``dp``,
+    ``tp`` or ``embedding`` by its group's ranks (the pp and embedding groups can hold the
+    same two ranks: collectives there are the tied embedding's), or one of the strategy's
+    ``more`` groups (kind -> group: expert parallelism's ``ep`` and ``expert-dp``), ``other``
+    if none; an all-to-all is ``ep`` wherever there is an ``ep`` group."""
+    groups = {**(more or {}), "tp": mesh.tp_group, "dp": mesh.dp_group,
+              "embedding": mesh.embedding_group}  # the mesh's kind wins for the same ranks
+    kinds = {ops.group_ranks(g): kind for kind, g in groups.items() if g is not None}
+    traffic = dict.fromkeys(GROUP_KINDS, 0)
+    for event in events:
+        point_to_point = event.op in ("send", "recv", "isend", "irecv")
+        kind = kinds.get(event.group, "other")
+        if point_to_point:  # the older paths send point to point for the pipeline only
+            kind = "pp"
+        if event.op == "all_to_all" and "ep" in groups:  # dispatch and combine, even when
+            kind = "ep"  # the expert-parallel group is every rank
+        traffic[kind] = traffic.get(kind, 0) + event.bytes_sent
+    return traffic
+
+
 @dataclass
 class Strategy:
     """What one rank trains with. ``step(inputs, labels)`` runs one optimizer step over the
     micro-batches and returns the :class:`engine.pp.PipelineRun` (loss on the last stage,
     compute events, activation bytes). ``psi``: the parameters this rank's part of the model
-    has before any ZeRO sharding (its pipeline stage's, split over tp)."""
+    has before any ZeRO sharding (its pipeline stage's, split over tp). ``traffic``: the
+    strategy's bookkeeper of bytes, ``(events of the counted step, mesh, groups) -> bytes
+    per kind of group``, called by :func:`engine.timed_steps.run_steps`: the paths of
+    :mod:`engine.strategy` count with :func:`traffic_by_group`, the composed engine with
+    :func:`engine.compose.traffic.strategy_traffic`."""
 
     name: str
     model: nn.Module
@@ -85,7 +113,9 @@ class Strategy:
     mesh: Mesh
     device: torch.device
     engine: bool = True  # False: PyTorch's own wrappers, whose buckets live in C++
-    groups: dict[str, Any] = field(default_factory=dict)  # more groups whose bytes to report
+    # more groups the step communicates over, kind -> group: warmed up before the first
+    # step (engine.timed_steps.warm_up_groups) and named by traffic_by_group
+    groups: dict[str, Any] = field(default_factory=dict)
     # this rank's part of a dense TinyGPT, named as a checkpoint of ``model`` names it: the
     # code that cut the model, so a checkpoint of any layout can be re-cut with it
     # (engine.reshard); None where checkpoints are not supported
@@ -96,6 +126,7 @@ class Strategy:
     # what a per-rank checkpoint saves and loads instead of (model, optimizer): two objects
     # with state_dict() / load_state_dict() (the composed engine: engine.compose.resume)
     rank_state: tuple | None = None
+    traffic: Callable[[list, Mesh, dict], dict[str, int]] = traffic_by_group
 
     @property
     def checkpointable(self) -> bool:

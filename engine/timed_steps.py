@@ -8,8 +8,9 @@ every rank, the engine's strategies and PyTorch's alike, and measures what a lab
   the run (each read waits for its event), ``perf_counter`` on the CPU. A step takes as long
   as its slowest rank, so the per-step times are all-reduced with MAX;
 * **bytes**: the first step runs under a :class:`engine.comm.CommMeter` that counts every
-  collective on the wire (``count="wire"``), split by the mesh group each op went through.
-  The timed steps run without a meter, on the built-in collectives;
+  collective on the wire (``count="wire"``), split by kind of group by the strategy's own
+  bookkeeper (:attr:`engine.steps.Strategy.traffic`). The timed steps run without a meter,
+  on the built-in collectives;
 * **memory**: on a GPU, what is allocated once the model is sharded and the optimizer's state
   exists (read after the first step: AdamW creates its state at its first step), and the
   peak over the timed steps (the peak is reset after the warm-up).
@@ -24,10 +25,13 @@ import torch
 
 from engine.comm import CommMeter, ops
 from engine.pp import PipelineRun
-from engine.topology import Mesh
+from engine.steps import GROUP_KINDS, traffic_by_group
 from engine.trace import Clock
 
-GROUP_KINDS = ("dp", "tp", "pp", "embedding")
+# GROUP_KINDS and traffic_by_group, the strategies' default bookkeeper, live in engine.steps
+# beside the Strategy that holds it; re-exported from here, their home before
+__all__ = ["GROUP_KINDS", "StepsRun", "allocated_memory", "line_up", "run_steps", "slowest",
+           "traffic_by_group", "traffic_of", "warm_up_groups"]
 
 
 @dataclass
@@ -75,7 +79,7 @@ def run_steps(strategy, inputs: list[torch.Tensor], labels: list[torch.Tensor], 
         if i == 0:
             with CommMeter(count="wire" if first_step == 0 else "model") as meter:
                 run = strategy.step(inputs, labels)
-            traffic = traffic_by_group(meter.events, strategy.mesh, strategy.groups)
+            traffic = traffic_of(strategy, meter.events)
             counted = all(e.measured for e in meter.events)
         else:
             run = strategy.step(inputs, labels)
@@ -126,26 +130,10 @@ def slowest(seconds: list[float], device: torch.device) -> list[float]:
     return times.tolist()
 
 
-def traffic_by_group(events, mesh: Mesh, more: dict | None = None) -> dict[str, int]:
-    """Bytes sent, by the kind of mesh group each op went through: point-to-point traffic
-    is the pipeline's (``pp``); a collective is ``dp``, ``tp`` or ``embedding`` by its group's
-    ranks (the pp and embedding groups can hold the same two ranks: collectives there are the
-    tied embedding's), or one of the strategy's ``more`` groups (kind -> group: expert
-    parallelism's ``ep`` and ``expert-dp``), ``other`` if none. The composed engine's
-    (``more`` holds ``dp x cp``) are :func:`engine.compose.traffic.report_traffic`'s."""
-    if more and "dp x cp" in more:  # the composed engine: its one bookkeeper's kinds
-        from engine.compose.traffic import report_traffic
-        return report_traffic(events, mesh, moe="ep" in more)
-    groups = {**(more or {}), "tp": mesh.tp_group, "dp": mesh.dp_group,
-              "embedding": mesh.embedding_group}  # the mesh's kind wins for the same ranks
-    kinds = {ops.group_ranks(g): kind for kind, g in groups.items() if g is not None}
-    traffic = dict.fromkeys(GROUP_KINDS, 0)
-    for event in events:
-        point_to_point = event.op in ("send", "recv", "isend", "irecv")
-        kind = kinds.get(event.group, "other")
-        if point_to_point:  # the older paths send point to point for the pipeline only
-            kind = "pp"
-        if event.op == "all_to_all" and "ep" in groups:  # dispatch and combine, even when
-            kind = "ep"  # the expert-parallel group is every rank
-        traffic[kind] = traffic.get(kind, 0) + event.bytes_sent
-    return traffic
+def traffic_of(strategy, events) -> dict[str, int]:
+    """Bytes this rank sent in ``events``, per kind of group, as ``strategy`` names them:
+    its ``traffic`` bookkeeper (:class:`engine.steps.Strategy`), given the mesh and the
+    strategy's groups. An object that runs steps without a bookkeeper of its own (a test's
+    minimal strategy) is counted by the default, :func:`engine.steps.traffic_by_group`."""
+    report = getattr(strategy, "traffic", traffic_by_group)
+    return report(events, strategy.mesh, strategy.groups)

@@ -31,10 +31,14 @@ of any layout (``--composed --world-size 1``). Then:
   run_steps` around it, as for every other strategy;
 * ``--save``/``--resume``, every layout: every rank its own state (its stage, slices,
   experts, ZeRO shards, compressor memory: :mod:`engine.compose.resume`, written by
-  :mod:`engine.checkpoint.per_rank`), bit-identical to an uninterrupted run on the same
-  layout; ``--reshard`` where nothing needs re-cutting (:func:`check_composed_reshard`: a
-  change of dp, micro-batches or micro-batch size at ZeRO-0 without a compressor or experts
-  spread, whose dp x cp ranks all hold the same state).
+  :mod:`engine.checkpoint.per_rank`) and where each tensor of it sits in the dense GPT,
+  bit-identical to an uninterrupted run on the same layout; ``--resume --reshard`` into any
+  other layout of the same model and global batch (dp, cp and ``--cp-method``, tp, pp and
+  ``--schedule``, ``--zero`` 0-3, micro-batches and their size): the files are joined
+  offline into a dense state, parameters and AdamW's moments and step, and cut for this
+  layout by the code that cuts a fresh model (:mod:`engine.compose.reshard`); the losses
+  then equal one process's within 1e-6. Refused by name (:func:`check_composed_reshard`):
+  ``--ep`` > 1 on either side and ``--compress``.
 
 Every combination the plan cannot carry is refused before any rank starts
 (:func:`check_composed`, :meth:`engine.compose.plan.Plan.check`), naming the flags.
@@ -53,6 +57,7 @@ from engine.compose.model import GPT, ModelConfig
 from engine.compose.parallelize import parallelize
 from engine.compose.resume import rank_state
 from engine.compose.plan import CP_METHODS, Plan, check_cp_method
+from engine.compose.traffic import strategy_traffic
 from engine.moe.gpt import MOE_MODELS
 from engine.pp import SCHEDULES, PipelineRun
 from engine.presets import MODELS
@@ -136,9 +141,9 @@ def check_composed(cfg, world_size: int | None = None) -> None:
     for flag, value, why in (
             ("--impl", cfg.impl != "engine", "PyTorch's wrappers compare data parallelism on "
              "the other path; use --impl engine"),
-            ("--reshard", cfg.reshard and not reshardable(cfg), "it re-cuts nothing: a "
-             "layout change resumes only where every dp x cp rank holds the same state (--zero"
-             f" 0, --ep 1, no --compress), this run has --zero {cfg.zero} --ep {cfg.ep} "
+            ("--reshard", cfg.reshard and not reshardable(cfg), "it re-cuts the dense GPT's "
+             "parameters and AdamW state (engine.compose.reshard), not experts spread over "
+             f"--ep ranks nor a compressor's per-rank memory; this run has --ep {cfg.ep} "
              f"--compress {cfg.compress}")):
         if value:
             raise ValueError(f"{flag} with the composed engine (--cp, --varlen or --composed): "
@@ -170,37 +175,37 @@ def checkpointable(cfg) -> bool:
 
 
 def reshardable(cfg) -> bool:
-    """Whether a composed run may resume another layout's checkpoint: only where every rank
-    of dp x cp holds the same state (ZeRO-0, no experts spread, no compressor memory)."""
-    return cfg.zero == 0 and cfg.ep == 1 and cfg.compress is None
+    """Whether a composed run may resume another layout's checkpoint
+    (:mod:`engine.compose.reshard`): any layout of a dense GPT's state, not experts spread
+    over ``--ep`` ranks nor a compressor's error-feedback memory."""
+    return cfg.ep == 1 and cfg.compress is None
 
 
 def check_composed_reshard(saved: dict, cfg, path) -> None:
     """``--resume --reshard`` of the composed checkpoint ``path`` (``saved``: its
-    configuration): a ValueError naming the flags unless only dp, the micro-batches or their
-    size changed, at ZeRO-0 (:data:`engine.compose.resume.RESHARDABLE`)."""
-    from engine.compose.resume import RESHARDABLE
-
-    layout = ("dp", "cp", "ep", "tp", "pp", "zero", "schedule", "microbatches", "micro_batch")
-    changed = [n for n in layout if saved.get(n) != getattr(cfg, n, None)]
-    other = [n for n in changed if n not in RESHARDABLE]
-    if other or not reshardable(cfg):
-        flags = ", ".join(f"--{n.replace('_', '-')} {saved.get(n)} -> {getattr(cfg, n)}"
-                          for n in changed)
-        raise ValueError(f"--resume --reshard: {path} is a checkpoint of the composed engine "
-                         f"({flags}); it resumes another layout only where dp (--dp, "
-                         "--microbatches, --micro-batch) alone changes at --zero 0 without "
-                         "--ep or --compress: every dp rank holds the same state there. Run "
-                         "with the saved layout")
+    configuration): a ValueError naming the flag if either side spreads experts (``--ep``)
+    or compresses (``--compress``); every other layout change is re-cut
+    (:mod:`engine.compose.reshard`)."""
+    why = {"ep": "experts spread over ep ranks: the universal state joins the dense GPT's "
+                 "tensor-parallel slices, not an expert placement",
+           "compress": "the compressor's error-feedback residual is one rank's memory of its "
+                       "own gradients: no rank of another layout continues it"}
+    for name, reason in why.items():
+        values = (saved.get(name), getattr(cfg, name))
+        if any(v not in (None, 1) for v in values):
+            raise ValueError(f"--resume --reshard: {path} is a checkpoint of the composed "
+                             f"engine with --{name} {values[0]}, this run has --{name} "
+                             f"{values[1]}: it is not re-cut with {reason}. Run with the "
+                             "saved layout")
 
 
 def reshard_composed(path, strategy) -> None:
-    """Load the composed checkpoint ``path`` of another dp degree into ``strategy`` (checked
-    by :func:`check_composed_reshard`). Call on every rank."""
-    from engine.checkpoints import read_trainer
-    from engine.compose.resume import load_resharded
+    """Load the composed checkpoint ``path`` of another layout into ``strategy`` (checked by
+    :func:`check_composed_reshard`): joined into a dense state and cut for this rank
+    (:func:`engine.compose.reshard.reshard`). Call on every rank."""
+    from engine.compose.reshard import reshard
 
-    load_resharded(path, strategy.rank_state[0].par, read_trainer(path)["config"])
+    reshard(path, strategy.rank_state[0].par)
 
 
 def check_composed_compress(cfg) -> None:
@@ -253,10 +258,11 @@ def composed_strategy(cfg, mesh: Mesh, device: torch.device, precision: str) -> 
             loss = train_step(par, batch, k, hooks=(timer,))
         return PipelineRun(loss, list(timer.events))
 
-    groups = {"dp x cp": mesh.dp_cp_group, "cp": mesh.cp_group}  # dp = 1: the same ranks, cp
+    groups = {"dp x cp": mesh.dp_cp_group, "cp": mesh.cp_group}  # warmed up before step 0
     if plan.ep > 1:
         groups.update({"ep": mesh.ep_group, "expert-dp": mesh.expert_dp_group})
     return Strategy(f"composed engine: {plan.name}" + (" varlen" if cfg.varlen else ""),
                         par.module, par.optimizer, step, psi_of(par), mesh,
                         device, engine=plan.ep == 1, groups=groups,
-                        per_rank_checkpoint=True, rank_state=rank_state(par))
+                        per_rank_checkpoint=True, rank_state=rank_state(par),
+                        traffic=strategy_traffic)

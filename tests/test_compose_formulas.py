@@ -94,3 +94,19 @@ def test_engine_train_names_the_gradients_group():
     mesh = SimpleNamespace(dp=2, cp=2, tp=1, pp=1, ep=1, dp_cp_size=4)
     assert report_names({"dp": 10, "cp": 5, "tp": 0, "ep": None, "pp": 0}, mesh) == \
         {"dp x cp": 10, "cp": 5}
+
+
+def test_expert_gradients_count_as_ep_where_expert_dp_has_the_dp_ranks():
+    """MoE dp2 x cp2 x ep2 on 4 ranks (not a parity row): ep borrows the two cp ranks, so the
+    experts' gradients are reduced over ``expert_dp_group`` = {0, 2}, the very ranks of
+    ``dp_group``. They are expert-parallel bytes (the ep formula holds them): counted under dp,
+    as the bookkeeper did, dp sent 2,276,424 B for a formula of 672,840 and ep 190,208 for
+    1,793,792 (measured). Every kind, summed over the ranks, must equal its formula."""
+    from engine.compose.parity import Row, run_row
+
+    result = run_row(Row(Plan(dp=2, cp=2, ep=2, micro_batches=2), moe=True))
+    assert result.holds, result
+    for kind in ("dp", "cp", "ep"):
+        assert result.sent[kind] > 0 and result.sent[kind] == result.formulas[kind], \
+            (kind, result.sent, result.formulas)
+    assert result.sent["tp"] == result.sent["pp"] == 0, result.sent

@@ -19,14 +19,19 @@ from engine.topology import Mesh
 
 KINDS = ("dp", "cp", "ep", "tp", "pp")
 __all__ = ["KINDS", "P2P", "group_kinds", "kind_of", "bytes_by_kind", "dp_formula",
-           "gradient_group_name", "report_names", "report_traffic"]
+           "gradient_group_name", "report_names", "report_traffic", "strategy_traffic"]
 P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 
 
 def group_kinds(mesh: Mesh) -> list[tuple[tuple[int, ...], str]]:
-    """``(ranks, kind)`` of every group of ``mesh`` this rank is in, most specific first."""
-    named = [("tp", mesh.tp_group), ("dp", mesh.dp_cp_group), ("dp", mesh.dp_group),
-             ("cp", mesh.cp_group), ("ep", mesh.expert_dp_group), ("ep", mesh.ep_group),
+    """``(ranks, kind)`` of every group of ``mesh`` a composed run issues collectives on,
+    most specific first. Not ``mesh.dp_group``: the composed engine reduces over dp x cp,
+    never over dp alone, and with cp > 1 the dp ranks can be exactly the ranks of
+    ``expert_dp_group`` (dp2 x cp2 x ep2: ep takes the two cp ranks, the experts' replicas are
+    the two dp ranks), whose gradients would then count as dp. With ep > 1 the expert-dp
+    ranks are a strict part of dp x cp and never a cp group, so they name one kind."""
+    named = [("tp", mesh.tp_group), ("dp", mesh.dp_cp_group), ("cp", mesh.cp_group),
+             ("ep", mesh.expert_dp_group), ("ep", mesh.ep_group),
              ("pp", mesh.pp_group), ("pp", mesh.embedding_group)]
     return [(tuple(ops.group_ranks(g)), kind) for kind, g in named if g is not None]
 
@@ -79,3 +84,11 @@ def report_names(by_kind: dict, mesh: Mesh, add=lambda a, b: a + b) -> dict:
 def report_traffic(events, mesh: Mesh, moe: bool) -> dict[str, int]:
     """:func:`bytes_by_kind` under ``engine train``'s names (:func:`report_names`)."""
     return report_names(bytes_by_kind(events, mesh, moe), mesh)
+
+
+def strategy_traffic(events, mesh: Mesh, groups: dict | None = None) -> dict[str, int]:
+    """The composed engine's :attr:`engine.steps.Strategy.traffic` (set by
+    :func:`engine.train_compose.composed_strategy`): :func:`report_traffic`, an all-to-all
+    over the ep group being the experts' wherever they are spread (``mesh.ep > 1``). The
+    strategy's ``groups`` add nothing: the mesh names every group a composed run uses."""
+    return report_traffic(events, mesh, moe=mesh.ep > 1)
