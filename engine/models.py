@@ -263,7 +263,7 @@ class GPT(nn.Module):
         blocks ``start`` to ``end - 1`` (default: all)."""
         moes = [getattr(b, "moe", None) for b in self.blocks[start:end]]  # other pipeline
         return sum((m.aux_loss + m.z_loss for m in moes  # stages' blocks: nn.Identity
-                    if m is not None and m.aux_loss is not None), 0.0)
+                    if getattr(m, "aux_loss", None) is not None), 0.0)
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor,
              positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -129,3 +129,70 @@ def test_gpt2_init_draws_weights_at_std_0_02_and_zeroes_biases():
     assert torch.count_nonzero(layer.bias) == 0
     for weight in (layer.weight, embedding.weight):
         assert abs(weight.std().item() - 0.02) < 0.002
+
+
+def test_grouped_query_attention_is_multi_head_attention_with_each_kv_head_shared():
+    """GQA (heads 4, KV heads 2: query heads 0-1 read KV head 0, 2-3 KV head 1) gives the bits
+    of multi-head attention whose K and V rows of each query head are its KV head's."""
+    gqa = TinyGPT(GPTConfig(heads=4, kv_heads=2, hidden=32), seed=2)
+    mha = TinyGPT(GPTConfig(heads=4, hidden=32), seed=2)
+    assert gqa.blocks[0].attn.qkv.out_features == (4 + 2 * 2) * 8
+    state = dict(gqa.state_dict())
+    for i in range(2):
+        for kind in ("weight", "bias"):
+            name = f"blocks.{i}.attn.qkv.{kind}"
+            q, k, v = state[name].split([32, 16, 16])
+            state[name] = torch.cat([q] + [t.view(2, 8, *t.shape[1:]).repeat_interleave(
+                2, dim=0).reshape(32, *t.shape[1:]) for t in (k, v)])
+    mha.load_state_dict(state)
+    idx = torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(gqa(idx), mha(idx))
+
+
+def test_the_one_gpt_untied_without_qkv_bias_and_a_wider_mlp():
+    model = TinyGPT(GPTConfig(tied=False, qkv_bias=False, ffn_hidden=24), seed=0)
+    assert model.head.weight is not model.tok.weight
+    assert model.blocks[0].attn.qkv.bias is None and model.blocks[0].fc.out_features == 24
+    assert "head.weight" in dict(model.named_parameters())  # its own parameter, untied
+    assert model(torch.zeros(1, 16, dtype=torch.long)).shape == (1, 16, 64)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(heads=4, kv_heads=3), "GPTConfig.kv_heads=3 must divide heads=4"),
+    (dict(ffn_hidden=-1), "GPTConfig.ffn_hidden"),
+])
+def test_bad_architecture_choices_are_clear_errors(bad, message):
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**bad)
+
+
+def test_feed_forward_layers_are_injected_under_the_next_seed_and_replace_the_mlp():
+    from torch import nn
+
+    from engine.models import GPT, seeded
+
+    def linears(layers):
+        return [nn.Linear(32, 32) for _ in range(layers)]
+
+    model = GPT(GPTConfig(), seed=4, feed_forward=linears)
+    with seeded(5):
+        expected = linears(2)
+    for block, layer in zip(model.blocks, expected):
+        assert torch.equal(block.moe.weight, layer.weight)
+        assert not hasattr(block, "fc") and not hasattr(block, "out")
+    dense = GPT(GPTConfig(), seed=4)  # everything else: the dense model's bits
+    for name, value in dense.state_dict().items():
+        if ".fc." not in name and ".out." not in name:
+            assert torch.equal(value, model.state_dict()[name]), name
+    idx, targets = token_data(2, 16, 64, seed=0)
+    assert torch.equal(model.loss(idx, targets), torch.nn.functional.cross_entropy(
+        model(idx).flatten(0, 1), targets.flatten()))  # no router losses from plain layers
+    with pytest.raises(ValueError, match="feed_forward gave 1 layers; expected one per block, 2"):
+        GPT(GPTConfig(), feed_forward=lambda layers: linears(1))
+
+
+def test_sequence_parallel_positions_need_the_tensor_parallel_layer_above():
+    model = TinyGPT()
+    model.sp_group = "the tp group"
+    with pytest.raises(NotImplementedError, match="use engine.compose.model.GPT"):
+        model(torch.zeros(1, 16, dtype=torch.long))
