@@ -115,13 +115,30 @@ def _splits(rank, world_size):
         theirs = {n: tuple(dist.get_process_group_ranks(device_mesh[n].get_group()))
                   for n in (inner_name, outer_name)}
         ours = dict(zip((inner_name, outer_name), map(ops.group_ranks, groups)))
-        found.append((ours, theirs, cached))
+        found.append((ours, theirs, cached and _views(mesh, dim, inner) == groups))
     errors = []
     for dim, inner in (("cp", 3), ("ep", 2)):  # refused before any group is built
         with pytest.raises(ValueError) as refused:
             Mesh(dp=world_size).split(dim, inner=inner)
         errors.append(str(refused.value))
     return found, errors
+
+
+def _views(mesh, dim, inner):
+    """The groups HSDP and USP take from ``mesh`` (the mesh's own, cached: no new group)."""
+    import torch
+
+    from engine.compose.usp import mesh_usp_groups
+    from engine.cp import usp_groups
+    from engine.zero.hsdp import HybridShardedDataParallel
+
+    if dim == "cp":
+        assert usp_groups(inner, mesh) == mesh_usp_groups(mesh, inner)
+        return usp_groups(inner, mesh)
+    hsdp = HybridShardedDataParallel(torch.nn.Linear(4, 4), torch.optim.SGD, inner, stage=2,
+                                     mesh=mesh, lr=0.1)
+    assert hsdp.replicas == mesh.dp // inner
+    return hsdp.shard_group, hsdp.replica_group
 
 
 @pytest.mark.parametrize("world", [4, 8])
