@@ -55,6 +55,7 @@ SAME_LAYOUT = ("dp", "ep", "tp", "pp", "zero", "schedule", "microbatches", "micr
 # the composed engine's (engine.train_compose) besides: a checkpoint written before they
 # existed has their defaults
 COMPOSED_LAYOUT = {"cp": 1, "cp_method": "ring-zigzag", "varlen": False, "engine": "per-layout"}
+RESHARDED_COMPOSED = ("cp", "cp_method")  # --reshard re-cuts them too (engine.compose.reshard)
 
 
 @dataclass(frozen=True)
@@ -102,13 +103,16 @@ def resume_point(cfg) -> ResumePoint | None:
     ours = composed_record(cfg)
     composed = [name for name, default in COMPOSED_LAYOUT.items()
                 if config.get(name, default) != ours[name]]
+    if cfg.reshard and config.get("engine") == ours["engine"] == "composed":
+        changed += [name for name in composed if name in RESHARDED_COMPOSED]
+        composed = [name for name in composed if name not in RESHARDED_COMPOSED]
     if composed:
         raise ValueError(f"--resume: {path} was saved with " + ", ".join(
             f"{name} {config.get(name, COMPOSED_LAYOUT[name])}" for name in composed) +
             ", this run has " + ", ".join(f"{name} {ours[name]}" for name in composed) +
             "; the composed engine resumes its own checkpoints on their own layout only")
     if changed and uses_composed(cfg) and cfg.reshard:
-        check_composed_reshard(config, cfg, path)  # a dp-only change at ZeRO-0, or refused
+        check_composed_reshard(config, cfg, path)  # refuses --ep and --compress, naming them
     if changed and not cfg.reshard:
         raise ValueError(f"--resume: {path} was saved at {_layout(config)}, this run asks for "
                          f"{_layout(vars(cfg))}; a sharded checkpoint fits only its own "

@@ -7,9 +7,12 @@ with a Top-K compressor (error feedback) and with PowerSGD (error feedback, warm
 Q, its random generator), cp2 varlen, tiny-MoE ep2 (ZeRO-1; ZeRO-3), dp2 x tp2 ZeRO-3
 (FSDP + TP), dp2 x pp2 (1F1B, ZeRO-2 and ZeRO-3); through ``engine train`` with
 ``--async-save``, tiny-MoE dp2 x ep2 x pp2 at ZeRO-1. A rank that cannot serialise its state
-makes every rank raise, naming it, and leaves no manifest (the agreed protocol). Then
-``engine train --reshard`` on the composed path: a dp-only change at ZeRO-0 resumes, a tp
-change or ZeRO-1 is refused naming the flags."""
+makes every rank raise, naming it, and leaves no manifest (the agreed protocol). Every
+family's files join offline into the whole model (engine.compose.reshard, which --reshard cuts
+for another layout: tests/test_compose_reshard.py), except a compressor's, refused naming
+--compress. Then ``engine train --reshard`` on the composed path: a dp-only change at ZeRO-0
+resumes; --compress, and an MoE checkpoint with experts spread (--ep 2), are refused naming
+the flag."""
 
 from __future__ import annotations
 
@@ -146,11 +149,35 @@ def test_every_layout_family_resumes_bit_identical(world, tmp_path):
     ranks = run_ranks(_resume_families, world, names, str(tmp_path), timeout=240)
     for name in names:
         _check(ranks, name)
+        _check_join(FAMILIES[name], tmp_path / name.replace(" ", "_"))
     for message, manifest in (found["failed save"] for found in ranks):
         assert "rank 1" in message and "No space left on device" in message and not manifest
 
 
-def test_engine_train_resumes_moe_ep2_pp2_zero1_bit_identical_with_async_save(tmp_path):
+def _check_join(family, directory):
+    """The per-rank files of ``family`` join offline into every parameter of the one-process
+    GPT, each moment beside it (engine.compose.reshard.universal_state); a compressor's
+    residuals have no place there: refused naming --compress."""
+    from engine.checkpoint.files import CheckpointError
+    from engine.compose.model import GPT
+    from engine.compose.reshard import universal_state
+
+    plan, moe, _ = family
+    cfg = replace(MODEL, **MOE) if moe else MODEL
+    if plan.compress:
+        with pytest.raises(CheckpointError, match=f"--compress {plan.compress}"):
+            universal_state(directory, cfg)
+        return
+    state = universal_state(directory, cfg)
+    shapes = {name: p.shape for name, p in GPT(cfg).named_parameters(remove_duplicate=False)}
+    assert {name: p.shape for name, p in state.params.items()} == shapes, directory
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert {name: p.shape for name, p in state.moments[key].items()} == shapes, key
+    assert {k: v.item() for k, v in state.scalars.items()} == {"step": float(SAVED)}
+
+
+def test_engine_train_resumes_moe_ep2_pp2_zero1_bit_identical_with_async_save(tmp_path,
+                                                                               capsys):
     """The command line's wiring (engine.checkpoints saving the composed rank's state, in the
     background with --async-save): tiny-MoE dp2 x ep2 x pp2 at ZeRO-1, 2 steps + 2 resumed
     against 4, every rank's file equal tensor for tensor."""
@@ -168,6 +195,12 @@ def test_engine_train_resumes_moe_ep2_pp2_zero1_bit_identical_with_async_save(tm
         a, b = (_flat(read_rank_state(root / "step-00000004", rank)) for root in (whole, split))
         assert a.keys() == b.keys() and any("/optimizer/" in k for k in a), rank
         assert all(torch.equal(a[k], b[k]) for k in a), rank
+    # experts spread over ep ranks are not re-cut: --reshard refuses it, naming --ep
+    dense = [*layout[:6], "1", *layout[7:]]  # --ep 1: dp2 x pp2, every expert on every rank
+    assert engine_main(["train", *dense, "--steps", "6", "--save", str(split), "--resume",
+                        "--reshard"]) == 2
+    err = capsys.readouterr().err
+    assert "--ep 2, this run has --ep 1" in err and "--resume --reshard" in err, err
 
 
 def _losses(root) -> list[float]:
@@ -175,11 +208,12 @@ def _losses(root) -> list[float]:
     return json.loads((last / "trainer.json").read_text())["losses"]
 
 
-def test_reshard_a_dp_only_change_at_zero0_and_refuse_a_tp_change(tmp_path, capsys):
+def test_reshard_a_dp_only_change_at_zero0_and_refuse_compress(tmp_path, capsys):
     """dp2 (ZeRO-0) saved after 2 steps, resumed on one rank with twice the micro-batches (the
     same global batch): the same losses as dp2 straight through within 1e-6 (another order of
-    the sums: dp2 equals one process within 1e-6 in the parity matrix). A tp change is
-    refused, naming the flags."""
+    the sums: dp2 equals one process within 1e-6 in the parity matrix). --compress is refused
+    before any rank starts, naming it. (A tp or ZeRO change, once refused here, is re-cut now:
+    tests/test_compose_reshard.py.)"""
     dp2 = ["--composed", "--dp", "2", "--zero", "0", "--microbatches", "1", "--micro-batch",
            "2"]
     one = ["--composed", "--world-size", "1", "--zero", "0", "--microbatches", "2",
@@ -192,12 +226,12 @@ def test_reshard_a_dp_only_change_at_zero0_and_refuse_a_tp_change(tmp_path, caps
     straight, resharded = _losses(tmp_path / "a"), _losses(tmp_path / "b")
     assert len(straight) == len(resharded) == 4 and straight[:2] == resharded[:2]
     assert max(abs(a - b) for a, b in zip(straight, resharded)) <= 1e-6, (straight, resharded)
-    tp2 = ["--composed", "--world-size", "2", "--dp", "1", "--tp", "2", "--zero", "0",
-           "--microbatches", "2", "--micro-batch", "2"]
-    assert engine_main(["train", *tp2, "--steps", "4", "--save", str(tmp_path / "b"),
-                        "--resume", "--reshard"]) == 2
-    err = capsys.readouterr().err
-    assert "--tp 1 -> 2" in err and "--resume --reshard" in err, err
-    assert engine_main(["train", *dp2, "--zero", "1", "--steps", "4", "--save",
-                        str(tmp_path / "b"), "--resume", "--reshard"]) == 2
-    assert "--reshard with the composed engine" in capsys.readouterr().err
+    from engine.train import TrainConfig
+    from engine.train_compose import check_composed
+
+    # (engine train refuses --save with --compress earlier still, in engine.train_checks)
+    compressed = TrainConfig(composed=True, dp=2, zero=0, compress="topk:0.1", resume=True,
+                             reshard=True, save=str(tmp_path / "b"))
+    with pytest.raises(ValueError, match="--reshard with the composed engine") as refused:
+        check_composed(compressed, 2)
+    assert "--compress topk:0.1" in str(refused.value)

@@ -19,25 +19,26 @@ objects with ``state_dict()`` / ``load_state_dict()``:
   and the experts' under expert parallelism) and the compressor's state with its spec.
 
 A run resumed from them on the same layout continues bit for bit (tests/test_compose_resume.py).
-A dp-only change at ZeRO-0 (:func:`load_resharded`) is the one layout change expressible without
-re-cutting anything: every rank of ``mesh.dp_cp_group`` holds the same model and the same
-AdamW state, so a rank of the new layout reads the file of the old rank at the same tensor and
-pipeline coordinates.
+Beside its state each rank records, without any communication, where every tensor of it sits
+in the dense GPT (:func:`placement`: the dense name, this rank's tensor-parallel index, and for
+a ZeRO shard the bucket's offsets and the ranks whose shards make it whole), as PyTorch's
+distributed checkpoint records each tensor's placement: what lets
+:mod:`engine.compose.reshard` join the files offline into one dense state and cut it for
+another layout (``--reshard``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from engine.checkpoint.files import CheckpointError
-from engine.checkpoint.per_rank import read_rank_state
-from engine.checkpoint.protocol import load_files
+from engine.comm import ops
 from engine.compose.experts import Optimizers
 from engine.compose.parallelize import Parallel
-from engine.zero import ZeroDataParallel
-
-RESHARDABLE = ("dp", "microbatches", "micro_batch")  # what a composed --reshard may change
+from engine.compose.state import global_expert_name
+from engine.zero import ZeroDataParallel, ZeroOptimizer
 
 
 def inner_optimizers(par: Parallel) -> list:
@@ -126,7 +127,8 @@ class RankOptimizerState:
     def state_dict(self) -> dict:
         return {"optimizers": [inner.state_dict() for inner in inner_optimizers(self.par)],
                 "compress": self.par.plan.compress or "none",
-                "compressor": compressor_state(self.compressor)}
+                "compressor": compressor_state(self.compressor),
+                "placement": placement(self.par)}
 
     def load_state_dict(self, state: dict) -> None:
         ours, spec = inner_optimizers(self.par), self.par.plan.compress or "none"
@@ -150,23 +152,70 @@ def rank_state(par: Parallel) -> tuple[RankTensors, RankOptimizerState]:
     return RankTensors(par), RankOptimizerState(par)
 
 
-def source_rank(saved: dict, par: Parallel) -> int:
-    """The rank of the saved layout (``saved``: its ``trainer.json`` configuration) holding
-    what this rank needs after a dp-only change at ZeRO-0: dp index 0, cp index 0, this
-    rank's tensor- and pipeline-parallel coordinates (:meth:`engine.topology.Mesh.rank_of`)."""
-    c, cp, tp = par.mesh.coords, saved.get("cp", 1), saved["tp"]
-    return (c.pp * saved["dp"] * cp) * tp + c.tp
+def placement(par: Parallel) -> dict:
+    """Where each tensor of this rank's saved state sits in the dense GPT (module docstring),
+    in plain containers: ``tp_rank`` and ``tp`` (this rank's tensor-parallel index and degree)
+    and ``tensors``, one entry per dense name and kind (``"param"`` or an optimizer state's
+    key, e.g. ``"exp_avg"``): its ``path`` in the saved ``{"model", "optimizer"}``; a 0-dim
+    state (AdamW's ``step``) has ``scalar``; a ZeRO shard has ``flat``: the ``ranks`` whose
+    shards, joined in that order, are the bucket, and this tensor's ``offset`` and ``shape``
+    in it. Local: no communication."""
+    names: dict[int, list[str]] = {}
+    for name, p in par.model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(global_expert_name(name, par))
+    entries: list[dict] = []
+
+    def add(p, what: str, path: list, **where) -> None:
+        entries.extend({"name": name, "what": what, "path": path, **where}
+                       for name in names[id(p)])
+
+    buckets = {}  # id(what an inner optimizer updates) -> (its ZeRO bucket, the shards' ranks)
+    module = par.module
+    parts = par.optimizer.optimizers if isinstance(par.optimizer, Optimizers) else \
+        (par.optimizer,)
+    for part in parts:
+        if isinstance(part, ZeroOptimizer):
+            buckets.update({id(b.master): (b, _shard_ranks(b, part.group))
+                            for b in part.buckets})
+    sharded = set()
+    if isinstance(module, ZeroDataParallel):
+        for i, unit in enumerate(module.all_units):
+            ranks = _shard_ranks(unit, module.group)
+            buckets[id(unit.master)] = (unit, ranks)
+            for p in unit.params:
+                add(p, "param", ["model", f"fsdp.{i}.{unit.name}.shard"],
+                    flat=_flat_place(unit, p, ranks))
+                sharded.add(id(p))
+        for name, p in par.model.named_parameters():
+            if id(p) not in sharded:
+                add(p, "param", ["model", f"param.{name}"])
+    else:
+        for name, p in par.model.named_parameters(remove_duplicate=False):
+            entries.append({"name": global_expert_name(name, par), "what": "param",
+                            "path": ["model", name]})
+    for i, inner in enumerate(inner_optimizers(par)):
+        params = [p for group in inner.param_groups for p in group["params"]]
+        for j, q in enumerate(params):
+            for key, value in inner.state.get(q, {}).items():
+                if not torch.is_tensor(value):
+                    continue
+                path = ["optimizer", "optimizers", i, "state", j, key]
+                bucket, ranks = buckets.get(id(q), (None, None))
+                for p in bucket.params if bucket is not None else (q,):
+                    if value.dim() == 0:
+                        add(p, key, path, scalar=True)
+                    elif bucket is None:
+                        add(p, key, path)
+                    else:
+                        add(p, key, path, flat=_flat_place(bucket, p, ranks))
+    return {"tp_rank": par.mesh.coords.tp, "tp": par.mesh.tp, "tensors": entries}
 
 
-def load_resharded(path, par: Parallel, saved: dict) -> None:
-    """Resume ``par`` from the per-rank checkpoint ``path`` of another dp degree at ZeRO-0
-    (``saved``: its ``trainer.json`` configuration), through the agreed load protocol. Call on
-    every rank."""
-    tensors, optimizer = rank_state(par)
-    source = source_rank(saved, par)
+def _shard_ranks(bucket, group) -> list[int]:
+    """The global ranks whose shards of ``bucket``, joined in this order, make it whole."""
+    return list(ops.group_ranks(group)) if bucket.world_size > 1 else [dist.get_rank()]
 
-    def apply(state: dict) -> None:
-        tensors.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
 
-    load_files(path, lambda: read_rank_state(path, source), apply)
+def _flat_place(bucket, p, ranks: list[int]) -> dict:
+    return {"ranks": ranks, "offset": bucket.offsets[p], "shape": list(bucket.shapes[p]),
+            "padded": bucket.padded}
