@@ -24,7 +24,7 @@ from torch import nn
 
 from engine.comm import ops
 from engine.device import rank_device
-from engine.models import TinyGPT
+from engine.models import GPT, TinyGPT
 from engine.pp import uniform_boundaries
 from engine.steps import (Strategy, autocast, global_batch, parameter_count, pipeline_step,
                           trainer_schedule)
@@ -35,11 +35,14 @@ from engine.tp.mappings import copy_to_tp
 from engine.zero import ZeroOptimizer
 
 
-class GPTStage(nn.Module):
-    """This rank's pipeline stage of a tensor-parallel :class:`TinyGPT`."""
+class GPTStage(GPT):
+    """This rank's pipeline stage of a tensor-parallel :class:`TinyGPT`: the one GPT's
+    :meth:`~engine.models.GPT.embed` (first stage), :meth:`~engine.models.GPT.run_blocks` and
+    :meth:`output` (last stage) on the parts it holds, cut from
+    :class:`engine.tp.blocks.TensorParallelGPT` (so it draws no weights of its own)."""
 
     def __init__(self, gpt: TinyGPT, mesh: Mesh):
-        super().__init__()
+        nn.Module.__init__(self)  # the parts come from ``gpt``, not from a seed
         layers = len(gpt.blocks)
         if mesh.pp > layers:
             raise ValueError(f"pp={mesh.pp} pipeline stages need at least {mesh.pp} "
@@ -47,6 +50,7 @@ class GPTStage(nn.Module):
         whole = TensorParallelGPT.from_dense(gpt, group=mesh.tp_group)
         starts = uniform_boundaries(layers, mesh.pp) + [layers]
         stage = mesh.coords.pp
+        self.cfg, self.checkpoint, self.sp_group = gpt.cfg, False, None
         self.mesh, self.first_block = mesh, starts[stage]
         self.blocks = nn.ModuleList(whole.blocks[starts[stage]:starts[stage + 1]])
         self.first, self.last = mesh.is_first_stage, mesh.is_last_stage
@@ -59,12 +63,14 @@ class GPTStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
-            x = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
-        for block in self.blocks:
-            x = block(x)
-        if self.last:
-            x = F.linear(copy_to_tp(self.ln_f(x), self.mesh.tp_group), self.tok.weight)
-        return x
+            x = self.embed(x)
+        x = self.run_blocks(x, 0, len(self.blocks))
+        return self.output(x) if self.last else x
+
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary slice of the logits: the output layer is the (vocab-parallel)
+        input embedding, tied."""
+        return F.linear(copy_to_tp(self.ln_f(x), self.mesh.tp_group), self.tok.weight)
 
     def sync_tied_embedding(self, optimizer: ZeroOptimizer) -> None:
         """Sum the embedding's gradient over the first and the last stage. At ZeRO-0/1 each
