@@ -9,6 +9,12 @@ another (Ulysses) context parallelism; a point-to-point message on the pipeline 
 on the context group cp (ring attention). Gradient reductions over ``dp_cp_group`` count as
 dp, over ``expert_dp_group`` as ep, the tied embedding's over ``embedding_group`` as pp.
 The formulas beside the counts are :mod:`engine.compose.formulas`'.
+
+An event names its group by its ranks and its operation only, so two cases, in no row of the
+parity matrix, cannot be split: with dp = 1 the cp group *is* dp x cp, and all-gather
+attention's all-gathers and reduce-scatters count as dp (``engine train`` names both ``cp``
+there, the sum truthful); an MoE model with Ulysses (or USP) whose all-to-all group holds the
+ep group's ranks (as where ep = cp) counts Ulysses' all-to-alls as ep.
 """
 
 from __future__ import annotations
