@@ -37,8 +37,9 @@ of any layout (``--composed --world-size 1``). Then:
   ``--schedule``, ``--zero`` 0-3, micro-batches and their size): the files are joined
   offline into a dense state, parameters and AdamW's moments and step, and cut for this
   layout by the code that cuts a fresh model (:mod:`engine.compose.reshard`); the losses
-  then equal one process's within 1e-6. Refused by name (:func:`check_composed_reshard`):
-  ``--ep`` > 1 on either side and ``--compress``.
+  then equal one process's within 1e-6, experts spread over ``--ep`` ranks included (joined
+  by their global index, cut by expert parallelism's own split). Refused by name
+  (:func:`check_composed_reshard`): ``--compress`` on either side.
 
 Every combination the plan cannot carry is refused before any rank starts
 (:func:`check_composed`, :meth:`engine.compose.plan.Plan.check`), naming the flags.
@@ -141,9 +142,9 @@ def check_composed(cfg, world_size: int | None = None) -> None:
     for flag, value, why in (
             ("--impl", cfg.impl != "engine", "PyTorch's wrappers compare data parallelism on "
              "the other path; use --impl engine"),
-            ("--reshard", cfg.reshard and not reshardable(cfg), "it re-cuts the dense GPT's "
-             "parameters and AdamW state (engine.compose.reshard), not experts spread over "
-             f"--ep ranks nor a compressor's per-rank memory; this run has --ep {cfg.ep} "
+            ("--reshard", cfg.reshard and not reshardable(cfg), "it re-cuts the model's "
+             "parameters and AdamW state (engine.compose.reshard), not a compressor's "
+             "error-feedback residual, one rank's memory of its own gradients; this run has "
              f"--compress {cfg.compress}")):
         if value:
             raise ValueError(f"{flag} with the composed engine (--cp, --varlen or --composed): "
@@ -176,27 +177,21 @@ def checkpointable(cfg) -> bool:
 
 def reshardable(cfg) -> bool:
     """Whether a composed run may resume another layout's checkpoint
-    (:mod:`engine.compose.reshard`): any layout of a dense GPT's state, not experts spread
-    over ``--ep`` ranks nor a compressor's error-feedback memory."""
-    return cfg.ep == 1 and cfg.compress is None
+    (:mod:`engine.compose.reshard`): any layout, not a compressor's error-feedback memory."""
+    return cfg.compress is None
 
 
 def check_composed_reshard(saved: dict, cfg, path) -> None:
     """``--resume --reshard`` of the composed checkpoint ``path`` (``saved``: its
-    configuration): a ValueError naming the flag if either side spreads experts (``--ep``)
-    or compresses (``--compress``); every other layout change is re-cut
+    configuration): a ValueError naming ``--compress`` if this run compresses (a saved
+    compressor's residuals are refused when the files are joined:
+    :func:`engine.compose.reshard.universal_state`); every other layout change is re-cut
     (:mod:`engine.compose.reshard`)."""
-    why = {"ep": "experts spread over ep ranks: the universal state joins the dense GPT's "
-                 "tensor-parallel slices, not an expert placement",
-           "compress": "the compressor's error-feedback residual is one rank's memory of its "
-                       "own gradients: no rank of another layout continues it"}
-    for name, reason in why.items():
-        values = (saved.get(name), getattr(cfg, name))
-        if any(v not in (None, 1) for v in values):
-            raise ValueError(f"--resume --reshard: {path} is a checkpoint of the composed "
-                             f"engine with --{name} {values[0]}, this run has --{name} "
-                             f"{values[1]}: it is not re-cut with {reason}. Run with the "
-                             "saved layout")
+    if cfg.compress is not None:
+        raise ValueError(f"--resume --reshard: {path} is a checkpoint of the composed engine "
+                         f"and this run has --compress {cfg.compress}: the error-feedback "
+                         "residual is one rank's memory of its own gradients, no rank of "
+                         "another layout continues it. Run with the saved layout")
 
 
 def reshard_composed(path, strategy) -> None:

@@ -123,7 +123,7 @@ def resume_point(cfg) -> ResumePoint | None:
                          f"{_global_batch(config)} sequences (dp x microbatches x micro-batch),"
                          f" this run's are {_global_batch(vars(cfg))}; keep the global batch "
                          "(e.g. double --microbatches when you halve --dp)")
-    if changed and _is_moe(config.get("model")):  # per-rank checkpoints: nothing to re-cut
+    if changed and _is_moe(config.get("model")) and not uses_composed(cfg):  # per-rank files
         raise ValueError("--reshard re-cuts the dense GPT's checkpoints; not an MoE run's")
     return ResumePoint(str(path), saved["step"], saved["losses"], reshard=bool(changed))
 

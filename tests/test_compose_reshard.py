@@ -9,7 +9,9 @@ differ from one process's by the size of the moments themselves (they are compar
 
 Pairs: dp2 ZeRO-1 -> tp2 x pp2 ZeRO-0 (dp and ZeRO's sharded optimizer state out, tensor and
 pipeline cuts in); dp2 x tp2 ZeRO-3 (FSDP + TP) -> cp2 x dp2 ZeRO-2 (parameters sharded over
-dp and split over tp out; context parallelism and ZeRO-2 in)."""
+dp and split over tp out; context parallelism and ZeRO-2 in); tiny-MoE dp2 x ep2 ZeRO-3
+(experts spread, their ZeRO-1 optimizer over expert-dp) -> dp2 x tp2 ZeRO-1 (every expert on
+every rank, dense parts tensor-parallel)."""
 
 from __future__ import annotations
 
@@ -29,8 +31,15 @@ TOLERANCE = 1e-6  # the parity matrix's (engine.compose.parity)
 # cp2 x dp2 ZeRO-2 trained from step 0, no checkpoint, differ from one process's by 6e-6
 # (measured), at 1e-4 every parameter by under 1e-6 (engine.compose.parity's note)
 COMMON = ["train", "--composed", "--micro-batch", "2", "--lr", str(LR)]
-ONE = ["--world-size", "1", "--microbatches", "2", "--zero", "0"]
-PAIRS = {
+MOE = ["--model", "tiny-moe"]
+# one process, per model. The MoE balancing loss and z-loss are taken over each global
+# micro-batch (engine.compose.experts): not linear in it, so one process must cut the step's 4
+# rows into the same global micro-batches as the layouts: 1 of 4 rows for dp2 x 1 x 2 (with 2
+# of 2 rows one process differs from tiny-MoE dp2 by 8e-6 in the loss: measured)
+ONE = {"tiny": ["--world-size", "1", "--microbatches", "2", "--zero", "0"],
+       "tiny-moe": [*MOE, "--world-size", "1", "--microbatches", "1", "--micro-batch", "4",
+                    "--zero", "0"]}
+PAIRS = {  # name: (layout A, layout B)
     "dp2 zero1 -> tp2xpp2 zero0": (
         ["--dp", "2", "--zero", "1", "--microbatches", "1"],
         ["--world-size", "4", "--dp", "1", "--tp", "2", "--pp", "2", "--zero", "0",
@@ -38,20 +47,33 @@ PAIRS = {
     "dp2xtp2 zero3 -> cp2xdp2 zero2": (
         ["--world-size", "4", "--dp", "2", "--tp", "2", "--zero", "3", "--microbatches", "1"],
         ["--world-size", "4", "--dp", "2", "--cp", "2", "--zero", "2", "--microbatches", "1"]),
+    "tiny-moe dp2xep2 zero3 -> dp2xtp2 zero1": (
+        [*MOE, "--dp", "2", "--ep", "2", "--zero", "3", "--microbatches", "1"],
+        [*MOE, "--world-size", "4", "--dp", "2", "--tp", "2", "--zero", "1",
+         "--microbatches", "1"]),
 }
 
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    """One process, 4 steps: the losses and the final state, joined like any other."""
-    root = tmp_path_factory.mktemp("one")
-    assert engine_main([*COMMON, *ONE, "--steps", "4", "--save", str(root)]) == 0
-    return _losses(root), _final(root)
+    """One process, 4 steps, per model: the losses and the final state, joined like any
+    other (built on first use)."""
+    found = {}
+
+    def run(model: str):
+        if model not in found:
+            root = tmp_path_factory.mktemp(model)
+            assert engine_main([*COMMON, *ONE[model], "--steps", "4", "--save",
+                                str(root)]) == 0
+            found[model] = _losses(root), _final(root, model)
+        return found[model]
+
+    return run
 
 
-def _final(root):
+def _final(root, model: str):
     last = sorted(p for p in root.iterdir() if p.name.startswith("step-"))[-1]
-    return universal_state(last, model_config(TrainConfig()))
+    return universal_state(last, model_config(TrainConfig(model=model)))
 
 
 def _largest_difference(a, b) -> float:
@@ -66,8 +88,9 @@ def test_resharded_run_equals_one_process(pair, one_process, tmp_path, capsys):
     assert engine_main([*COMMON, *after, "--steps", "4", "--save", str(tmp_path), "--resume",
                         "--reshard"]) == 0
     assert "(re-cut for this layout)" in capsys.readouterr().out
-    losses, final = _losses(tmp_path), _final(tmp_path)
-    reference, alone = one_process
+    model = "tiny-moe" if MOE[1] in after else "tiny"
+    losses, final = _losses(tmp_path), _final(tmp_path, model)
+    reference, alone = one_process(model)
     assert len(losses) == len(reference) == 4
     assert max(abs(a - b) for a, b in zip(losses, reference)) <= TOLERANCE, (losses, reference)
     assert _largest_difference(final.params, alone.params) <= TOLERANCE, pair
@@ -80,6 +103,6 @@ def test_resharded_run_equals_one_process(pair, one_process, tmp_path, capsys):
 def test_join_reads_back_a_checkpoint_as_one_process_holds_it(one_process):
     """The offline join of one process's own checkpoint is its state: AdamW's moments non-zero
     (a join that lost them would make the comparison above vacuous)."""
-    _, alone = one_process
+    _, alone = one_process("tiny")
     assert all(v.abs().max() > 0 for v in alone.moments["exp_avg"].values())
     assert "blocks.0.attn.qkv.weight" in alone.params and "tok.weight" in alone.params

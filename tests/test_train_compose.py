@@ -77,10 +77,8 @@ def test_every_layout_has_the_loss_of_one_process(name, capsys):
      "ep = 2 must divide dp x cp"),
     (["--composed", "--world-size", "4", "--dp", "2"], "dp x cp x tp x pp = 2 x 1 x 1 x 1 = "
                                                        "2 does not match the world size 4"),
-    # --save covers every composed layout now (tests/test_compose_resume.py); --reshard every
-    # layout change but experts spread over ep ranks (tests/test_compose_reshard.py)
-    (["--composed", "--model", "tiny-moe", "--dp", "2", "--ep", "2", "--save", "/tmp/nowhere",
-      "--resume", "--reshard"], "--reshard with the composed engine"),
+    # --save covers every composed layout now (tests/test_compose_resume.py), and --reshard
+    # every layout change (tests/test_compose_reshard.py; --compress: test_compose_resume.py)
     (["--cp", "2", "--pp", "2", "--compress", "fp16", "--zero", "0"],
      "--compress fp16 compresses DDP's all-reduce over dp x cp: it needs --pp 1, got --pp 2"),
     (["--cp", "2", "--compress", "zip", "--zero", "0"], "unknown compressor spec 'zip'"),
@@ -214,9 +212,5 @@ def test_what_the_composed_engine_cannot_save_or_resume_is_refused(tmp_path, cap
                         "3", "--save", str(tmp_path), "--resume"]) == 2
     assert "the composed engine resumes its own checkpoints on their own layout only" in \
         capsys.readouterr().err
-    # (--cp 2 --zero 1 --reshard, refused here before engine.compose.reshard, now re-cuts:
-    # tests/test_compose_reshard.py) experts spread over ep ranks are still refused
-    assert engine_main(["train", "--cp", "2", "--model", "tiny-moe", "--ep", "2", "--zero",
-                        "1", "--steps", "3", "--save", str(tmp_path), "--resume",
-                        "--reshard"]) == 2
-    assert "--reshard with the composed engine" in capsys.readouterr().err
+    # (--cp 2 --zero 1 --reshard, refused here before engine.compose.reshard, re-cuts now:
+    # tests/test_compose_reshard.py)

@@ -24,14 +24,17 @@ distributed checkpoint does with each tensor's recorded placement:
    for each optimizer state, and loaded into this rank's data-parallel wrapper: its ZeRO
    buckets by :func:`engine.zero.recut.load_dense`, a plain AdamW by its ``load_state_dict``.
 
-So any change of dp, cp (and its method), tp, pp (and the schedule), ZeRO stage, micro-batches
-and micro-batch size resumes with AdamW's state carried over. The losses after it equal one
-process's within the parity matrix's 1e-6, not bit for bit: the new layout sums in another
-order (tests/test_compose_reshard.py). What stays refused, by name
-(:func:`engine.train_compose.check_composed_reshard`): experts spread over ``--ep`` ranks (this
-join knows the dense GPT's tensor-parallel table, not an expert placement) and ``--compress``
-(the error-feedback residual is one rank's memory of its own gradients: no other layout has a
-rank it belongs to).
+So any change of dp, cp (and its method), ep, tp, pp (and the schedule), ZeRO stage,
+micro-batches and micro-batch size resumes with AdamW's state carried over: experts are
+recorded under their global index (:func:`engine.compose.state.global_expert_name`), their
+ZeRO shards with the expert-data-parallel ranks, and cut by expert parallelism's own split.
+The losses after it equal one process's within the parity matrix's 1e-6, not bit for bit: the
+new layout sums in another order (tests/test_compose_reshard.py). What stays refused, by name:
+``--compress`` (:func:`engine.train_compose.check_composed_reshard`, and a compressed
+checkpoint when it is joined), as the error-feedback residual is one rank's memory of its own
+gradients: no rank of another layout continues it; a model with buffers (DeepSeek-V3's
+expert bias, ``bias_update_rate``: the trainer's models have none), which this state does not
+carry.
 """
 
 from __future__ import annotations
