@@ -37,6 +37,12 @@ class Clock:
         event.record(torch.cuda.current_stream(self.device))
         return event
 
+    def synchronize(self) -> None:
+        """Wait until everything queued on the device has run, on every stream (nothing to
+        wait for on the CPU)."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
     def seconds(self, mark) -> float:
         """A mark as ``perf_counter`` seconds (on a GPU, waits for the mark's event)."""
         if not self.cuda:

@@ -54,7 +54,9 @@ class TraceEvent:
 
 
 def events_from_meter(meter: CommMeter, rank: int, lane: str = "comm") -> list[TraceEvent]:
-    """One event per completed op the meter recorded on ``rank``."""
+    """One event per completed op the meter recorded on ``rank``; ``args["timed_by"]`` says
+    how its times were obtained (``"nccl"``, ``"cuda-events (compute stream)"`` or
+    ``"host clock"``: :mod:`engine.comm.durations`)."""
     return [
         TraceEvent(
             name=e.op,
@@ -69,6 +71,7 @@ def events_from_meter(meter: CommMeter, rank: int, lane: str = "comm") -> list[T
                 peer=e.peer,
                 measured=e.measured,
                 algorithm=e.algorithm,
+                timed_by=e.timed_by,  # how start and end were obtained (engine.comm.durations)
             ),
         )
         for e in meter.events

@@ -20,6 +20,8 @@ The layers, top down; each imports only the layers below it::
     meter, checks, nccl_rules, patching
                          what every op reports to (CommMeter), the input and cross-rank
                          agreement checks, NCCL's rules, the patcher of torch.distributed
+    durations            how an event's times were obtained: NCCL's own timing of its work,
+                         CUDA events on the compute stream, or the host's clock
     engine.clock         CUDA events as host time (below the meter and engine.trace)
 
 :mod:`engine.comm.timing` times the all-reduce algorithms side by side (benchmarks, ch. 01).

@@ -23,10 +23,11 @@ import torch
 import torch.distributed as dist
 
 from engine import theory
-from engine.comm import counted, nccl_rules
+from engine.comm import counted, durations, nccl_rules
 from engine.comm.meter import (OPEN, CommEvent, collecting_messages, counting_wire, record,
                                recording)
-from engine.comm.p2p import MeteredWork, group_ranks, mark_gpu_end, nbytes, staged
+from engine.comm.p2p import (MeteredWork, group_ranks, mark_gpu_end, nbytes, nccl_times,
+                             staged)
 
 ReduceOp = dist.ReduceOp
 # torch 2.13 renamed these (the old names still work, with a FutureWarning).
@@ -85,6 +86,7 @@ def _collective(
     me = ranks.index(dist.get_rank())
     if counted is not None and counting_wire():
         return _run_counted(op, payload, ranks, root, counted, async_op)
+    timed_by_nccl = nccl_times(payload, group)
     root_index = ranks.index(root) if root is not None else 0
     sent, received = modeled_bytes or theory.collective_wire_bytes(
         op, full_bytes, len(ranks), me, root_index)
@@ -104,9 +106,16 @@ def _collective(
     )
     if payload.is_cuda:
         event.gpu_marks.append(OPEN.gpu_mark(payload.device))
-    work = run(async_op)
-    if async_op:
-        return MeteredWork(work, [event], after=after)
+    if timed_by_nccl:  # keep the work, for NCCL's own duration (dist's sync op waits on it)
+        work = run(True)
+        durations.attach([event], work)
+        if async_op:
+            return MeteredWork(work, [event], after=after)
+        work.wait()
+    else:
+        work = run(async_op)
+        if async_op:
+            return MeteredWork(work, [event], after=after)
     if after is not None:
         after()
     event.end = time.perf_counter()
@@ -117,14 +126,17 @@ def _collective(
 def _run_counted(op: str, payload: torch.Tensor, ranks, root, counted, async_op: bool):
     """Run ``counted()`` and record one event made of the messages it sent and received."""
     start = time.perf_counter()
+    marks = [OPEN.gpu_mark(payload.device)] if payload.is_cuda else []
     with collecting_messages() as messages:
         counted()
-    record(CommEvent(
+    event = record(CommEvent(
         op=op, group=ranks, payload_bytes=nbytes(payload),
         bytes_sent=sum(m.bytes_sent for m in messages),
         bytes_received=sum(m.bytes_received for m in messages),
         measured=True, algorithm=_ALGORITHM.get(op, "ring"), start=start,
-        end=time.perf_counter(), peer=root, dtype=str(payload.dtype), messages=len(messages)))
+        end=time.perf_counter(), peer=root, dtype=str(payload.dtype), messages=len(messages),
+        gpu_marks=marks, works=durations.distinct_works(messages)))
+    mark_gpu_end([event])  # each message was waited on: the stream has waited for them all
     return CompletedWork([payload]) if async_op else None
 
 

@@ -26,6 +26,11 @@ its numbers were obtained (``measured``):
 Point-to-point ops (``send``, ``recv``, ``isend``, ``irecv``, ``batch_isend_irecv``) are
 counted exactly in both modes: a send of ``S`` bytes puts ``S`` bytes on the wire.
 
+Each event also says how its start and end were obtained (``timed_by``): on NCCL, by NCCL's
+own events on its communication stream (``"nccl"``, read from the op's work when the meter
+closes, so no host synchronisation is added inside a step); otherwise by CUDA events on the
+compute stream or by the host's clock (:mod:`engine.comm.durations`).
+
 Each rank is its own process, so a meter sees only its own rank; gather per-rank numbers with
 the return value of :func:`engine.launch`.
 """
@@ -37,6 +42,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from engine.clock import Clock
+from engine.comm import durations
 
 COUNT_MODES = ("model", "wire")
 
@@ -61,6 +67,10 @@ class CommEvent:
     # when the meter closes by engine.clock (the host's clock would time the launch, not the
     # transfer)
     gpu_marks: list = field(default_factory=list, repr=False)
+    # how start and end were obtained: "nccl" (NCCL's own events on its stream, from the
+    # works kept below), "cuda-events (compute stream)" or "host clock" (engine.comm.durations)
+    timed_by: str = durations.HOST
+    works: list = field(default_factory=list, repr=False)  # read when the meter closes
 
     @property
     def seconds(self) -> float | None:
@@ -92,7 +102,7 @@ class CommMeter:
 
     def __exit__(self, *exc) -> None:
         OPEN.meters.remove(self)
-        OPEN.resolve_gpu_marks(self.events)
+        OPEN.resolve_times(self.events)
 
     @property
     def bytes_sent(self) -> int:
@@ -141,7 +151,17 @@ class CommMeter:
         lines.append("bytes: " + ("counted on the wire" if self.all_counted else
                                   "built-in collectives modeled (open CommMeter(count='wire') "
                                   "to count them)"))
+        lines.append("times: " + self.timed_by_line())
         return "\n".join(lines)
+
+    def timed_by_line(self) -> str:
+        """How the events' durations were obtained, e.g. ``"nccl (3 ops), host clock (2 ops)"``
+        (see :mod:`engine.comm.durations`)."""
+        counts: dict[str, int] = defaultdict(int)
+        for e in self.events:
+            counts[e.timed_by] += 1
+        return ", ".join(f"{how} ({n} op{'s' if n != 1 else ''})" for how, n in counts.items()) \
+            or "no ops"
 
     def clear(self) -> None:
         self.events.clear()
@@ -162,18 +182,15 @@ class _OpenMeters:
 
     def gpu_mark(self, device):
         """``(device, CUDA event recorded now on its current stream)``, for an event's
-        ``gpu_marks`` (turned into seconds by :meth:`resolve_gpu_marks`)."""
+        ``gpu_marks`` (turned into seconds by :meth:`resolve_times`)."""
         if device not in self.clocks:  # once per device: one synchronisation
             self.clocks[device] = Clock(device)
         return device, self.clocks[device].mark()
 
-    def resolve_gpu_marks(self, events) -> None:
-        """Turn the CUDA events of ``events`` into ``perf_counter`` seconds."""
-        for event in events:
-            times = [self.clocks[device].seconds(mark) for device, mark in event.gpu_marks]
-            if len(times) == 2:
-                event.start, event.end = times
-                event.gpu_marks = []
+    def resolve_times(self, events) -> None:
+        """Turn the CUDA events and NCCL works of ``events`` into ``perf_counter`` seconds
+        (:func:`engine.comm.durations.resolve`)."""
+        durations.resolve(events, self.clocks)
 
     def recording(self) -> bool:
         return bool(self.meters)

@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from engine.comm import nccl_rules
+from engine.comm import durations, nccl_rules
 from engine.comm.meter import OPEN, CommEvent, record, recording
 
 P2POp = dist.P2POp
@@ -102,6 +102,13 @@ class MeteredWork:
         return getattr(self._work, name)
 
 
+def nccl_times(tensor: torch.Tensor, group=None) -> bool:
+    """True where the op's work can time itself (a CUDA tensor on an NCCL group): its events
+    keep the work, asked for NCCL's own duration when the meter closes
+    (:mod:`engine.comm.durations`). Asked only while a meter is open."""
+    return tensor.is_cuda and dist.get_backend(group) == "nccl"
+
+
 def mark_gpu_end(events: Sequence[CommEvent]) -> None:
     """Mark completion on the stream of events whose start was marked there: after ``wait``,
     the current stream waits for the op, so the mark fires when it is done."""
@@ -171,7 +178,13 @@ def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
     nccl_rules.check("send", [tensor], group, tag=tag)
     events = _p2p_events("send", tensor, dst, group, time.perf_counter())
     wire = _host_copy(tensor) if stages_through_host(tensor, group) else tensor
-    dist.send(wire, dst, group=group, tag=tag)
+    if events and nccl_times(tensor, group):  # dist.send's own steps, keeping the work
+        pg, peer = process_group_and_rank(group, dst)
+        work = pg.send([_real(wire)], peer, tag)
+        durations.attach(events, work)
+        work.wait()
+    else:
+        dist.send(wire, dst, group=group, tag=tag)
     for event in events:
         event.end = time.perf_counter()
 
@@ -185,6 +198,12 @@ def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0)
         wire = _host_buffer(tensor)
         sender = dist.recv(wire, src, group=group, tag=tag)
         tensor.copy_(wire)
+    elif events and src is not None and nccl_times(tensor, group):  # dist.recv's own steps
+        pg, peer = process_group_and_rank(group, src)
+        work = pg.recv([_real(tensor)], peer, tag)
+        durations.attach(events, work)
+        work.wait()
+        sender = src
     else:
         sender = dist.recv(tensor, src, group=group, tag=tag)
     for event in events:
@@ -197,8 +216,10 @@ def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> MeteredWo
     events = _p2p_events("isend", tensor, dst, group, time.perf_counter())
     wire = _host_copy(tensor) if stages_through_host(tensor, group) else tensor
     pg, peer = process_group_and_rank(group, dst)
-    return nccl_rules.unbatched_send(
-        MeteredWork(pg.send([_real(wire)], peer, tag), events, has_future=False), dst, group)
+    work = pg.send([_real(wire)], peer, tag)
+    if events and nccl_times(tensor, group):
+        durations.attach(events, work)
+    return nccl_rules.unbatched_send(MeteredWork(work, events, has_future=False), dst, group)
 
 
 def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> MeteredWork:
@@ -206,7 +227,10 @@ def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> MeteredWo
     events = _p2p_events("irecv", tensor, src, group, time.perf_counter())
     pg, peer = process_group_and_rank(group, src)
     if not stages_through_host(tensor, group):
-        return MeteredWork(pg.recv([_real(tensor)], peer, tag), events, has_future=False)
+        work = pg.recv([_real(tensor)], peer, tag)
+        if events and nccl_times(tensor, group):
+            durations.attach(events, work)
+        return MeteredWork(work, events, has_future=False)
     wire = _host_buffer(tensor)
     return MeteredWork(pg.recv([_real(wire)], peer, tag), events, has_future=False,
                        after=lambda: tensor.copy_(wire))
@@ -268,6 +292,13 @@ def batch_isend_irecv(p2p_ops: Sequence[P2POp]) -> list[MeteredWork]:
             copy_backs.append(lambda t=op.tensor, w=wire: t.copy_(w))
     works = dist.batch_isend_irecv(wire_ops)
     if len(works) != len(events):  # NCCL coalesces a batch into one work for all its ops
-        return [MeteredWork(w, [e for op_events in events for e in op_events]) for w in works]
+        flat = [e for op_events in events for e in op_events]
+        if flat and all(nccl_times(op.tensor, op.group) for op in p2p_ops):
+            for w in works:
+                durations.attach(flat, w)
+        return [MeteredWork(w, flat) for w in works]
+    for op, w, op_events in zip(p2p_ops, works, events, strict=True):
+        if op_events and nccl_times(op.tensor, op.group):
+            durations.attach(op_events, w)
     return [MeteredWork(w, e, has_future=False, after=c)
             for w, e, c in zip(works, events, copy_backs, strict=True)]

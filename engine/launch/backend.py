@@ -13,6 +13,7 @@ with one explicit choice for callers that want the GPUs when there are enough:
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch
@@ -63,11 +64,29 @@ def resolve_backend(backend: str, ranks_here: int, ranks_name: str = "world_size
     return backend
 
 
+# ProcessGroupNCCL records a start event around every op only with this set when a group is
+# created; then ``Work._get_duration()`` is NCCL's own timing of the op, which the CommMeter
+# reports (engine.comm.durations). Its cost, in PyTorch's ProcessGroupNCCL.hpp: one more CUDA
+# event per op, and the watchdog's queries of it. The older name is honoured as torch does.
+NCCL_TIMING_VARIABLES = ("TORCH_NCCL_ENABLE_TIMING", "NCCL_ENABLE_TIMING")
+
+
+def enable_nccl_timing() -> bool:
+    """Set ``TORCH_NCCL_ENABLE_TIMING=1`` in this process unless the user set it (under either
+    name, to any value: theirs is kept). True when this call set it."""
+    if any(name in os.environ for name in NCCL_TIMING_VARIABLES):
+        return False
+    os.environ[NCCL_TIMING_VARIABLES[0]] = "1"
+    return True
+
+
 def init_process_group(backend: str, timeout: float, **rendezvous) -> None:
     """Join the group; an NCCL rank first binds its GPU and names it to the group, so no
-    collective (the first barrier included) has to guess which GPU this rank uses."""
+    collective (the first barrier included) has to guess which GPU this rank uses, and turns
+    on NCCL's own timing of each op (:func:`enable_nccl_timing`)."""
     device_id = None
     if backend == "nccl":
+        enable_nccl_timing()
         device_id = local_gpu()
         torch.cuda.set_device(device_id)
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout), device_id=device_id,
