@@ -18,7 +18,8 @@ fixed global batch, so it computes exactly what the uninterrupted run computes f
 
 Which checkpoint to resume from, and whether it fits this run, is decided before any rank
 starts (:func:`resume_point`); a checkpoint of another layout loads only with ``--reshard``,
-which re-cuts it through the whole model (:mod:`engine.reshard`).
+which re-cuts it through the whole model (:mod:`engine.reshard`; on the composed engine
+:mod:`engine.compose.reshard`).
 """
 
 from __future__ import annotations

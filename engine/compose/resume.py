@@ -16,7 +16,8 @@ objects with ``state_dict()`` / ``load_state_dict()``:
   no storage with those (a separate fp32 master copy);
 * :class:`RankOptimizerState` (``"optimizer"``): every inner optimizer's ``state_dict()`` (a
   plain AdamW, each :class:`engine.zero.ZeroOptimizer`'s shard optimizer, ZeRO-3's, the dense
-  and the experts' under expert parallelism) and the compressor's state with its spec.
+  and the experts' under expert parallelism), the compressor's state with its spec, and the
+  placement of every tensor of both (:func:`placement`, below).
 
 A run resumed from them on the same layout continues bit for bit (tests/test_compose_resume.py).
 Beside its state each rank records, without any communication, where every tensor of it sits
