@@ -10,7 +10,8 @@ Q, its random generator), cp2 varlen, tiny-MoE ep2 (ZeRO-1; ZeRO-3), dp2 x tp2 Z
 makes every rank raise, naming it, and leaves no manifest (the agreed protocol). Every
 family's files join offline into the whole model, experts spread over ep ranks included
 (engine.compose.reshard, which --reshard cuts for another layout: tests/test_compose_reshard.py),
-except a compressor's, refused naming --compress. Then ``engine train --reshard`` on the
+and cut back for the same layout they are every tensor the ranks saved (torch.equal: joins and
+cuts only copy); a compressor's are refused naming --compress. Then ``engine train --reshard`` on the
 composed path: a dp-only change at ZeRO-0 resumes; --compress is refused naming it."""
 
 from __future__ import annotations
@@ -93,9 +94,16 @@ def _resume_families(rank, world_size, names, root):
         save_per_rank(directory, *rank_state(first))
         again = _build(plan, moe)
         load_per_rank(directory, *rank_state(again))
+        loaded = _state(again)
         losses += _steps(again, SAVED, STEPS, varlen)
         found[name] = {"straight": straight, "resumed": losses, "whole": _state(whole),
                        "again": _state(again)}
+        if not plan.compress:  # joined and cut for its own layout: what the rank saved
+            from engine.compose.reshard import reshard
+
+            recut = _build(plan, moe)
+            reshard(directory, recut)
+            found[name]["loaded"], found[name]["recut"] = loaded, _state(recut)
         if name == names[0]:  # a rank that cannot serialise: every rank raises, no manifest
             found["failed save"] = _failed_save(rank, first, f"{directory}-failed")
         if plan.compress:  # the same resume without the compressor's memory: not the same run
@@ -137,6 +145,11 @@ def _check(ranks, name):
         assert a.keys() == b.keys() and len(a) > 0, (name, rank)
         different = [k for k in a if not torch.equal(a[k], b[k])]
         assert not different, (name, rank, different)
+        if "recut" in run:  # --reshard's path into the same layout: every tensor equal
+            a, b = _flat(run["loaded"]), _flat(run["recut"])
+            assert a.keys() == b.keys() and any("/optimizer/" in k for k in a), (name, rank)
+            different = [k for k in a if not torch.equal(a[k], b[k])]
+            assert not different, (name, rank, different)
         if "without compressor state" in run:
             lost = _flat(run["without compressor state"])
             assert any(not torch.equal(a[k], lost[k]) for k in a if "/model/" in k), name
