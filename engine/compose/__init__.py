@@ -21,6 +21,8 @@ reads (:mod:`engine.tp`, :mod:`engine.cp`, :mod:`engine.moe`, :mod:`engine.dp`,
   (TP + SP, CP, EP, PP, then the data-parallel wrapper: DDP, ZeRO-1/2 or ZeRO-3);
 * :mod:`~engine.compose.state`: the whole parameters back from any layout, for comparing;
 * :mod:`~engine.compose.resume`: what each rank of any layout saves to resume bit for bit;
+* :mod:`~engine.compose.reshard`: those files joined offline into the whole model and its
+  AdamW state, and cut for any other layout (``--resume --reshard``);
 * :mod:`~engine.compose.loop`: the one training step and loop, with hooks;
 * :mod:`~engine.compose.formulas`: the bytes each kind of group must carry, by formula;
 * :mod:`~engine.compose.traffic`: bytes on the wire per kind of group, counted;
