@@ -38,7 +38,7 @@ def rank_main(fn, rank, world_size, args, backend, timeout, port, port_ready, ou
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     capture_output(out_path)
     torch.set_num_threads(1)
-    code = 0
+    code, store = 0, None
     try:
         store = rendezvous(rank, world_size, timeout, port, port_ready)
         # as torchrun sets them, for fn's own code and any process it starts
@@ -54,10 +54,12 @@ def rank_main(fn, rank, world_size, args, backend, timeout, port, port_ready, ou
                 f"({type(e).__name__}: {e}); return plain Python values, "
                 "tensors, or lists and dicts of them"
             ) from e
+        leave(store, rank, world_size, timeout)  # before the group is torn down: see leave
         if dist.is_initialized():  # fn may have torn the group down itself
             dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - everything a rank raises goes to the caller
         code = 1
+        leave(store, rank, world_size, timeout, wait=False)
         try:
             blob = pickle.dumps(e)
         except Exception:
@@ -80,6 +82,40 @@ def rank_main(fn, rank, world_size, args, backend, timeout, port, port_ready, ou
         conn.send_bytes(message)
     finally:
         os._exit(code)  # skip atexit handlers inherited from the parent (Jupyter, torch)
+
+
+def done_key(rank: int) -> str:
+    return f"engine.launch/done/{rank}"
+
+
+def leave(store, rank: int, world_size: int, timeout: float, wait: bool = True) -> None:
+    """Count this rank out in the rendezvous store; rank 0, which serves the store, first waits
+    (at most ``timeout`` seconds) until every other rank has counted itself out.
+
+    Why: ``dist.new_group`` returns at once on a rank outside the group while its members still
+    meet through the store, so a rank 0 outside a group could finish and exit, taking the store
+    with it ("Failed to recv", "Broken pipe" on a member; tests/test_launch_store.py).
+
+    When: after ``fn`` returned and before the process group is destroyed. A process that
+    lingers after ``destroy_process_group`` can abort (SIGABRT, "terminate called after
+    throwing std::system_error: Resource deadlock avoided"): the last reference to the group,
+    held by a work a Gloo worker thread completes (DDP's communication hooks), is dropped on
+    that thread, whose destructor then joins the thread itself. A first version that counted
+    out after the teardown aborted PowerSGD's DDP test in 3 of 5 runs; waiting while the
+    group is alive, then tearing it down and exiting at once, leaves that window as it was.
+
+    A rank that failed counts itself out without waiting (``wait=False``): rank 0 reports at
+    once; one that died never counts, and the parent, which stops every rank when one fails,
+    ends rank 0's wait.
+    """
+    if store is None:
+        return
+    try:
+        store.set(done_key(rank), "1")
+        if wait and rank == 0 and world_size > 1:
+            store.wait([done_key(r) for r in range(1, world_size)], timedelta(seconds=timeout))
+    except Exception:  # noqa: BLE001 - the store is gone or the wait ran out: nothing to keep
+        pass
 
 
 def _safe_str(e: BaseException) -> str:
