@@ -4,7 +4,10 @@ Used by ``benchmarks/collectives.py``, chapter 01 and the GPU lab. Each measurem
 slowest rank's time (a collective is done when its last rank is), the median over repeats,
 with the algorithms interleaved inside each repeat so drift in the machine's load hits all of
 them alike, in an order reversed every other repeat so none always runs right after another.
-Module-level, so it can be started with spawn (NCCL) as well as fork.
+Module-level, so it can be started with spawn (NCCL) as well as fork. The times are the host's
+clock around the call, after a barrier and a device synchronisation on each side: the whole
+collective as the caller waits for it (a :class:`engine.comm.CommMeter` on NCCL reports NCCL's
+own timing of each op instead, labelled ``timed_by="nccl"``: :mod:`engine.comm.durations`).
 
 By default every algorithm the group's backend can run is timed, on the rank's device
 (:func:`engine.device.rank_device`: its GPU on NCCL, else the CPU): on NCCL that is all but the

@@ -98,9 +98,9 @@ def leave(store, rank: int, world_size: int, timeout: float, wait: bool = True) 
 
     When: after ``fn`` returned and before the process group is destroyed. A process that
     lingers after ``destroy_process_group`` can abort (SIGABRT, "terminate called after
-    throwing std::system_error: Resource deadlock avoided"): the last reference to the group,
-    held by a work a Gloo worker thread completes (DDP's communication hooks), is dropped on
-    that thread, whose destructor then joins the thread itself. A first version that counted
+    throwing std::system_error: Resource deadlock avoided", a thread joining itself; most
+    likely the last reference to the group, held by a work that a Gloo worker thread completes
+    for DDP's communication hooks, is dropped on that thread). A first version that counted
     out after the teardown aborted PowerSGD's DDP test in 3 of 5 runs; waiting while the
     group is alive, then tearing it down and exiting at once, leaves that window as it was.
 
