@@ -74,7 +74,11 @@ def _as_if_on_nccl(rank, world_size, nccl_times_itself):
         inside = dict(calls)
     with CommMeter(count="wire") as wire:  # the counted ring: 2 steps of send + receive
         ops.all_reduce(make(torch.ones(256)))
-    events = [(e.op, e.timed_by, e.start, e.end) for e in meter.events + wire.events]
+    with CommMeter(count="model") as p2p_only:  # no collective, so no CUDA event marked
+        t = make(torch.ones(4))
+        (ops.isend(t, 1 - rank) if rank == 0 else ops.irecv(t, 1 - rank)).wait()
+    events = [(e.op, e.timed_by, e.start, e.end)
+              for e in meter.events + wire.events + p2p_only.events]
     return (unmetered, inside, dict(calls), events, meter.summary(),
             [e.args["timed_by"] for e in events_from_meter(meter, rank)])
 
@@ -84,7 +88,7 @@ def test_nccl_times_each_op_read_once_when_the_meter_closes():
                                                                        True):
         assert unmetered == dict(duration=0, synchronize=0)
         assert inside == dict(duration=0, synchronize=0)  # nothing read during the ops
-        *ops_, barrier, counted = events
+        *ops_, barrier, counted, alone = events
         assert [op for op, *_ in ops_][:3] == ["all_reduce", "all_reduce", "broadcast"]
         for op, timed_by, start, end in ops_:
             assert timed_by == "nccl"
@@ -95,9 +99,12 @@ def test_nccl_times_each_op_read_once_when_the_meter_closes():
         # the counted ring on 2 ranks: 2 steps, each a send and a receive (2 works on Gloo)
         assert counted[1] == "nccl"
         assert counted[3] - counted[2] == pytest.approx(4 * FAKE_MS / 1e3, rel=1e-6)
+        assert alone[1] == "nccl" and alone[3] - alone[2] == pytest.approx(FAKE_MS / 1e3,
+                                                                            rel=1e-6)
         # one synchronisation per meter closed with NCCL works (one device), and every work
-        # asked once: 3 collectives, isend or irecv, send or recv, 2 in the batch, 4 in the ring
-        assert closed == dict(duration=3 + 1 + 1 + 2 + 4, synchronize=2)
+        # asked once: 3 collectives, isend or irecv, send or recv, 2 in the batch, 4 in the
+        # ring, 1 alone
+        assert closed == dict(duration=3 + 1 + 1 + 2 + 4 + 1, synchronize=3)
         assert "times: nccl (7 ops), host clock (1 op)" in summary
         assert traced == ["nccl"] * 7 + ["host clock"]
 
@@ -106,9 +113,9 @@ def test_without_nccls_timing_the_fallback_is_labelled():
     for _, _, closed, events, summary, _ in run_ranks(_as_if_on_nccl, 2, False):
         assert [t for _, t, *_ in events] == (
             ["cuda-events (compute stream)"] * 3 + ["host clock"] * 5
-            + ["cuda-events (compute stream)"])
+            + ["cuda-events (compute stream)", "host clock"])
         assert all(end is not None and end >= start for _, _, start, end in events)
-        assert closed["synchronize"] == 2
+        assert closed["synchronize"] == 3
         assert "times: cuda-events (compute stream) (3 ops), host clock (5 ops)" in summary
 
 
@@ -126,11 +133,11 @@ def test_distinct_works_and_a_missing_duration():
         def __init__(self, *works):
             self.works = list(works)
 
-    a, b = Work(1.0), Work(2.0)
+    a, b = ("cuda:0", Work(1.0)), ("cuda:0", Work(2.0))
     assert durations.distinct_works([Part(a), Part(a), Part(b)]) == [a, b]  # a batch: once
     assert durations.distinct_works([Part(a), Part()]) == []  # a message NCCL did not time
     assert durations.duration_ms([a, b]) == 3.0
-    assert durations.duration_ms([a, Work(None)]) is None
+    assert durations.duration_ms([a, ("cuda:0", Work(None))]) is None
 
 
 @pytest.fixture

@@ -108,7 +108,7 @@ def _collective(
         event.gpu_marks.append(OPEN.gpu_mark(payload.device))
     if timed_by_nccl:  # keep the work, for NCCL's own duration (dist's sync op waits on it)
         work = run(True)
-        durations.attach([event], work)
+        durations.attach([event], work, payload.device)
         if async_op:
             return MeteredWork(work, [event], after=after)
         work.wait()

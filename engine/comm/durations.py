@@ -21,7 +21,9 @@ Each :class:`engine.comm.CommEvent` says in ``timed_by`` where its duration came
 
 Nothing is read inside a step: the works are kept on their events and asked for their
 durations when the meter closes (:func:`resolve`), after one ``synchronize`` per device,
-so timing adds no host synchronisation between ops.
+so timing adds no host synchronisation between ops. The price: an NCCL work holds its tensors,
+so what an op sent or received on CUDA stays allocated until the meter closes (the trainer
+meters only its untimed warm-up step, before the memory peak is reset: engine.timed_steps).
 
 An event NCCL timed starts when it was issued (on the stream for a collective, on the host for
 a point-to-point op) or when the previous op NCCL timed on the same group (and peer) ended,
@@ -31,29 +33,33 @@ duration later.
 
 from __future__ import annotations
 
+from engine.clock import Clock
+
 NCCL = "nccl"
 CUDA_EVENTS = "cuda-events (compute stream)"
 HOST = "host clock"
 TIMED_BY = (NCCL, CUDA_EVENTS, HOST)
 
 
-def attach(events, work) -> None:
-    """Keep ``work`` on ``events``, to be asked its duration when the meter closes."""
+def attach(events, work, device) -> None:
+    """Keep ``work`` (an op on ``device``) on ``events``, to be asked its duration when the
+    meter closes."""
     for event in events:
-        event.works.append(work)
+        event.works.append((device, work))
 
 
 def distinct_works(parts) -> list:
-    """The works of a counted collective's messages, each once (a batch's messages share one
-    work on NCCL); empty when any message has none (it cannot be timed by its works)."""
+    """The ``(device, work)`` of a counted collective's messages, each work once (a batch's
+    messages share one work on NCCL); empty when any message has none (it cannot be timed by
+    its works)."""
     works, seen = [], set()
     for part in parts:
         if not part.works:
             return []
-        for work in part.works:
+        for device, work in part.works:
             if id(work) not in seen:
                 seen.add(id(work))
-                works.append(work)
+                works.append((device, work))
     return works
 
 
@@ -61,7 +67,7 @@ def duration_ms(works) -> float | None:
     """The summed ``_get_duration()`` of ``works`` in ms, or None when one cannot tell (not
     NCCL, timing not enabled, the op not complete)."""
     total = 0.0
-    for work in works:
+    for _, work in works:
         try:
             total += float(work._get_duration())
         except (RuntimeError, AttributeError):  # "This Backend doesn't support getDuration"
@@ -73,7 +79,9 @@ def resolve(events, clocks) -> None:
     """Give ``events`` their start and end (see the module docstring) and say how in
     ``timed_by``. ``clocks``: device -> :class:`engine.clock.Clock` of the marks."""
     with_works = [e for e in events if e.works]
-    for device in {device for e in with_works for device, _ in e.gpu_marks[:1]}:
+    for device in {device for e in with_works for device, _ in e.works}:
+        if device not in clocks:
+            clocks[device] = Clock(device)
         clocks[device].synchronize()  # once per device: every NCCL end event has fired
     for event in events:
         if len(event.gpu_marks) == 2 or (event.gpu_marks and event.works):
@@ -87,7 +95,7 @@ def resolve(events, clocks) -> None:
         ms = duration_ms(works)
         if ms is None:
             continue
-        ids = tuple(id(w) for w in works)
+        ids = tuple(id(w) for _, w in works)
         key = (event.group, event.peer if event.algorithm == "p2p" else None)
         before = last.get(key)
         if before is not None and before[0] == ids:  # the same work (one NCCL batch)

@@ -181,7 +181,7 @@ def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
     if events and nccl_times(tensor, group):  # dist.send's own steps, keeping the work
         pg, peer = process_group_and_rank(group, dst)
         work = pg.send([_real(wire)], peer, tag)
-        durations.attach(events, work)
+        durations.attach(events, work, tensor.device)
         work.wait()
     else:
         dist.send(wire, dst, group=group, tag=tag)
@@ -201,7 +201,7 @@ def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0)
     elif events and src is not None and nccl_times(tensor, group):  # dist.recv's own steps
         pg, peer = process_group_and_rank(group, src)
         work = pg.recv([_real(tensor)], peer, tag)
-        durations.attach(events, work)
+        durations.attach(events, work, tensor.device)
         work.wait()
         sender = src
     else:
@@ -218,7 +218,7 @@ def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> MeteredWo
     pg, peer = process_group_and_rank(group, dst)
     work = pg.send([_real(wire)], peer, tag)
     if events and nccl_times(tensor, group):
-        durations.attach(events, work)
+        durations.attach(events, work, tensor.device)
     return nccl_rules.unbatched_send(MeteredWork(work, events, has_future=False), dst, group)
 
 
@@ -229,7 +229,7 @@ def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> MeteredWo
     if not stages_through_host(tensor, group):
         work = pg.recv([_real(tensor)], peer, tag)
         if events and nccl_times(tensor, group):
-            durations.attach(events, work)
+            durations.attach(events, work, tensor.device)
         return MeteredWork(work, events, has_future=False)
     wire = _host_buffer(tensor)
     return MeteredWork(pg.recv([_real(wire)], peer, tag), events, has_future=False,
@@ -295,10 +295,10 @@ def batch_isend_irecv(p2p_ops: Sequence[P2POp]) -> list[MeteredWork]:
         flat = [e for op_events in events for e in op_events]
         if flat and all(nccl_times(op.tensor, op.group) for op in p2p_ops):
             for w in works:
-                durations.attach(flat, w)
+                durations.attach(flat, w, p2p_ops[0].tensor.device)
         return [MeteredWork(w, flat) for w in works]
     for op, w, op_events in zip(p2p_ops, works, events, strict=True):
         if op_events and nccl_times(op.tensor, op.group):
-            durations.attach(op_events, w)
+            durations.attach(op_events, w, op.tensor.device)
     return [MeteredWork(w, e, has_future=False, after=c)
             for w, e, c in zip(works, events, copy_backs, strict=True)]
