@@ -1,19 +1,19 @@
 """What one rank trains with, and how its step runs: the :class:`Strategy` record and the step
-builders every strategy is made of. The registry that picks a strategy for a configuration is
-:func:`engine.strategy.build`; :func:`engine.timed_steps.run_steps` runs the steps.
+builders a strategy can be made of. The registry that picks a strategy for a configuration is
+:func:`engine.strategy.build` (the composed engine, or PyTorch's wrappers);
+:func:`engine.timed_steps.run_steps` runs the steps.
 
-A step is the same on every path: zero the gradients, run forward and backward over the
-``m`` micro-batches (each loss scaled by ``1/m``, so the gradients sum to the full batch's
-mean), reduce the gradients the way the strategy does, step the optimizer. Two ways to run the
-micro-batches:
+The builders here are the plain loops a learner reads and a benchmark times on its own:
 
-* :func:`pipeline_step`: the pipeline runtime (:func:`engine.pp.run_pipeline`), for 3D
-  parallelism (:mod:`engine.hybrid`) and for ZeRO-3 (one stage);
+* :func:`pipeline_step`: a step through the pipeline runtime (:func:`engine.pp.run_pipeline`),
+  each loss scaled by ``1/m`` so the gradients sum to the full batch's mean;
 * :func:`accumulate_micro_batches`: plain gradient accumulation, timed as a one-stage pipeline
   would be. :func:`accumulate_step` runs it under ``no_sync`` with one reduction in the last
-  backward, for :class:`engine.dp.DataParallel` (with a gradient compressor) and for PyTorch's
-  own DDP and FSDP; expert parallelism (:mod:`engine.moe.strategy`) adds the router losses and
-  reduces after the loop.
+  backward (chapter 02's exercise writes it).
+
+``engine train`` itself steps with :func:`engine.compose.loop.train_step` (the composed
+engine) or :func:`engine.strategy.data_parallel_step` (PyTorch's wrappers), whose loss is the
+global-token mean of :mod:`engine.compose.loss`.
 
 Mixed precision (Micikevicius et al., "Mixed precision training", ICLR 2018) is
 :func:`autocast`: fp32 weights, gradients and optimizer, matrix products in bf16. Where a rank
@@ -116,12 +116,11 @@ class Strategy:
     # more groups the step communicates over, kind -> group: warmed up before the first
     # step (engine.timed_steps.warm_up_groups) and named by traffic_by_group
     groups: dict[str, Any] = field(default_factory=dict)
-    # this rank's part of a dense TinyGPT, named as a checkpoint of ``model`` names it: the
-    # code that cut the model, so a checkpoint of any layout can be re-cut with it
-    # (engine.reshard); None where checkpoints are not supported
+    # this rank's part of a dense model, named as a sharded checkpoint of ``model`` names it
+    # (engine.zero.checkpoint); None where such checkpoints are not supported
     part_of: Callable[[nn.Module], nn.Module] | None = None
-    # True: checkpointed rank by rank, each its whole state (engine.rank_checkpoint), for
-    # ranks that hold different parameters but shard none (expert parallelism)
+    # True: checkpointed rank by rank, each its whole state (engine.checkpoint.per_rank): the
+    # composed engine, every layout
     per_rank_checkpoint: bool = False
     # what a per-rank checkpoint saves and loads instead of (model, optimizer): two objects
     # with state_dict() / load_state_dict() (the composed engine: engine.compose.resume)

@@ -1,97 +1,72 @@
 """Which strategy one rank trains with: :func:`build` picks it from the configuration of
-``python -m engine train``, among the 3D composition (:mod:`engine.hybrid`), ZeRO-3,
-:class:`engine.dp.DataParallel` with a gradient compressor, expert parallelism
-(:mod:`engine.moe.strategy`) and PyTorch's own DDP / ZeroRedundancyOptimizer / FSDP.
+``python -m engine train``: the composed engine (:func:`engine.train_compose.
+composed_strategy`: one mesh, one GPT parallelised by functions, one loop) for ``--impl
+engine``, whatever the model and layout, or PyTorch's own DDP / ZeroRedundancyOptimizer /
+FSDP (:func:`torch_strategy`) for ``--impl torch``, on the same model definition and the same
+data, so ``--impl both`` prints the same loss per step for both.
 
-The :class:`Strategy` record and the step builders the strategies are made of live one layer
-below, in :mod:`engine.steps` (re-exported here); this module only chooses and assembles.
+The :class:`Strategy` record and the step builders live one layer below, in
+:mod:`engine.steps` (re-exported here); this module only chooses and assembles.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.hybrid import hybrid_strategy
-from engine.models import GPTConfig, TinyGPT
-from engine.moe.gpt import MOE_MODELS
-from engine.moe.strategy import moe_strategy
-from engine.pp import one_f_one_b
+from engine.comm import ops
+from engine.compose.data import global_batch as step_batch
+from engine.compose.data import rank_slice
+from engine.compose.loss import global_token_loss, masked_sum
+from engine.compose.model import GPT
+from engine.models import GPTConfig
+from engine.pp import PipelineRun
+from engine.presets import MODELS
 from engine.steps import (PRECISIONS, SCHEDULES, Autocast, Strategy, accumulate_step,
                           autocast, global_batch, lm_loss, parameter_count, pipeline_step)
 from engine.topology import Mesh
+from engine.train_compose import ComputeTimer, composed_strategy, global_rows, model_config
 
-__all__ = ["build", "zero3_strategy", "compressed_strategy", "torch_strategy",
-           "register_torch_hook", "Strategy", "Autocast", "autocast", "accumulate_step",
+__all__ = ["build", "torch_strategy", "data_parallel_step", "register_torch_hook",
+           "composed_strategy", "Strategy", "Autocast", "autocast", "accumulate_step",
            "pipeline_step", "global_batch", "lm_loss", "parameter_count", "PRECISIONS",
            "SCHEDULES"]
 
 
-# -- the strategies of `engine train` ----------------------------------------------------------
-
-
-def build(cfg, model: GPTConfig, impl: str, mesh: Mesh, device: torch.device,
+def build(cfg, model: GPTConfig | None, impl: str, mesh: Mesh, device: torch.device,
           precision: str) -> Strategy:
-    """The strategy ``cfg`` (a :class:`engine.train.TrainConfig`) names for a ``model``-sized
-    GPT initialised from ``cfg.seed``, for ``impl`` "engine" or "torch", on ``mesh``. The
-    model is built on the CPU; the 3D strategy moves only this rank's stage to ``device``."""
-    if cfg.model in MOE_MODELS:
-        return moe_strategy(cfg, model, mesh, device, precision)
-    gpt = TinyGPT(model, seed=cfg.seed)
+    """The strategy of ``impl`` ("engine" or "torch") for ``cfg`` (a
+    :class:`engine.train.TrainConfig`) on ``mesh``: the composed engine, or PyTorch's
+    wrappers on the same GPT. ``model``: ``--model``'s sizes (``MODELS[cfg.model]``) or
+    None; the GPT is always :func:`engine.train_compose.model_config` of ``cfg``."""
+    if model is not None and model != MODELS[cfg.model]:
+        raise ValueError(f"build: the sizes given are not --model {cfg.model}'s; the GPT is "
+                         "built from cfg.model (pass model=None)")
     if impl == "torch":
-        return torch_strategy(gpt, cfg, mesh, device, precision)
-    if cfg.compress is not None:
-        return compressed_strategy(gpt, cfg, mesh, device, precision)
-    if cfg.zero == 3:
-        return zero3_strategy(gpt, cfg, mesh, device, precision)
-    return hybrid_strategy(gpt, mesh, torch.optim.AdamW, cfg.zero, cfg.schedule,
-                           cfg.microbatches, device, precision, lr=cfg.lr)
+        return torch_strategy(cfg, mesh, device, precision)
+    if impl != "engine":
+        raise ValueError(f"--impl must be engine or torch here, got {impl!r}")
+    return composed_strategy(cfg, mesh, device, precision)
 
 
-def zero3_strategy(gpt, cfg, mesh, device, precision) -> Strategy:
-    """ZeRO-3 (:class:`engine.zero.ZeroDataParallel`) over the data-parallel group, its
-    micro-batches through a one-stage pipeline. One unit per transformer block, the rest (the
-    embeddings, the final norm and the head) the root unit, as torchtitan shards with
-    ``fully_shard`` per block and :func:`torch_strategy` wraps FSDP: the same units on both
-    sides, so ``--impl torch`` compares like with like (a unit per module that owns parameters
-    would make 88 collectives a step on the tiny GPT against FSDP's 16)."""
-    from engine.zero import ZeroDataParallel
-
-    psi = parameter_count(gpt)
-    model = ZeroDataParallel(autocast(gpt.to(device), precision), torch.optim.AdamW,
-                             units=list(gpt.blocks), group=mesh.dp_group, lr=cfg.lr)
-    step = pipeline_step(model, model.optimizer, mesh, one_f_one_b(1, cfg.microbatches))
-    return Strategy("ZeRO-3", model, model.optimizer, step, psi, mesh, device,
-                    part_of=lambda dense: autocast(dense, precision))
-
-
-def compressed_strategy(gpt, cfg, mesh, device, precision) -> Strategy:
-    """:class:`engine.dp.DataParallel` with the chapter-03 compressor ``cfg.compress`` on
-    its bucket all-reduce; every rank keeps the whole AdamW state."""
-    from engine.compress.experiment import make_compressor
-    from engine.dp import DataParallel
-
-    model = DataParallel(autocast(gpt.to(device), precision),
-                         compressor=make_compressor(cfg.compress), group=mesh.dp_group)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    return Strategy(f"DataParallel, gradients compressed with {cfg.compress}", model,
-                    optimizer, accumulate_step(model, optimizer, mesh), parameter_count(gpt),
-                    mesh, device)
-
-
-def torch_strategy(gpt, cfg, mesh, device, precision) -> Strategy:
-    """PyTorch's own implementation of the same data-parallel configuration: DDP (with its
+def torch_strategy(cfg, mesh: Mesh, device: torch.device, precision: str) -> Strategy:
+    """PyTorch's own implementation of the same data-parallel configuration, on the composed
+    engine's GPT (:func:`engine.train_compose.model_config`, the same seed): DDP (with its
     fp16/bf16 communication hook for ``--compress``), DDP + ZeroRedundancyOptimizer for
     ZeRO-1, FSDP (``SHARD_GRAD_OP`` / ``FULL_SHARD``) for ZeRO-2 / ZeRO-3, each transformer
-    block wrapped on its own (the units of :func:`zero3_strategy`)."""
+    block wrapped on its own (torchtitan's ``fully_shard`` per block). The step is
+    :func:`data_parallel_step`: the composed engine's data and loss."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
+    gpt = GPT(model_config(cfg), seed=cfg.seed).to(device)
     psi = parameter_count(gpt)
-    module = autocast(gpt.to(device), precision)
+    module = autocast(gpt, precision)
     if cfg.zero >= 2:
         sharding = ShardingStrategy.SHARD_GRAD_OP if cfg.zero == 2 else \
             ShardingStrategy.FULL_SHARD
@@ -111,8 +86,43 @@ def torch_strategy(gpt, cfg, mesh, device, precision) -> Strategy:
             optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         name = "DDP" + (" + ZeroRedundancyOptimizer" if cfg.zero == 1 else "") + \
             (f" + {cfg.compress} hook" if cfg.compress else "")
-    return Strategy(name, model, optimizer, accumulate_step(model, optimizer, mesh), psi,
+    step = data_parallel_step(model, optimizer, cfg, mesh, device)
+    return Strategy(name + (" varlen" if cfg.varlen else ""), model, optimizer, step, psi,
                     mesh, device, engine=False)
+
+
+def data_parallel_step(model: nn.Module, optimizer, cfg, mesh: Mesh, device: torch.device):
+    """A step of a data-parallel ``model`` (PyTorch's wrappers) on the composed engine's data
+    and loss: step k's global batch (:func:`engine.compose.data.global_batch`), this dp
+    rank's rows of each of the ``--microbatches`` global micro-batches
+    (:func:`engine.compose.data.rank_slice`), each loss the sum over its counted tokens times
+    dp over the global count (:func:`engine.compose.loss.global_token_loss`: the wrapper's
+    average over dp makes it one process's gradient), gradients kept local (``no_sync``) but
+    for the last micro-batch. ``step(steps)``: ``steps`` yields the step indices; the
+    returned loss is the global one, the same on every rank."""
+    model_cfg, rows, m = model_config(cfg), global_rows(cfg), cfg.microbatches
+    timer = ComputeTimer(device, mesh.rank)
+
+    def step(steps, labels=None) -> PipelineRun:
+        k = next(steps)
+        batch = step_batch(k, rows, model_cfg.seq_len, model_cfg.vocab, cfg.seed + 1,
+                           cfg.varlen)
+        micro = [mb.to(device) for mb in rank_slice(batch, mesh.dp, mesh.coords.dp,
+                                                    micro_batches=m)]
+        timer.on_step_start(k)
+        optimizer.zero_grad()
+        local = torch.zeros((), device=device)
+        for i, mb in enumerate(micro):
+            with model.no_sync() if i < m - 1 else contextlib.nullcontext():
+                summed = masked_sum(model(mb.ids, mb.positions), mb.targets, mb.mask)
+                global_token_loss(summed, batch.tokens, mesh.dp).backward()
+            local += summed.detach()
+        timer.after_backward(k, None)
+        optimizer.step()
+        ops.all_reduce(local, group=mesh.dp_group)
+        return PipelineRun(local.item() / batch.tokens, list(timer.events))
+
+    return step
 
 
 def register_torch_hook(model, spec: str) -> None:

@@ -1,12 +1,13 @@
-"""``python -m engine train``: train the GPT on a dp x tp x pp mesh and report what a lab
-measures, each number beside the formula it checks (:mod:`engine.train_report`).
+"""``python -m engine train``: train the GPT on a dp x cp x tp x pp mesh (experts over ep ranks
+borrowed from dp x cp) and report what a lab measures, each number beside the formula it
+checks (:mod:`engine.train_report`).
 
     python -m engine train --world-size 4 --dp 2 --tp 2 --steps 4          # CPU ranks, Gloo
     torchrun --nproc-per-node 8 -m engine train --dp 2 --tp 4 --pp 1        # one GPU node
     python -m engine train --world-size 2 --dp 2 --impl both               # vs torch DDP
     python -m engine train --world-size 2 --dp 2 --zero 0 --compress fp16 --impl both
-    python -m engine train --ep 2 --dp 2 --model tiny-moe                  # experts on 4 ranks
-    python -m engine train --world-size 4 --cp 2 --tp 2                    # composed engine
+    python -m engine train --ep 2 --dp 2 --model tiny-moe                  # experts on 2 ranks
+    python -m engine train --world-size 4 --cp 2 --tp 2                    # ring attention + TP
 
 This module is the configuration (:class:`TrainConfig`, :func:`check_config`) and the command
 line; each rank's run is :func:`engine.train_run.train_on_rank`, the report
@@ -15,16 +16,15 @@ early says so in one line (Ctrl-C, a lost peer, nothing to do) :mod:`engine.trai
 ``--steps K`` is the run's K optimizer steps, numbered 1 to K as its checkpoints are; the
 first of each launch is its warm-up, which trains but is not timed.
 
-Every rank builds one :class:`engine.steps.Strategy` from the configuration: the 3D
-composition of :mod:`engine.hybrid` (a tensor-parallel pipeline stage, ZeRO-0/1/2 over dp),
-ZeRO-3, the composed engine (:mod:`engine.train_compose`: ``--cp``, ``--varlen``,
-``--composed``), :class:`engine.dp.DataParallel` with a chapter-03 gradient compressor
-(``--compress``), the tiny MoE GPT under expert x data parallelism (``--model tiny-moe --ep E
---dp D``, :mod:`engine.moe.strategy`), or, with ``--impl torch``, PyTorch's own DDP /
-ZeroRedundancyOptimizer / FSDP for the same
-data-parallel configuration (``--impl both`` runs the two one after the other in the same
-launch). Each runs through the one loop of :mod:`engine.timed_steps`. Only global rank 0
-prints the report and writes the trace, under torchrun too.
+There is one engine: every ``--impl engine`` run, dense or MoE, any ``--dp --cp --ep --tp --pp
+--zero --compress --schedule --varlen``, is the composed engine (:mod:`engine.train_compose`:
+one :class:`engine.topology.Mesh`, one GPT parallelised by functions, one loop), as torchtitan
+and Megatron-Core are one system each. ``--impl torch`` runs PyTorch's own DDP /
+ZeroRedundancyOptimizer / FSDP for the same data-parallel configuration on the same GPT and
+the same global batch (:func:`engine.strategy.torch_strategy`); ``--impl both`` runs the two
+one after the other in the same launch, and prints the same loss per step for both. Each runs
+through the one loop of :mod:`engine.timed_steps`. Only global rank 0 prints the report and
+writes the trace, under torchrun too.
 
 PyTorch has no DDP hook for Top-K or Random-K, and its ``powerSGD_hook`` desynchronised the
 ranks inside this trainer, so those compare with ``--impl engine`` only (chapter 03 checks our
@@ -43,13 +43,11 @@ import torch
 
 from engine.launch import resolve_backend
 from engine.moe.gpt import MOE_MODELS
-from engine.moe.strategy import check_moe_config
 from engine.presets import MODELS
-from engine.steps import TRAINER_SCHEDULES, resolve_precision
-from engine.tp.blocks import check_tp_degree
-from engine.train_checks import check_checkpointing, check_compress
+from engine.steps import resolve_precision
+from engine.train_checks import check_checkpointing, check_torch
 from engine.train_compose import COMPOSED_SCHEDULES, add_composed_arguments, check_composed, \
-    composed_world, uses_composed
+    composed_world
 from engine.train_endings import INTERRUPTED_EXIT, interrupted, lost_peer, read_step, \
     tell_torchrun
 from engine.train_report import report
@@ -100,9 +98,8 @@ class TrainConfig:
 
     @property
     def world_size(self) -> int:
-        if uses_composed(self):  # ep borrows its ranks from dp x cp
-            return composed_world(self)
-        return self.dp * self.ep * self.tp * self.pp
+        """dp x cp x tp x pp: ``--ep`` borrows its ranks from dp x cp."""
+        return composed_world(self)
 
     @property
     def implementations(self) -> tuple[str, ...]:
@@ -117,36 +114,17 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     positive_number("--lr", cfg.lr)
     if cfg.peak_tflops is not None:
         positive_number("--peak-tflops", cfg.peak_tflops)
-    composed = uses_composed(cfg)
     for name, choices in (("model", MODELS), ("zero", (0, 1, 2, 3)),
-                          ("schedule", COMPOSED_SCHEDULES if composed else TRAINER_SCHEDULES),
-                          ("impl", IMPLS),
+                          ("schedule", COMPOSED_SCHEDULES), ("impl", IMPLS),
                           ("precision", ("auto", "fp32", "bf16"))):
         one_of(f"--{name}", getattr(cfg, name), choices)
-    if composed:
-        check_checkpointing(cfg)
-        check_composed(cfg, world_size)
-        return
-    if world_size is not None and cfg.world_size != world_size:
-        ep = (" x ep", f" x {cfg.ep}") if cfg.ep > 1 else ("", "")
-        raise ValueError(f"dp{ep[0]} x tp x pp = {cfg.dp}{ep[1]} x {cfg.tp} x {cfg.pp} = "
-                         f"{cfg.world_size} does not match the world size {world_size}")
-    check_moe_config(cfg)
-    if cfg.zero == 3 and (cfg.tp > 1 or cfg.pp > 1):
-        raise ValueError("--zero 3 runs here with data parallelism only (--tp 1 --pp 1); "
-                         "with tp or pp use --zero 1 or 2, or --composed for ZeRO-3 with tp "
-                         "(FSDP + TP on the composed engine)")
-    if cfg.impl != "engine" and (cfg.tp > 1 or cfg.pp > 1):
-        raise ValueError("--impl torch/both compares data-parallel configurations (--tp 1 "
-                         "--pp 1): DDP, ZeroRedundancyOptimizer or FSDP by --zero")
-    if cfg.compress is not None:
-        check_compress(cfg)
+    if cfg.ep > 1 and cfg.model not in MOE_MODELS:
+        raise ValueError(f"--ep {cfg.ep} spreads experts, and --model {cfg.model} has none; "
+                         f"use --model {' or '.join(MOE_MODELS)}")
+    if cfg.impl != "engine":
+        check_torch(cfg)
     check_checkpointing(cfg)
-    model = MODELS[cfg.model]
-    check_tp_degree(model, cfg.tp)
-    if cfg.pp > model.layers:
-        raise ValueError(f"--pp {cfg.pp} needs at least {cfg.pp} layers; --model {cfg.model} "
-                         f"has {model.layers}")
+    check_composed(cfg, world_size)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -159,25 +137,24 @@ def parser() -> argparse.ArgumentParser:
                 allow_abbrev=False)
     d = TrainConfig()
     p.add_argument("--world-size", type=int, default=None,
-                   help="ranks to launch here (default: dp x ep x tp x pp; under torchrun "
+                   help="ranks to launch here (default: dp x cp x tp x pp; under torchrun "
                         "its WORLD_SIZE)")
     for name, what in (("dp", "data-parallel"),
                        ("cp", "context-parallel (the composed engine: ring attention or "
                         "Ulysses over cp ranks, each its tokens of every sequence)"),
-                       ("ep", "expert-parallel (--model tiny-moe: experts spread over ep ranks, "
-                        "each rank its own data; on the composed engine ep borrows its ranks "
-                        "from dp x cp)"),
+                       ("ep", "expert-parallel (--model tiny-moe: experts spread over ep "
+                        "ranks borrowed from dp x cp, as in torchtitan and Megatron-Core; ep "
+                        "must divide dp x cp)"),
                        ("tp", "tensor-parallel"), ("pp", "pipeline-parallel")):
         p.add_argument(f"--{name}", type=int, default=getattr(d, name),
                        help=f"{what} degree (default: %(default)s)")
     p.add_argument("--zero", type=int, default=d.zero, choices=(0, 1, 2, 3),
-                   help="ZeRO stage over the data-parallel group: 0 none, 1 optimizer state, "
-                        "2 + gradients, 3 + parameters (dp only); --model tiny-moe shards "
-                        "nothing and takes 0 (default: %(default)s)")
-    p.add_argument("--schedule", default=d.schedule, choices=COMPOSED_SCHEDULES,
-                   help="pipeline schedule, used when --pp > 1; the per-layout trainer runs "
-                        f"{' and '.join(TRAINER_SCHEDULES)}, the composed engine every one "
+                   help="ZeRO stage over dp x cp: 0 none, 1 optimizer state, 2 + gradients, "
+                        "3 + parameters; --model tiny-moe takes 0 unless given "
                         "(default: %(default)s)")
+    p.add_argument("--schedule", default=d.schedule, choices=COMPOSED_SCHEDULES,
+                   help="pipeline schedule, used when --pp > 1: every schedule of "
+                        "engine.pp's registry (default: %(default)s)")
     add_composed_arguments(p, d)
     p.add_argument("--microbatches", type=int, default=d.microbatches,
                    help="micro-batches per step, m (default: %(default)s)")
@@ -196,13 +173,15 @@ def parser() -> argparse.ArgumentParser:
                    help="AdamW learning rate (default: %(default)s)")
     p.add_argument("--impl", default=d.impl, choices=tuple(IMPLS),
                    help="engine: this engine; torch: PyTorch's DDP / ZeroRedundancyOptimizer "
-                        "/ FSDP; both: one after the other (default: %(default)s)")
+                        "/ FSDP on the same GPT and data (--dp only); both: one after the "
+                        "other (default: %(default)s)")
     p.add_argument("--precision", default=d.precision, choices=("auto", "fp32", "bf16"),
                    help="auto: bf16 autocast on a GPU, fp32 on the CPU; MFU uses this "
                         "precision's peak (default: %(default)s)")
     p.add_argument("--compress", default=d.compress, metavar="SPEC",
-                   help="gradient compression on data parallelism (--zero 0), one of fp16, "
-                        "bf16, topk:RATIO, randomk:RATIO, powersgd:RANK (default: none)")
+                   help="gradient compression of DDP's all-reduce over dp x cp (--zero 0, "
+                        "--pp 1, --ep 1), one of fp16, bf16, topk:RATIO, randomk:RATIO, "
+                        "powersgd:RANK (default: none)")
     p.add_argument("--trace", default=d.trace, metavar="PATH",
                    help="write a Chrome trace of the last step there (default: none)")
     p.add_argument("--peak-tflops", type=float, default=d.peak_tflops,
@@ -237,8 +216,8 @@ def parser() -> argparse.ArgumentParser:
                                     "use the same command) (default: %(default)s)")
     checkpointing.add_argument("--reshard", action="store_true",
                                help="with --resume: re-cut a checkpoint saved at another dp / "
-                                    "tp / pp / ZeRO layout for this one (engine.reshard) "
-                                    "(default: %(default)s)")
+                                    "cp / tp / pp / ZeRO layout for this one "
+                                    "(engine.compose.reshard) (default: %(default)s)")
     lab = p.add_argument_group("failure injection, for labs and tests only (engine.elastic)")
     lab.add_argument("--kill-at-step", type=int, default=d.kill_at_step, metavar="K",
                      help="SIGKILL --kill-rank right after step K, on torchrun's first attempt "
@@ -258,7 +237,7 @@ def parse(argv) -> tuple[TrainConfig, argparse.Namespace, set[str]]:
     p.parse_args(argv, given)
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
     if cfg.model in MOE_MODELS and "zero" not in vars(given):
-        cfg = replace(cfg, zero=0)  # the MoE strategy shards nothing (engine.moe.strategy)
+        cfg = replace(cfg, zero=0)  # an MoE run's default: no sharding, as it always was
     return cfg, args, set(vars(given))
 
 

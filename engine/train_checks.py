@@ -1,26 +1,32 @@
-"""The checks of ``engine train``'s options that need more than a range: gradient compression
-(:func:`check_compress`) and checkpointing and the lab's failure injection
+"""The checks of ``engine train``'s options that need more than a range: PyTorch's side
+(:func:`check_torch`) and checkpointing and the lab's failure injection
 (:func:`check_checkpointing`). Each raises a ValueError naming the flag, before any rank
 starts; :func:`engine.train.check_config` calls them.
 """
 
 from __future__ import annotations
 
+from engine.moe.gpt import MOE_MODELS
 from engine.validation import non_negative_int, positive_int, positive_number
 
 
-def check_compress(cfg) -> None:
-    from engine.compress.experiment import make_compressor
-
-    make_compressor(cfg.compress)  # a bad spec is a clear ValueError naming it
-    if cfg.tp > 1 or cfg.pp > 1 or cfg.zero != 0:
-        raise ValueError(f"--compress {cfg.compress} runs on data parallelism without ZeRO "
-                         "(--tp 1 --pp 1 --zero 0): the compressor plugs into "
-                         "DataParallel's bucket all-reduce")
-    if cfg.impl != "engine" and cfg.compress.split(":")[0] in ("topk", "randomk"):
+def check_torch(cfg) -> None:
+    """``--impl torch`` / ``both``: PyTorch's wrappers compare data parallelism on the dense
+    GPT; its compression hooks are fp16 and bf16 only."""
+    for flag, value in (("--cp", cfg.cp), ("--ep", cfg.ep), ("--tp", cfg.tp), ("--pp", cfg.pp)):
+        if value != 1:
+            raise ValueError(f"--impl {cfg.impl} compares data-parallel configurations (DDP, "
+                             f"ZeroRedundancyOptimizer or FSDP by --zero): it needs {flag} 1, "
+                             f"got {flag} {value}; use --impl engine")
+    if cfg.model in MOE_MODELS:
+        raise ValueError(f"--impl {cfg.impl} --model {cfg.model}: PyTorch's wrappers compare "
+                         "the dense GPT; train the MoE model with --impl engine")
+    if cfg.compress is None:
+        return
+    if cfg.compress.split(":")[0] in ("topk", "randomk"):
         raise ValueError(f"--impl {cfg.impl} --compress {cfg.compress}: PyTorch has no "
                          "DDP hook for Top-K or Random-K; use --impl engine")
-    if cfg.impl != "engine" and cfg.compress.startswith("powersgd"):
+    if cfg.compress.startswith("powersgd"):
         # measured with torch 2.13 on Gloo, --model small: with no_sync accumulation, or
         # after the engine's run in the same launch, the ranks' collectives stopped
         # matching ("Received data size doesn't match expected size") and a rank aborted
@@ -45,9 +51,10 @@ def check_checkpointing(cfg) -> None:
             raise ValueError(f"{flag} needs --save DIR, the directory of the run's checkpoints")
     if cfg.reshard and not cfg.resume:
         raise ValueError("--reshard re-cuts the checkpoint --resume loads: pass --resume too")
-    if cfg.save is not None and (cfg.impl != "engine" or cfg.compress is not None):
-        raise ValueError("--save writes the engine's sharded checkpoints (DDP as --zero 0, "
-                         "ZeRO-1/2/3, TP, PP, 3D, MoE): use --impl engine without --compress")
+    if cfg.save is not None and cfg.impl != "engine":
+        raise ValueError(f"--save writes the engine's per-rank checkpoints (every layout, "
+                         f"--compress included); PyTorch's wrappers save none here: use "
+                         f"--impl engine, not --impl {cfg.impl}")
     if cfg.kill_at_step is not None:
         positive_int("--kill-at-step", cfg.kill_at_step)
     if cfg.kill_rank is not None and not 0 <= non_negative_int("--kill-rank", cfg.kill_rank) \

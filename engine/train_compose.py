@@ -1,10 +1,8 @@
 """``engine train`` on the composed engine (:mod:`engine.compose`): one mesh of named axes,
-one GPT parallelised by functions, one training loop.
-
-A run takes this path when it asks for what only the composed engine has (``--cp``,
-``--varlen``) or when ``--composed`` says so: ZeRO-3 with tensor parallelism (FSDP + TP),
-expert parallelism borrowing its ranks from dp x cp, MoE with tp, the one-process reference
-of any layout (``--composed --world-size 1``). Then:
+one GPT parallelised by functions, one training loop. Every ``--impl engine`` run takes this
+path, for every model and layout (``--composed``, once needed to choose it, is the default and
+still accepted); ``--impl torch`` trains the same GPT on the same data with PyTorch's wrappers
+(:func:`engine.strategy.torch_strategy`). Then:
 
 * the mesh is :class:`engine.topology.Mesh` ``(dp, tp, pp, cp=, ep=)``: world = dp x cp x tp
   x pp, and expert parallelism *borrows* its ranks from dp x cp (torchtitan's and
@@ -38,8 +36,9 @@ of any layout (``--composed --world-size 1``). Then:
   offline into a dense state, parameters and AdamW's moments and step, and cut for this
   layout by the code that cuts a fresh model (:mod:`engine.compose.reshard`); the losses
   then equal one process's within 1e-6, experts spread over ``--ep`` ranks included (joined
-  by their global index, cut by expert parallelism's own split). Refused by name
-  (:func:`check_composed_reshard`): ``--compress`` on either side.
+  by their global index, cut by expert parallelism's own split). ``--compress`` saves and
+  resumes (the compressor's error-feedback state is part of a rank's state); its
+  ``--reshard`` is refused by name (:func:`check_composed_reshard`).
 
 Every combination the plan cannot carry is refused before any rank starts
 (:func:`check_composed`, :meth:`engine.compose.plan.Plan.check`), naming the flags.
@@ -48,11 +47,13 @@ Every combination the plan cannot carry is refused before any rank starts
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
 from engine.clock import Clock
 from engine.compose.data import global_batch
+from engine.compose.experts import moe_layers
 from engine.compose.loop import train_step
 from engine.compose.model import GPT, ModelConfig
 from engine.compose.parallelize import parallelize
@@ -70,8 +71,9 @@ COMPOSED_SCHEDULES = tuple(SCHEDULES)  # every schedule of the registry (engine.
 
 
 def uses_composed(cfg) -> bool:
-    """Whether ``cfg`` (a :class:`engine.train.TrainConfig`) runs on the composed engine."""
-    return bool(cfg.composed or cfg.cp > 1 or cfg.varlen)
+    """Whether ``cfg`` (a :class:`engine.train.TrainConfig`) runs on the composed engine:
+    always, since it became the only engine (kept for the callers that asked)."""
+    return True
 
 
 def composed_world(cfg) -> int:
@@ -107,10 +109,9 @@ def add_composed_arguments(p, defaults) -> None:
     """The command line's options of the composed engine (``defaults``: a TrainConfig)."""
     composed = p.add_argument_group("the composed engine (engine.train_compose)")
     composed.add_argument("--composed", action="store_true",
-                          help="train on the composed engine even where the other path "
-                               "could (e.g. --world-size 1, the reference of any layout) "
-                               "and for what only it runs (--zero 3 with --tp); implied by "
-                               "--cp > 1 and --varlen (default: %(default)s)")
+                          help="the composed engine: now the default and only engine; the "
+                               "flag is accepted so that old commands run (default: "
+                               "%(default)s)")
     composed.add_argument("--cp-method", default=defaults.cp_method, type=cp_method_arg,
                           metavar="{" + ",".join(CP_METHODS) + "}",
                           help="context-parallel attention: ring attention (zig-zag or "
@@ -135,20 +136,19 @@ def cp_method_arg(text: str) -> str:
 
 def check_composed(cfg, world_size: int | None = None) -> None:
     """Every clear error for a composed run, before any rank starts."""
+    if (cfg.dp * cfg.cp) % cfg.ep:
+        raise ValueError(f"--ep {cfg.ep} must divide dp x cp = {cfg.dp} x {cfg.cp}: expert "
+                         "parallelism borrows its ranks from data/context parallelism; give "
+                         f"--dp {cfg.ep * cfg.dp // math.gcd(cfg.ep, cfg.dp * cfg.cp)}")
     if world_size is not None and composed_world(cfg) != world_size:
         raise ValueError(f"dp x cp x tp x pp = {cfg.dp} x {cfg.cp} x {cfg.tp} x {cfg.pp} = "
                          f"{composed_world(cfg)} does not match the world size {world_size} "
-                         "(the composed engine: --ep borrows its ranks from dp x cp)")
-    for flag, value, why in (
-            ("--impl", cfg.impl != "engine", "PyTorch's wrappers compare data parallelism on "
-             "the other path; use --impl engine"),
-            ("--reshard", cfg.reshard and not reshardable(cfg), "it re-cuts the model's "
-             "parameters and AdamW state (engine.compose.reshard), not a compressor's "
-             "error-feedback residual, one rank's memory of its own gradients; this run has "
-             f"--compress {cfg.compress}")):
-        if value:
-            raise ValueError(f"{flag} with the composed engine (--cp, --varlen or --composed): "
-                             f"{why}")
+                         "(--ep borrows its ranks from dp x cp)")
+    if cfg.reshard and not reshardable(cfg):
+        raise ValueError("--reshard with the composed engine: it re-cuts the model's parameters and AdamW state "
+                         "(engine.compose.reshard), not a compressor's error-feedback "
+                         "residual, one rank's memory of its own gradients; this run has "
+                         f"--compress {cfg.compress}")
     if cfg.compress is not None:
         check_composed_compress(cfg)
     try:
@@ -245,19 +245,48 @@ def composed_strategy(cfg, mesh: Mesh, device: torch.device, precision: str) -> 
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else \
         contextlib.nullcontext()
 
+    loads = ExpertLoads(par.model) if model_cfg.num_experts else None
+    hooks = (timer,) if loads is None else (timer, loads)
+
     def step(steps, labels=None) -> PipelineRun:  # steps: the indices of the run's steps
         k = next(steps)
         batch = global_batch(k, rows, model_cfg.seq_len, model_cfg.vocab, cfg.seed + 1,
                              cfg.varlen)
         with autocast:
-            loss = train_step(par, batch, k, hooks=(timer,))
+            loss = train_step(par, batch, k, hooks=hooks)
         return PipelineRun(loss, list(timer.events))
 
     groups = {"dp x cp": mesh.dp_cp_group, "cp": mesh.cp_group}  # warmed up before step 0
     if plan.ep > 1:
         groups.update({"ep": mesh.ep_group, "expert-dp": mesh.expert_dp_group})
-    return Strategy(f"composed engine: {plan.name}" + (" varlen" if cfg.varlen else ""),
+    strategy = Strategy(f"composed engine: {plan.name}" + (" varlen" if cfg.varlen else ""),
                         par.module, par.optimizer, step, psi_of(par), mesh,
                         device, engine=plan.ep == 1, groups=groups,
                         per_rank_checkpoint=True, rank_state=rank_state(par),
                         traffic=strategy_traffic)
+    if loads is not None:
+        strategy.moe_stats = loads.moe_stats  # the report's expert loads and drop rates
+    return strategy
+
+
+class ExpertLoads:
+    """A loop hook for an MoE model: per step, the rows this rank's experts processed (every
+    MoE layer it holds, every micro-batch: :attr:`engine.moe.layer.MoEStats.processed`) and
+    the mean drop rate of its tokens' assignments (0 when dropless)."""
+
+    def __init__(self, model):
+        self.loads, self.drop_rates, self.load, self.drops = [], [], 0, []
+        for layer in moe_layers(model):
+            layer.register_forward_hook(self.record)
+
+    def record(self, layer, inputs, output) -> None:
+        self.load += sum(layer.stats.processed)
+        self.drops.append(layer.stats.drop_rate)
+
+    def on_step_end(self, step: int, loss: float) -> None:
+        self.loads.append(self.load)
+        self.drop_rates.append(sum(self.drops) / len(self.drops) if self.drops else 0.0)
+        self.load, self.drops = 0, []
+
+    def moe_stats(self) -> dict:
+        return {"loads": self.loads, "drop_rates": self.drop_rates}

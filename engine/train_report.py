@@ -22,22 +22,17 @@ from __future__ import annotations
 import os
 import statistics
 
-from engine import theory
 from engine.hardware import PEAK_TFLOPS, peak_flops
-from engine.models import TinyGPT
-from engine.moe.gpt import MOE_MODELS, TinyMoEGPT
-from engine.moe.strategy import print_moe_load
-from engine.pp import measured_bubble, simulate
-from engine.presets import MODELS
-from engine.steps import SCHEDULES
-from engine.trace import to_chrome_trace
 from engine.compose.model import GPT
-from engine.train_compose import global_rows, model_config, uses_composed
-from engine.train_formulas import Formula, memory_formula, model_flops, traffic_formulas
+from engine.moe.gpt import MOE_MODELS
+from engine.presets import MODELS
+from engine.trace import to_chrome_trace
+from engine.train_compose import global_rows, model_config
+from engine.train_formulas import Formula, memory_formula, model_flops
 
 # the formulas and the peaks, re-exported where the report's callers found them
-__all__ = ["report", "Formula", "traffic_formulas", "memory_formula", "peak_flops",
-           "PEAK_TFLOPS"]
+__all__ = ["report", "Formula", "memory_formula", "peak_flops", "PEAK_TFLOPS",
+           "print_moe_load"]
 
 
 def report(cfg, results: list[dict], chosen: dict[str, str]) -> dict:
@@ -46,27 +41,19 @@ def report(cfg, results: list[dict], chosen: dict[str, str]) -> dict:
     learner did not choose it."""
     model_cfg = MODELS[cfg.model]
     first = results[0]
-    composed = uses_composed(cfg)
-    ep = f"ep {cfg.ep} x " if cfg.ep > 1 and not composed else ""
-    sequences = global_rows(cfg) if composed else \
-        cfg.dp * cfg.ep * cfg.microbatches * cfg.micro_batch  # every ep rank: own data
+    sequences = global_rows(cfg)
     tokens = sequences * model_cfg.seq_len
-    if composed:
-        gpt = GPT(model_config(cfg))
-        layout = f"dp {cfg.dp} x cp {cfg.cp} x tp {cfg.tp} x pp {cfg.pp}" + \
-            (f", ep {cfg.ep} borrowed from dp x cp" if cfg.ep > 1 else "")
-    else:
-        gpt = TinyMoEGPT(model_cfg, **MOE_MODELS[cfg.model]) if cfg.model in MOE_MODELS else \
-            TinyGPT(model_cfg)
-        layout = f"dp {cfg.dp} x {ep}tp {cfg.tp} x pp {cfg.pp}"
+    gpt = GPT(model_config(cfg))
+    layout = f"dp {cfg.dp} x cp {cfg.cp} x tp {cfg.tp} x pp {cfg.pp}" + \
+        (f", ep {cfg.ep} borrowed from dp x cp" if cfg.ep > 1 else "")
     params = sum(p.numel() for p in gpt.parameters())
     print(f"\n{cfg.model} GPT, {params:,} parameters, on {len(results)} rank(s): {layout}; "
           f"{first['device']}, {first['precision']}")
     print("configuration: " + "  ".join(f"--{k} {v}" for k, v in chosen.items()))
     print(f"batch: sequence length {model_cfg.seq_len} tokens; micro-batch {cfg.micro_batch} "
           f"sequences; {cfg.microbatches} micro-batches per step; global batch dp {cfg.dp} x "
-          f"{ep}{cfg.microbatches} x {cfg.micro_batch} = {sequences} sequences = {tokens:,} tokens "
-          "per step")
+          f"{cfg.microbatches} x {cfg.micro_batch} = {sequences} sequences = {tokens:,} tokens "
+          "per step" + (" (counted in the loss: the non-padding ones)" if cfg.varlen else ""))
     summary = {"tokens_per_step": tokens}
     for impl in ("engine", "torch"):
         if impl in first:
@@ -91,9 +78,8 @@ def _implementation(impl, cfg, model_cfg, results, tokens, sequences) -> dict:
     first = runs[0].get("first_step", 0)  # > 0: resumed; the steps before, from the checkpoint
     losses = runs[0].get("run_losses", [])[:first] + _losses(runs, cfg)
     print(f"\n[{impl}] {runs[0]['name']}")
-    composed = uses_composed(cfg)  # the composed engine's losses compare across layouts
-    what, digits = ("mean over every non-padding token of the global batch", 7) if composed \
-        else ("mean over the global batch", 4)
+    # the same global batch and loss whatever the layout: printed to compare across layouts
+    what, digits = "mean over every non-padding token of the global batch", 7
     print(f"  loss per step ({what}): " + ", ".join(
         f"{loss:.{digits}f}" + (_first_label(first, len(losses) - first > len(step_s))
                          if i == first else "") for i, loss in enumerate(losses)))
@@ -112,8 +98,6 @@ def _implementation(impl, cfg, model_cfg, results, tokens, sequences) -> dict:
         _memory_table(runs, cfg)
         if runs[0].get("moe"):
             print_moe_load(runs, cfg, model_cfg)
-        if cfg.pp > 1 and not composed:  # the composed loop times a step as one event
-            _pipeline_line(runs, cfg)
         _compute_share_note(runs)
     return {"step_s": median, "tokens_per_s": tokens / median, "mfu": mfu, "losses": losses}
 
@@ -125,10 +109,8 @@ def _first_label(first: int, warm_up: bool) -> str:
 
 
 def _losses(runs, cfg) -> list[float]:
-    """Per step, the mean over dp of the last stage's loss (tp rank 0)."""
-    last = [r["losses"] for r in runs
-            if r["coords"].pp == cfg.pp - 1 and r["coords"].tp == 0]
-    return [statistics.fmean(step) for step in zip(*last)]
+    """Per step, the global loss: every rank computed the same (one all-reduce of its sum)."""
+    return list(runs[0]["losses"])
 
 
 def _size(n: float) -> str:
@@ -208,21 +190,6 @@ def _memory_table(runs, cfg) -> None:
           "step counters")
 
 
-def _pipeline_line(runs, cfg) -> None:
-    first = [r for r in runs if r["coords"].dp == 0 and r["coords"].tp == 0]
-    events = [e for r in first for e in r["events"]]
-    times = {kind: [statistics.fmean([e.seconds for e in r["events"]
-                                      if e.args["kind"] == kind]) for r in first]
-             for kind in ("F", "B")}
-    simulated = simulate(SCHEDULES[cfg.schedule](cfg.pp, cfg.microbatches),
-                         t_f=times["F"], t_b=times["B"]).bubble
-    print(f"  pipeline idle {measured_bubble(events, cfg.pp):.1%} (measured, last step) vs "
-          f"{simulated:.1%} (simulator fed the measured stage times) vs "
-          f"{theory.bubble_fraction(cfg.pp, cfg.microbatches):.1%} (formula (p-1)/(m+p-1)): "
-          "the formula assumes equal stages and free hand-offs, the simulator adds the real "
-          "stage times, the rest is sending activations and waiting for them")
-
-
 def _shares(runs) -> list[list[float]]:
     """Per rank, per timed step: the share of the step it spent in forward and backward."""
     return [[c / s for c, s in zip(r["compute_s"], r["step_s"])] for r in runs]
@@ -258,3 +225,23 @@ def _compute_share_note(runs) -> None:
               f"{medians[a]:.0%} and {medians[b]:.0%} of the step (medians), a gap "
               f"wider than the step-to-step noise ({noise:.0%}): rank {high} computed longer "
               f"({why}), and its peers wait for it in the next collective")
+
+
+def print_moe_load(runs, cfg, model_cfg) -> None:
+    """Per rank: the rows its experts processed per step (every MoE layer it holds, every
+    micro-batch) and its tokens' drop rate (0: the composed engine routes dropless); the
+    spread over ranks, whose slowest sets the pace."""
+    moe = MOE_MODELS[cfg.model]
+    tokens = global_rows(cfg) * model_cfg.seq_len // (cfg.dp * cfg.cp)  # one rank's share
+    balanced = model_cfg.layers // cfg.pp * tokens * moe["top_k"]  # uniform routing
+    print(f"  expert load: rows this rank's experts processed per step, its MoE layers and "
+          f"{cfg.microbatches} micro-batches (uniform routing: {balanced:,}); drop rate of "
+          "its tokens' assignments:")
+    for rank, r in enumerate(runs):
+        loads, drops = r["moe"]["loads"], r["moe"]["drop_rates"]
+        print(f"    rank {rank} ({_coords(r['coords'], True)}): load min {min(loads):,} / "
+              f"mean {statistics.fmean(loads):,.0f} / max {max(loads):,}; drop rate "
+              f"{statistics.fmean(drops):.1%}")
+    last = [r["moe"]["loads"][-1] for r in runs]
+    print(f"    per-rank load, last step: min {min(last):,} / mean {statistics.fmean(last):,.0f}"
+          f" / max {max(last):,}: the slowest rank sets the pace")

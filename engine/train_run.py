@@ -3,8 +3,8 @@ strategy (:func:`engine.strategy.build`), works out the formulas the report prin
 (:mod:`engine.train_formulas`) and runs it from step 0 or from a checkpoint, through the timed
 steps (:func:`engine.timed_steps.run_steps`), with what a real run does after each step:
 
-* the loss of the step, averaged over the global batch (one all-reduce of two numbers), and a
-  progress bar printed by global rank 0;
+* the loss of the step, the mean over every counted token of its global batch (the step
+  returns it on every rank), and a progress bar printed by global rank 0;
 * a checkpoint every ``--save-every`` steps and after the last (:mod:`engine.checkpoints`);
 * for labs and tests only, the kill of one rank at a chosen step (:func:`engine.elastic.
   kill_point`).
@@ -12,14 +12,14 @@ steps (:func:`engine.timed_steps.run_steps`), with what a real run does after ea
 A run has ``--steps`` optimizer steps, numbered 1 to ``--steps`` and named so in its
 checkpoints (``step-00000004`` after step 4). The first step of each launch is its warm-up:
 it trains like every other, but is not timed (it counts the bytes instead). A run resumed
-after ``k`` steps runs the other ``steps - k`` (the first of them the warm-up), on the same
-fixed global batch, so it computes exactly what the uninterrupted run computes from step
+after ``k`` steps runs the other ``steps - k`` (the first of them the warm-up), each on its
+step's global batch, so it computes exactly what the uninterrupted run computes from step
 ``k`` on: the loss curve and the final parameters are bit-identical on the CPU.
 
 Which checkpoint to resume from, and whether it fits this run, is decided before any rank
 starts (:func:`resume_point`); a checkpoint of another layout loads only with ``--reshard``,
-which re-cuts it through the whole model (:mod:`engine.reshard`; on the composed engine
-:mod:`engine.compose.reshard`).
+which re-cuts it through the whole model (:mod:`engine.compose.reshard`). A checkpoint
+written by the per-layout trainers this engine replaced is refused by name.
 """
 
 from __future__ import annotations
@@ -34,21 +34,15 @@ import torch
 import torch.distributed as dist
 
 from engine import checkpoints
-from engine.comm import ops
 from engine.device import rank_device
 from engine.elastic import Peers, kill_point, tell_how_nccl_loses_peers
-from engine.moe.gpt import MOE_MODELS
-from engine.moe.strategy import moe_traffic_formulas
-from engine.presets import MODELS
-from engine.reshard import reshard
-from engine.steps import global_batch, resolve_precision
+from engine.steps import resolve_precision
 from engine.strategy import build
 from engine.timed_steps import StepsRun, run_steps
-from engine.train_compose import (check_composed_reshard, composed_strategy, reshard_composed,
-                                  uses_composed)
+from engine.train_compose import check_composed_reshard, reshard_composed
 from engine.topology import Mesh
 from engine.trace import clock_offset, on_clock
-from engine.train_formulas import composed_traffic_formulas, memory_formula, traffic_formulas
+from engine.train_formulas import composed_traffic_formulas, memory_formula
 
 # what a checkpoint must agree with the run on: always, and (without --reshard) the layout
 SAME_TRAINING = ("model", "seed", "lr", "precision")
@@ -112,8 +106,8 @@ def resume_point(cfg) -> ResumePoint | None:
             f"{name} {config.get(name, COMPOSED_LAYOUT[name])}" for name in composed) +
             ", this run has " + ", ".join(f"{name} {ours[name]}" for name in composed) +
             "; the composed engine resumes its own checkpoints on their own layout only")
-    if changed and uses_composed(cfg) and cfg.reshard:
-        check_composed_reshard(config, cfg, path)  # refuses --ep and --compress, naming them
+    if changed and cfg.reshard:
+        check_composed_reshard(config, cfg, path)  # refuses --compress, naming it
     if changed and not cfg.reshard:
         raise ValueError(f"--resume: {path} was saved at {_layout(config)}, this run asks for "
                          f"{_layout(vars(cfg))}; a sharded checkpoint fits only its own "
@@ -124,19 +118,13 @@ def resume_point(cfg) -> ResumePoint | None:
                          f"{_global_batch(config)} sequences (dp x microbatches x micro-batch),"
                          f" this run's are {_global_batch(vars(cfg))}; keep the global batch "
                          "(e.g. double --microbatches when you halve --dp)")
-    if changed and _is_moe(config.get("model")) and not uses_composed(cfg):  # per-rank files
-        raise ValueError("--reshard re-cuts the dense GPT's checkpoints; not an MoE run's")
     return ResumePoint(str(path), saved["step"], saved["losses"], reshard=bool(changed))
 
 
 def composed_record(cfg) -> dict:
     """What a checkpoint records of the composed engine's layout (:data:`COMPOSED_LAYOUT`)."""
     return {"cp": cfg.cp, "cp_method": cfg.cp_method, "varlen": cfg.varlen,
-            "engine": "composed" if uses_composed(cfg) else "per-layout"}
-
-
-def _is_moe(model: str | None) -> bool:
-    return model in MOE_MODELS
+            "engine": "composed"}
 
 
 def _flag(name: str) -> str:
@@ -187,29 +175,15 @@ def run_implementations(cfg, resume_from: ResumePoint | None, progress_fd: int |
     batch: its strategy, formulas and measurements (:func:`train_on_rank`)."""
     device = rank_device()
     precision = resolve_precision(cfg.precision, device)
-    composed = uses_composed(cfg)
-    if composed:  # one mesh of every axis; step k draws the global batch of step k itself
-        mesh = Mesh(cfg.dp, cfg.tp, cfg.pp, cp=cfg.cp, ep=cfg.ep)
-        inputs = labels = None
-    else:
-        mesh = Mesh(dp=cfg.dp * cfg.ep, tp=cfg.tp, pp=cfg.pp)  # every ep rank: its own data
-        inputs, labels = global_batch(MODELS[cfg.model], mesh, cfg.microbatches,
-                                      cfg.micro_batch, device, seed=cfg.seed + 1)
+    # one mesh of every axis; each step draws the global batch of its index itself
+    mesh = Mesh(cfg.dp, cfg.tp, cfg.pp, cp=cfg.cp, ep=cfg.ep)
     out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
            "precision": precision}
     for impl in cfg.implementations:
-        if composed:
-            strategy = composed_strategy(cfg, mesh, device, precision)
-            formulas = composed_traffic_formulas(strategy, cfg)
-        else:
-            strategy = build(cfg, MODELS[cfg.model], impl, mesh, device, precision)
-            formulas = traffic_formulas(strategy, cfg, MODELS[cfg.model]) \
-                if impl == "engine" else {}
-        if hasattr(strategy, "moe_stats"):  # expert parallelism: its own gradient rule
-            formulas = moe_traffic_formulas(strategy, cfg)
+        strategy = build(cfg, None, impl, mesh, device, precision)
+        formulas = composed_traffic_formulas(strategy, cfg) if impl == "engine" else {}
         run, first_step, losses, blocked_s = train(
-            strategy, cfg, inputs, labels, resume_from if impl == "engine" else None,
-            progress_fd, step_file)
+            strategy, cfg, resume_from if impl == "engine" else None, progress_fd, step_file)
         offset = clock_offset(device)  # each rank's events on rank 0's clock (several nodes)
         out[impl] = {"first_step": first_step, "run_losses": losses,
             "name": strategy.name, "coords": mesh.coords, "device_type": device.type,
@@ -222,7 +196,7 @@ def run_implementations(cfg, resume_from: ResumePoint | None, progress_fd: int |
             "events": on_clock(run.last.events, offset),
             "cuda_allocated": run.cuda_allocated, "cuda_peak": run.cuda_peak,
             "moe": strategy.moe_stats() if hasattr(strategy, "moe_stats") else None,
-            "composed": composed}
+            "composed": True}
     return out
 
 
@@ -236,18 +210,15 @@ def start(strategy, cfg, point: ResumePoint | None) -> tuple[int, list[float]]:
                            "(a save still in progress when they started?)")
     if point is None:
         return 0, []
-    if point.reshard and uses_composed(cfg):
+    if point.reshard:
         reshard_composed(point.path, strategy)
-    elif point.reshard:
-        reshard(point.path, MODELS[cfg.model], strategy)
     else:
         checkpoints.load(point.path, strategy)
     return point.step, list(point.losses)
 
 
-def train(strategy, cfg, inputs, labels, point: ResumePoint | None = None,
-          progress_fd: int | None = None, step_file: str | None = None
-          ) -> tuple[StepsRun, int, list[float], list[float]]:
+def train(strategy, cfg, point: ResumePoint | None = None, progress_fd: int | None = None,
+          step_file: str | None = None) -> tuple[StepsRun, int, list[float], list[float]]:
     """Run ``strategy`` to the last step; return the timed run, the step it started from,
     the loss of every step of the run (those before it from the checkpoint) and, per save,
     the seconds the step was blocked by it (``--async-save``: the host snapshot only)."""
@@ -269,7 +240,7 @@ def train(strategy, cfg, inputs, labels, point: ResumePoint | None = None,
 
     def after_step(step: int, run) -> None:
         done = step + 1
-        losses.append(global_loss(run.loss, strategy.mesh, strategy.device))
+        losses.append(run.loss)  # the global loss, the same on every rank
         save = cfg.save is not None and (done == total or (cfg.save_every is not None and
                                                            done % cfg.save_every == 0))
         if save:
@@ -283,27 +254,15 @@ def train(strategy, cfg, inputs, labels, point: ResumePoint | None = None,
         kill_point(done, cfg.kill_at_step, dist.get_world_size() - 1 if cfg.kill_rank is None
                    else cfg.kill_rank)
 
-    if inputs is None:  # the composed engine: each step draws step k's global batch itself
-        inputs = itertools.count(first)
     blocked_s: list[float] = []  # per save: the seconds the step waited for it
-    run = run_steps(strategy, inputs, labels, remaining - warmup, warmup, first_step=first,
-                    after_step=after_step)
+    # each step draws step k's global batch itself: the "inputs" are the step indices
+    run = run_steps(strategy, itertools.count(first), None, remaining - warmup, warmup,
+                    first_step=first, after_step=after_step)
     if saver is not None:
         saver.wait()  # the last checkpoint is complete before the run reports
     if bar:
         bar.close()
     return run, first, losses, blocked_s
-
-
-def global_loss(loss: float | None, mesh, device: torch.device) -> float:
-    """The step's loss over the global batch: the mean over the last pipeline stage's dp
-    ranks (a tp group's ranks hold the same loss: its first counts), by one all-reduce of two
-    numbers on every rank."""
-    mine = loss is not None and mesh.is_last_stage and mesh.coords.tp == 0
-    both = torch.tensor([loss if mine else 0.0, float(mine)], dtype=torch.float64,
-                        device=device)
-    ops.all_reduce(both)
-    return (both[0] / both[1]).item()
 
 
 def trainer_record(cfg, losses: list[float]) -> dict:

@@ -74,7 +74,7 @@ def test_every_layout_has_the_loss_of_one_process(name, capsys):
     (["--cp", "2", "--cp-method", "ulysses", "--tp", "4"], "Ulysses gives each rank whole "
                                                            "heads"),
     (["--composed", "--world-size", "2", "--ep", "2", "--tp", "2", "--model", "tiny-moe"],
-     "ep = 2 must divide dp x cp"),
+     "--ep 2 must divide dp x cp = 1 x 1"),
     (["--composed", "--world-size", "4", "--dp", "2"], "dp x cp x tp x pp = 2 x 1 x 1 x 1 = "
                                                        "2 does not match the world size 4"),
     # --save covers every composed layout now (tests/test_compose_resume.py), and --reshard
