@@ -1,10 +1,11 @@
 """The rank body: what each process :func:`engine.launch` starts does, from birth to exit.
 
 It isolates itself (its own process group, killed with its parent, Ctrl-C left to the parent),
-sends its output to a file the parent prints afterwards, meets its siblings (rank 0 serves the
-rendezvous store on a port the OS picks), joins the process group, runs ``fn`` and sends back
-one message: ``("ok", result)`` or ``("error", what it raised)``. It never returns: it exits
-with ``os._exit``, skipping the atexit handlers it inherited from the parent (Jupyter, torch).
+sends its output to a file the parent prints afterwards, meets its siblings through the
+rendezvous store a process of its own serves (:func:`store_main`), joins the process group,
+runs ``fn`` and sends back one message: ``("ok", result)`` or ``("error", what it raised)``. It
+never returns: it exits with ``os._exit``, skipping the atexit handlers it inherited from the
+parent (Jupyter, torch).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def rank_main(fn, rank, world_size, args, backend, timeout, port, port_ready, ou
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     capture_output(out_path)
     torch.set_num_threads(1)
-    code, store = 0, None
+    code = 0
     try:
         store = rendezvous(rank, world_size, timeout, port, port_ready)
         # as torchrun sets them, for fn's own code and any process it starts
@@ -54,12 +55,10 @@ def rank_main(fn, rank, world_size, args, backend, timeout, port, port_ready, ou
                 f"({type(e).__name__}: {e}); return plain Python values, "
                 "tensors, or lists and dicts of them"
             ) from e
-        leave(store, rank, world_size, timeout)  # before the group is torn down: see leave
         if dist.is_initialized():  # fn may have torn the group down itself
             dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - everything a rank raises goes to the caller
         code = 1
-        leave(store, rank, world_size, timeout, wait=False)
         try:
             blob = pickle.dumps(e)
         except Exception:
@@ -84,40 +83,6 @@ def rank_main(fn, rank, world_size, args, backend, timeout, port, port_ready, ou
         os._exit(code)  # skip atexit handlers inherited from the parent (Jupyter, torch)
 
 
-def done_key(rank: int) -> str:
-    return f"engine.launch/done/{rank}"
-
-
-def leave(store, rank: int, world_size: int, timeout: float, wait: bool = True) -> None:
-    """Count this rank out in the rendezvous store; rank 0, which serves the store, first waits
-    (at most ``timeout`` seconds) until every other rank has counted itself out.
-
-    Why: ``dist.new_group`` returns at once on a rank outside the group while its members still
-    meet through the store, so a rank 0 outside a group could finish and exit, taking the store
-    with it ("Failed to recv", "Broken pipe" on a member; tests/test_launch_store.py).
-
-    When: after ``fn`` returned and before the process group is destroyed. A process that
-    lingers after ``destroy_process_group`` can abort (SIGABRT, "terminate called after
-    throwing std::system_error: Resource deadlock avoided", a thread joining itself; most
-    likely the last reference to the group, held by a work that a Gloo worker thread completes
-    for DDP's communication hooks, is dropped on that thread). A first version that counted
-    out after the teardown aborted PowerSGD's DDP test in 3 of 5 runs; waiting while the
-    group is alive, then tearing it down and exiting at once, leaves that window as it was.
-
-    A rank that failed counts itself out without waiting (``wait=False``): rank 0 reports at
-    once; one that died never counts, and the parent, which stops every rank when one fails,
-    ends rank 0's wait.
-    """
-    if store is None:
-        return
-    try:
-        store.set(done_key(rank), "1")
-        if wait and rank == 0 and world_size > 1:
-            store.wait([done_key(r) for r in range(1, world_size)], timedelta(seconds=timeout))
-    except Exception:  # noqa: BLE001 - the store is gone or the wait ran out: nothing to keep
-        pass
-
-
 def _safe_str(e: BaseException) -> str:
     try:
         return str(e)
@@ -139,19 +104,35 @@ def explain(e: BaseException) -> str:
     return text
 
 
+def store_main(timeout: float, port, port_ready) -> None:
+    """Body of the launch's store process: serve the rendezvous store on a port the OS picks,
+    tell the ranks its number, and keep serving until the launch kills it (as torchrun's agent
+    serves its own, apart from the workers).
+
+    Not rank 0: ``dist.new_group`` returns at once on a rank outside the group while its
+    members still meet through the store, so a rank 0 outside a group could finish and exit,
+    taking the store with it ("Failed to recv", "Broken pipe" on a member;
+    tests/test_launch_store.py). Keeping rank 0 alive until every rank was done instead made
+    an unmatched send surface only at the timeout, and counting the ranks out after
+    ``destroy_process_group`` aborted PowerSGD's DDP test (SIGABRT, "Resource deadlock
+    avoided"). Not the parent either: ranks forked while the parent's store thread runs
+    could inherit a lock it held (seen: one rank of 8 stuck before joining, once in 16)."""
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    store = dist.TCPStore(HOST, 0, None, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout))
+    port.value = store.port
+    port_ready.set()
+    while True:
+        signal.pause()  # until killed
+
+
 def rendezvous(rank, world_size, timeout, port, port_ready) -> dist.Store:
-    """Rank 0 serves the store on a port the OS picks and tells the others its number."""
-    wait = timedelta(seconds=timeout)
-    if rank == 0:
-        store = dist.TCPStore(
-            HOST, 0, world_size, is_master=True, wait_for_workers=False, timeout=wait
-        )
-        port.value = store.port
-        port_ready.set()
-        return store
+    """Connect to the launch's store (:func:`store_main`), once its port is known."""
     if not port_ready.wait(timeout):
-        raise TimeoutError(f"rank {rank}: rank 0 did not start its store within {timeout:g} s")
-    return dist.TCPStore(HOST, port.value, world_size, is_master=False, timeout=wait)
+        raise TimeoutError(f"rank {rank}: the launch's store did not start within {timeout:g} s")
+    return dist.TCPStore(HOST, port.value, world_size, is_master=False,
+                         timeout=timedelta(seconds=timeout))
 
 
 def capture_output(path: str) -> None:

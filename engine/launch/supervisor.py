@@ -40,7 +40,7 @@ from engine.launch.errors import (
     looks_like_timeout,
     settled,
 )
-from engine.launch.rank import rank_main
+from engine.launch.rank import rank_main, store_main
 
 DEADLINE_GRACE_S = 3.0  # the parent's deadline falls this long after the group's timeout
 
@@ -58,6 +58,7 @@ class Launch:
         self.procs: list[mp.process.BaseProcess] = []
         self.finished: set[int] = set()  # ranks that returned a result
         self.conns: list[Any] = []
+        self.store: mp.process.BaseProcess | None = None  # serves the rendezvous store
 
     def run(self) -> list[Any]:
         try:
@@ -76,6 +77,10 @@ class Launch:
         # Kept on self: spawned ranks unpickle these after _start returns.
         self.port = port = self.ctx.Value("i", 0)
         self.port_ready = port_ready = self.ctx.Event()
+        # the store in a process of its own, alive until every rank is gone: see store_main
+        self.store = self.ctx.Process(target=store_main, name="engine-store",
+                                      args=(self.timeout, port, port_ready))
+        self.store.start()
         for rank in range(self.n):
             reader, writer = self.ctx.Pipe(duplex=False)
             proc = self.ctx.Process(
@@ -258,6 +263,9 @@ class Launch:
             proc.kill()  # the rank itself, in case it had not yet made its group
         for proc in self.procs:
             proc.join(timeout=5)
+        if self.store is not None and self.store.pid is not None:  # every rank is gone
+            self.store.kill()
+            self.store.join(timeout=5)
         for conn in self.conns:
             conn.close()
         self.conns = []
