@@ -23,8 +23,9 @@ Which backend, and how ranks start:
   lab script is the same code on one node or many. Every process makes the same backend
   decision: it depends on the arguments and on ``LOCAL_WORLD_SIZE``, never on ``LOCAL_RANK``.
 
-Rank 0 hosts the rendezvous store on a port the operating system picks (port 0), and passes the
-number to its siblings, so two notebooks launching at once never collide.
+A process of its own hosts the rendezvous store for the whole launch, on a port the operating
+system picks (port 0), and passes the number to the ranks, so two notebooks launching at once
+never collide, and a rank that finishes first (rank 0 included) takes nothing with it.
 
 When something goes wrong the caller gets a :class:`LaunchError` naming the rank, never a hang:
 a rank that raises (its original traceback is carried along), a rank that dies without a word
