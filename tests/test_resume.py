@@ -21,6 +21,8 @@ from tests.helpers import descendants
 
 LAYOUTS = {
     "DDP": ["--dp", "2", "--zero", "0"],
+    # the compressor's error-feedback residuals are part of each rank's state
+    "DDP Top-K": ["--dp", "2", "--zero", "0", "--compress", "topk:0.1"],
     "ZeRO-1": ["--dp", "2", "--zero", "1"],
     "ZeRO-2": ["--dp", "2", "--zero", "2"],
     "ZeRO-3": ["--dp", "3", "--zero", "3"],  # three ranks: every unit padded
