@@ -1,11 +1,15 @@
 """Where the CPU pipeline's idle time goes: ``engine train --pp P``'s own strategy, taken apart.
 
-For each pipeline depth ``p`` and micro-batch count ``m`` this builds the trainer's pipeline
-strategy (:func:`engine.strategy.build`, 1F1B, the GPT of ``--model``) on ``p`` Gloo ranks,
-runs ``--warmup`` steps, then ``--repeats`` steps, and from each step's trace (the compute
-events and the point-to-point spans of :class:`engine.pp.PipelineRun`) splits the idle share
+For each pipeline depth ``p`` and micro-batch count ``m`` this builds the trainer's strategy
+(:func:`engine.strategy.build`: the composed engine, ``--pp p``, 1F1B, the GPT of ``--model``)
+on ``p`` Gloo ranks, runs ``--warmup`` steps, then ``--repeats`` steps, and from each step's
+trace splits the idle share
 ``1 - busy / (p x span)`` (:func:`engine.pp.measured_bubble`, ``span`` from the first forward to
-the last backward) into:
+the last backward) into the parts below. The trace is the :class:`engine.pp.PipelineRun` that
+the pipeline runtime (:func:`engine.pp.run_pipeline`) returns inside the trainer's step
+(:func:`engine.compose.pipeline.pipeline_backward`): its compute events and point-to-point
+spans. The trainer's report keeps only one compute event per step, so :func:`recorded_runs`
+keeps each run the runtime returns while the trainer's own step runs:
 
 * **p2p**: inside a batch of sends and receives (posting it and waiting for the peer: the
   schedule's own waits, the transfer, and a peer descheduled by the OS);
@@ -25,14 +29,17 @@ the median over the repeats; the measured idle also gets its 10th and
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import statistics
 
 import torch
 
+import engine.compose.pipeline as composed_pipeline
 from engine import launch, theory
 from engine.pp import measured_bubble, simulate
 from engine.presets import MODELS
-from engine.steps import SCHEDULES, global_batch
+from engine.steps import SCHEDULES
 from engine.strategy import build
 from engine.topology import Mesh
 from engine.train import parse
@@ -71,20 +78,37 @@ def breakdown(runs: list, p: int, m: int) -> dict[str, float]:
     return shares
 
 
+@contextlib.contextmanager
+def recorded_runs(runs: list):
+    """While open, every :class:`engine.pp.PipelineRun` that the composed engine's pipeline
+    step gets from the runtime is appended to ``runs`` (the step itself is unchanged)."""
+    original = composed_pipeline.run_pipeline
+
+    def recording(*args, **kwargs):
+        run = original(*args, **kwargs)
+        runs.append(run)
+        return run
+
+    composed_pipeline.run_pipeline = recording
+    try:
+        yield runs
+    finally:
+        composed_pipeline.run_pipeline = original
+
+
 def _run(rank, world_size, argv, warmup, repeats):
     torch.set_num_threads(1)
     cfg, _, _ = parse(argv)
     device = torch.device("cpu")
     mesh = Mesh(dp=1, tp=1, pp=world_size)
-    inputs, labels = global_batch(MODELS[cfg.model], mesh, cfg.microbatches, cfg.micro_batch,
-                                  device, seed=cfg.seed + 1)
-    strategy = build(cfg, MODELS[cfg.model], "engine", mesh, device, "fp32")
+    strategy = build(cfg, None, "engine", mesh, device, "fp32")
     runs = []
-    for i in range(warmup + repeats):
-        torch.distributed.barrier()
-        run = strategy.step(inputs, labels)
-        if i >= warmup:
-            runs.append(run)
+    with recorded_runs([]) as recorded:
+        for i in range(warmup + repeats):
+            torch.distributed.barrier()
+            strategy.step(itertools.count(i))  # the trainer's step i: its global batch
+            if i >= warmup:
+                runs.append(recorded[-1])
     return runs
 
 

@@ -1,21 +1,27 @@
 """The ZeRO-3 ratio of ``engine train --zero 3 --impl both``, measured properly and taken apart.
 
 The trainer times 3 steps of each implementation one after the other; this script builds the
-same strategies the trainer builds (:func:`engine.strategy.build`, the same GPT, global batch
-and micro-batches), and the two the trainer built before its units were matched, and times
-them interleaved (each repeat runs every variant once, the order rotating) after a warm-up:
+same strategies the trainer builds (:func:`engine.strategy.build`: the composed engine's
+ZeRO-3 and PyTorch's FSDP, on the same GPT, :func:`engine.train_compose.model_config`, and the
+same global batch and micro-batches), and two reference designs on that GPT, and times them
+interleaved (each repeat runs every variant once, the order rotating) after a warm-up:
 
-* ``engine, a unit per module``: the trainer's ZeRO-3 before, a unit per module that owns
-  parameters (``ZeroDataParallel``'s default);
-* ``engine (trainer)``: the trainer's ZeRO-3 now, ``units=gpt.blocks``, the rest in the root;
-* ``torch, one unit``: the trainer's PyTorch side before, FSDP1 ``FULL_SHARD`` with no wrap
-  policy (the whole GPT is one unit) and ``no_sync`` on every micro-batch but the last;
-* ``torch (trainer)``: the trainer's PyTorch side now, each transformer block wrapped, the
-  engine's units.
+* ``engine, a unit per module``: ``ZeroDataParallel``'s default units, one per module that
+  owns parameters (the trainer's ZeRO-3 before its units were matched);
+* ``engine (trainer)``: whatever ``engine train --zero 3`` builds now (its units printed);
+* ``torch, one unit``: FSDP1 ``FULL_SHARD`` with no wrap policy (the whole GPT is one unit)
+  and ``no_sync`` on every micro-batch but the last (the trainer's PyTorch side before);
+* ``torch (trainer)``: ``engine train --zero 3 --impl torch``'s FSDP, each transformer block
+  wrapped.
+
+The two reference designs step on :func:`engine.steps.global_batch`'s fixed batch, the
+trainer's two on the composed engine's batch of each step (:mod:`engine.compose.data`): the
+same shapes and token counts.
 
 Each step is the slowest rank's (times all-reduced with MAX); the table prints the median, the
-10th/90th percentiles, the number of units and the collectives per step (counted with
-:class:`engine.comm.CommMeter` for the engine; for FSDP from its units: per micro-batch one
+10th/90th percentiles, the number of units and the collectives per step (ZeRO-3's
+all-gathers and reduce-scatters, counted with :class:`engine.comm.CommMeter` for the engine,
+the trainer's one all-reduce of the step's loss left out; for FSDP from its units: per micro-batch one
 all-gather per unit in forward and in backward, one reduce-scatter per unit on the last).
 ``--profile`` also runs ``cProfile`` over a few engine steps on rank 0 and prints the functions
 that took longest (cumulative).
@@ -28,6 +34,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import pstats
 import statistics
 import time
@@ -43,16 +50,18 @@ from engine.steps import Strategy, autocast, global_batch, pipeline_step
 from engine.strategy import build
 from engine.topology import Mesh
 from engine.train import parse
+from engine.train_compose import model_config
 
+ZERO3_OPS = ("all_gather", "reduce_scatter")  # what a ZeRO-3 step sends, per unit
 VARIANTS = ("engine, a unit per module", "engine (trainer)", "torch, one unit",
             "torch (trainer)")
 
 
 def _per_module_engine(cfg, mesh, device) -> Strategy:
-    from engine.models import TinyGPT
+    from engine.compose.model import GPT
     from engine.zero import ZeroDataParallel
 
-    gpt = TinyGPT(MODELS[cfg.model], seed=cfg.seed)
+    gpt = GPT(model_config(cfg), seed=cfg.seed)
     model = ZeroDataParallel(autocast(gpt, "fp32"), torch.optim.AdamW, group=mesh.dp_group,
                              lr=cfg.lr)
     step = pipeline_step(model, model.optimizer, mesh, one_f_one_b(1, cfg.microbatches))
@@ -62,10 +71,10 @@ def _per_module_engine(cfg, mesh, device) -> Strategy:
 def _one_unit_torch(cfg, mesh, device) -> Strategy:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from engine.models import TinyGPT
+    from engine.compose.model import GPT
     from engine.steps import accumulate_step
 
-    gpt = TinyGPT(MODELS[cfg.model], seed=cfg.seed)
+    gpt = GPT(model_config(cfg), seed=cfg.seed)
     model = FSDP(gpt, device_id=device, process_group=mesh.dp_group)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     return Strategy("FSDP, one unit", model, optimizer, accumulate_step(model, optimizer, mesh),
@@ -88,14 +97,21 @@ def _run(rank, world_size, argv, warmup, repeats, profile):
     inputs, labels = global_batch(MODELS[cfg.model], mesh, cfg.microbatches, cfg.micro_batch,
                                   device, seed=cfg.seed + 1)
     built = {VARIANTS[0]: _per_module_engine(cfg, mesh, device),
-             VARIANTS[1]: build(cfg, MODELS[cfg.model], "engine", mesh, device, "fp32"),
+             VARIANTS[1]: build(cfg, None, "engine", mesh, device, "fp32"),
              VARIANTS[2]: _one_unit_torch(cfg, mesh, device),
-             VARIANTS[3]: build(cfg, MODELS[cfg.model], "torch", mesh, device, "fp32")}
+             VARIANTS[3]: build(cfg, None, "torch", mesh, device, "fp32")}
+    trainer_steps = itertools.count()  # the trainer's strategies step on step k's batch
+
+    def step(name):
+        if name in (VARIANTS[1], VARIANTS[3]):
+            return built[name].step(trainer_steps)
+        return built[name].step(inputs, labels)
+
     collectives = {}
     for name in VARIANTS[:2]:
         with CommMeter(count="model") as meter:
-            built[name].step(inputs, labels)
-        collectives[name] = len(meter.events)
+            step(name)
+        collectives[name] = sum(e.op in ZERO3_OPS for e in meter.events)
     m = cfg.microbatches
     for name in VARIANTS[2:]:
         units = _units(built[name])
@@ -107,7 +123,7 @@ def _run(rank, world_size, argv, warmup, repeats, profile):
         for name in order[shift:] + order[:shift]:
             dist.barrier()
             start = time.perf_counter()
-            built[name].step(inputs, labels)
+            step(name)
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if repeat >= warmup:
