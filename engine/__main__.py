@@ -1,5 +1,6 @@
-"""``python -m engine <command>``. Commands: ``train`` (the GPT on a dp x tp x pp mesh) and
-``drill`` (the interview drill).
+"""``python -m engine <command>``. Commands: ``train`` (the GPT on a dp x cp x tp x pp mesh,
+experts over ep ranks borrowed from dp x cp), ``drill`` (the interview drill) and ``parity``
+(every composed layout against one process).
 
 :func:`main` is the commands as Python calls them (a notebook, a test): a failed launch raises.
 :func:`command_line` is what the shell runs: there the lab's deliberate kill of a rank
@@ -18,7 +19,8 @@ def main(argv=None) -> int:
                 "parity": "engine.compose.parity"}
     if not argv or argv[0] not in commands:
         print("usage: python -m engine {" + ",".join(commands) + "} [options]\n"
-              "  train   train the GPT on a dp x tp x pp mesh (python -m engine train --help)\n"
+              "  train   train the GPT on a dp x cp x tp x pp mesh (python -m engine train "
+              "--help)\n"
               "  drill   the interview drill (python -m engine drill --help)\n"
               "  parity  every composed layout against one process (python -m engine parity "
               "--help)")
