@@ -78,8 +78,7 @@ def sum_tied_embedding(model: nn.Module, mesh: Mesh, optimizer=None,
     """The tied weight's gradient summed over the first and the last stage. At ZeRO-2 its
     bucket reduce-scattered it over dp x cp during backward, cut at other places on the two
     stages: the bucket's gradient is gathered, the weight's part summed over the two stages,
-    and each rank keeps its shard again (as :meth:`engine.hybrid.GPTStage.
-    sync_tied_embedding`)."""
+    and each rank keeps its shard again (as Megatron-LM sums its tied embedding)."""
     if mesh.embedding_group is None or not model.cfg.tied or not across_ranks:
         return
     holder = model.tok if mesh.is_first_stage else model.head if mesh.is_last_stage else None
