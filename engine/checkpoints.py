@@ -2,12 +2,13 @@
 
 ``DIR`` holds one directory per checkpoint, named by the number of optimizer steps done::
 
-    DIR/step-00000004/   manifest.json, trainer.json, one shard file per rank
+    DIR/step-00000004/   manifest.json, trainer.json, one file per rank (rankR-ofW.pt)
     DIR/step-00000006/
 
-Each is a sharded checkpoint of :mod:`engine.zero.checkpoint` (every rank writes only what it
-owns; expert parallelism's ranks, which shard nothing but hold different experts, write
-per-rank checkpoints of :mod:`engine.checkpoint.per_rank`) plus ``trainer.json``: the step,
+Each is a per-rank checkpoint of :mod:`engine.checkpoint.per_rank` (every rank writes its own
+whole state: the composed engine's stage, slices, experts, ZeRO shards and compressor memory,
+:mod:`engine.compose.resume`, with where each tensor sits in the dense GPT, so
+:mod:`engine.compose.reshard` can re-cut it) plus ``trainer.json``: the step,
 the configuration that shapes the training, and the loss of every step so far, so a resumed
 run prints the whole curve. Both follow :mod:`engine.checkpoint.protocol`, and so does the
 last step here (``trainer.json`` and the rename): any error on any rank, in any step of a
@@ -43,7 +44,6 @@ from engine.checkpoint.files import MANIFEST, CheckpointError, write_json
 from engine.checkpoint.per_rank import load_per_rank, per_rank_snapshot
 from engine.checkpoint.protocol import finish_on_first
 from engine.checkpoint.snapshot import Snapshot, save_snapshot, take_agreed
-from engine.zero.checkpoint import load_sharded, sharded_snapshot
 
 TRAINER = "trainer.json"
 _STEP = re.compile(r"step-(\d{8})")
@@ -91,9 +91,7 @@ def save(root, step: int, strategy, trainer: dict, keep: int) -> Path:
 def snapshot(strategy, host: bool = False) -> Snapshot:
     """This rank's part of a checkpoint of ``strategy``, taken now (copied into host memory
     with ``host``): what :func:`write` writes."""
-    if strategy.per_rank_checkpoint:
-        return per_rank_snapshot(*per_rank_parts(strategy), host=host)
-    return sharded_snapshot(strategy.model, strategy.optimizer, mesh=strategy.mesh, host=host)
+    return per_rank_snapshot(*per_rank_parts(strategy), host=host)
 
 
 def per_rank_parts(strategy) -> tuple:
@@ -194,7 +192,4 @@ def _prune(root: Path, keep: int) -> None:
 def load(path, strategy) -> None:
     """Load checkpoint ``path`` into ``strategy``, on the layout it was saved with. Call on
     every rank."""
-    if strategy.per_rank_checkpoint:
-        load_per_rank(path, *per_rank_parts(strategy))
-    else:
-        load_sharded(path, strategy.model, strategy.optimizer, mesh=strategy.mesh)
+    load_per_rank(path, *per_rank_parts(strategy))

@@ -116,11 +116,8 @@ class Strategy:
     # more groups the step communicates over, kind -> group: warmed up before the first
     # step (engine.timed_steps.warm_up_groups) and named by traffic_by_group
     groups: dict[str, Any] = field(default_factory=dict)
-    # this rank's part of a dense model, named as a sharded checkpoint of ``model`` names it
-    # (engine.zero.checkpoint); None where such checkpoints are not supported
-    part_of: Callable[[nn.Module], nn.Module] | None = None
     # True: checkpointed rank by rank, each its whole state (engine.checkpoint.per_rank): the
-    # composed engine, every layout
+    # composed engine, every layout; False: no checkpoint (PyTorch's wrappers)
     per_rank_checkpoint: bool = False
     # what a per-rank checkpoint saves and loads instead of (model, optimizer): two objects
     # with state_dict() / load_state_dict() (the composed engine: engine.compose.resume)
@@ -129,7 +126,7 @@ class Strategy:
 
     @property
     def checkpointable(self) -> bool:
-        return self.part_of is not None or self.per_rank_checkpoint
+        return self.per_rank_checkpoint
 
     def state_bytes(self) -> StateBytes | None:
         """What this rank holds (:func:`engine.memory.model_state_bytes`); None for
