@@ -145,9 +145,10 @@ def check_composed(cfg, world_size: int | None = None) -> None:
                          f"{composed_world(cfg)} does not match the world size {world_size} "
                          "(--ep borrows its ranks from dp x cp)")
     if cfg.reshard and not reshardable(cfg):
-        raise ValueError("--reshard with the composed engine: it re-cuts the model's parameters and AdamW state "
-                         "(engine.compose.reshard), not a compressor's error-feedback "
-                         "residual, one rank's memory of its own gradients; this run has "
+        raise ValueError("--reshard with the composed engine: it re-cuts the model's "
+                         "parameters and AdamW state (engine.compose.reshard), not a "
+                         "compressor's error-feedback residual, one rank's memory of its own "
+                         "gradients; this run has "
                          f"--compress {cfg.compress}")
     if cfg.compress is not None:
         check_composed_compress(cfg)

@@ -2,8 +2,8 @@
 rank from its live strategy before the first step: the bytes each group should carry per step
 (:func:`composed_traffic_formulas`: :func:`engine.compose.formulas.layout_formulas`, the
 formulas the parity matrix checks, fp32 elements of 4 B), ZeRO's model states per rank
-(Rajbhandari et al., SC 2020), and the model FLOPs of a step for MFU (Megatron-LM's equation 3 without
-recomputation; Narayanan et al., SC 2021). The printer is :mod:`engine.train_report`; the
+(Rajbhandari et al., SC 2020), and the model FLOPs of a step for MFU (Megatron-LM's
+equation 3 without recomputation; Narayanan et al., SC 2021). The printer is :mod:`engine.train_report`; the
 peaks MFU divides by are :mod:`engine.hardware`'s.
 """
 
