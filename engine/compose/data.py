@@ -11,6 +11,13 @@ their positions. So one process, given the same step, sees exactly the union of 
 layout's ranks see, and the number of tokens that count in the loss is known to every rank
 before the first forward (:mod:`engine.compose.loss`).
 
+The tokens are a language a model can learn: a first-order Markov chain over the vocabulary
+whose transition table is drawn once from the data seed (:func:`transition_table`; each row a
+softmax of ``SHARPNESS`` x standard normal logits), sampled afresh for every step. Uniform random
+tokens would leave nothing to learn (the loss would stay at ln(vocab) whatever the layout); on
+the chain the loss falls from ln(vocab) towards the chain's entropy rate
+(:func:`entropy_rate`: the best loss any model can reach), so a run that trains shows it.
+
 ``varlen=True``: each row packs documents of random length (2 to ``S/2 + 1`` tokens) one after
 another until the next does not fit; the rest of the row is padding (id 0), and the loss
 ``mask`` is 0 on every target that is padding. Rows, and so micro-batches and ranks, then
@@ -20,6 +27,7 @@ wrong. (Attention stays causal over the packed row; the mask removes padding fro
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +35,7 @@ import torch
 from engine.cp.layout import shard_indices
 
 PAD = 0
+SHARPNESS = 5.0  # the chain's logit scale: entropy rate about 1.1 nats at vocab 64
 
 
 @dataclass(frozen=True)
@@ -49,9 +58,45 @@ class Batch:
                                               self.positions)))
 
 
-def packed_rows(rows: int, seq_len: int, vocab: int, g: torch.Generator) -> torch.Tensor:
-    """``[rows, seq_len + 1]`` streams of documents of random length, padded with ``PAD``."""
-    stream = torch.randint(1, vocab, (rows, seq_len + 1), generator=g)
+@functools.lru_cache(maxsize=8)
+def transition_table(symbols: int, seed: int) -> torch.Tensor:
+    """The chain's ``[symbols, symbols]`` transition probabilities (row a: the next token's
+    distribution after a), drawn from ``seed`` alone: the same language at every step."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(SHARPNESS * torch.randn(symbols, symbols, generator=g), dim=1)
+
+
+def entropy_rate(symbols: int, seed: int) -> float:
+    """The chain's entropy rate in nats, sum over a of pi(a) H(row a) with pi its stationary
+    distribution (Cover and Thomas, Elements of Information Theory, theorem 4.2.4): the
+    lowest mean next-token loss any model can reach on this data (the first token of a row,
+    drawn uniformly, aside)."""
+    table = transition_table(symbols, seed).double()
+    pi = torch.full((symbols,), 1.0 / symbols, dtype=torch.float64)
+    for _ in range(1000):  # power iteration: pi <- pi T
+        pi = pi @ table
+    rows = -(table * table.clamp_min(1e-300).log()).sum(dim=1)
+    return float(pi @ rows)
+
+
+def markov_rows(rows: int, length: int, symbols: int, seed: int, g: torch.Generator
+                ) -> torch.Tensor:
+    """``[rows, length]`` token ids in ``[0, symbols)``: each row a walk of the chain of
+    :func:`transition_table` ``(symbols, seed)`` from a uniform first token, drawn with ``g``."""
+    table = transition_table(symbols, seed)
+    token = torch.randint(symbols, (rows,), generator=g)
+    walk = [token]
+    for _ in range(length - 1):
+        token = torch.multinomial(table[token], 1, generator=g).squeeze(1)
+        walk.append(token)
+    return torch.stack(walk, dim=1)
+
+
+def packed_rows(rows: int, seq_len: int, vocab: int, g: torch.Generator, seed: int = 1
+                ) -> torch.Tensor:
+    """``[rows, seq_len + 1]`` streams of documents of random length, padded with ``PAD``
+    (the documents' tokens: the chain over ids 1 to vocab - 1)."""
+    stream = 1 + markov_rows(rows, seq_len + 1, vocab - 1, seed, g)
     for row in stream:
         used = 0
         while True:
@@ -68,10 +113,10 @@ def global_batch(step: int, rows: int, seq_len: int, vocab: int, seed: int = 1,
     """The whole global batch of ``step``: ``rows`` sequences of ``seq_len`` tokens."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     if varlen:
-        stream = packed_rows(rows, seq_len, vocab, g)
+        stream = packed_rows(rows, seq_len, vocab, g, seed)
         mask = (stream[:, 1:] != PAD).float()
     else:
-        stream = torch.randint(vocab, (rows, seq_len + 1), generator=g)
+        stream = markov_rows(rows, seq_len + 1, vocab, seed, g)
         mask = torch.ones(rows, seq_len)
     return Batch(stream[:, :-1].contiguous(), stream[:, 1:].contiguous(), mask,
                  torch.arange(seq_len))
