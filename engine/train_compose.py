@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import replace
 
 import torch
 
@@ -255,7 +256,11 @@ def composed_strategy(cfg, mesh: Mesh, device: torch.device, precision: str) -> 
                              cfg.varlen)
         with autocast:
             loss = train_step(par, batch, k, hooks=hooks)
-        return PipelineRun(loss, list(timer.events))
+        # a pipeline: the runtime's F/B(/W) events per micro-batch, which the report's idle
+        # share is measured from; else one FB event of the step (ComputeTimer)
+        events = timer.events if par.pipeline_run is None else [
+            replace(e, rank=mesh.rank) for e in par.pipeline_run.events]  # stage -> rank
+        return PipelineRun(loss, events)
 
     groups = {"dp x cp": mesh.dp_cp_group, "cp": mesh.cp_group}  # warmed up before step 0
     if plan.ep > 1:

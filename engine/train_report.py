@@ -22,9 +22,12 @@ from __future__ import annotations
 import os
 import statistics
 
+from engine import theory
+from engine.compose.pipeline import chunks_per_rank
 from engine.hardware import PEAK_TFLOPS, peak_flops
 from engine.compose.model import GPT
 from engine.moe.gpt import MOE_MODELS
+from engine.pp import SCHEDULES, measured_bubble, simulate
 from engine.presets import MODELS
 from engine.trace import to_chrome_trace
 from engine.train_compose import global_rows, model_config
@@ -98,6 +101,8 @@ def _implementation(impl, cfg, model_cfg, results, tokens, sequences) -> dict:
         _memory_table(runs, cfg)
         if runs[0].get("moe"):
             print_moe_load(runs, cfg, model_cfg)
+        if cfg.pp > 1:
+            _pipeline_line(runs, cfg)
         _compute_share_note(runs)
     return {"step_s": median, "tokens_per_s": tokens / median, "mfu": mfu, "losses": losses}
 
@@ -188,6 +193,32 @@ def _memory_table(runs, cfg) -> None:
     print(f"    formula: params 4 B/param x Ψ, grads 4 B/param, optimizer 8 B/param (AdamW's "
           f"two moments) under ZeRO-{stage}{split}; measured adds bucket padding and AdamW's "
           "step counters")
+
+
+def _pipeline_line(runs, cfg) -> None:
+    """The last step's idle share of the pipeline of the first dp x cp x tp position, measured
+    from its ranks' compute events, beside the simulator fed their measured times per action
+    (:func:`engine.pp.simulate`) and the bubble formula (p - 1)/(m + p - 1) (Huang et al.
+    2019, GPipe, section 2.3)."""
+    spec = SCHEDULES[cfg.schedule]
+    v = chunks_per_rank(cfg.schedule)
+    schedule = spec.make(cfg.pp, cfg.microbatches) if spec.chunks else \
+        spec.make(cfg.pp, cfg.microbatches, v)
+    first = sorted((r for r in runs if (r["coords"].dp, r["coords"].cp, r["coords"].tp) ==
+                    (0, 0, 0)), key=lambda r: r["coords"].pp)
+    events = [e for r in first for e in r["events"]]
+
+    def per_stage(kind: str) -> list[float]:  # one micro-batch through the whole stage
+        return [v * statistics.fmean([e.seconds for e in r["events"]
+                                      if e.args["kind"] == kind] or [0.0]) for r in first]
+
+    simulated = simulate(schedule, t_f=per_stage("F"), t_b=per_stage("B"),
+                         t_w=per_stage("W"), placement=spec.placement).bubble
+    print(f"  pipeline idle {measured_bubble(events, cfg.pp):.1%} (measured, last step) vs "
+          f"{simulated:.1%} (simulator fed the measured stage times) vs "
+          f"{theory.bubble_fraction(cfg.pp, cfg.microbatches):.1%} (formula (p-1)/(m+p-1)): "
+          "the formula assumes equal stages and free hand-offs, the simulator adds the real "
+          "stage times, the rest is sending activations and waiting for them")
 
 
 def _shares(runs) -> list[list[float]]:

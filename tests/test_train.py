@@ -82,10 +82,10 @@ def test_the_report_of_a_dp2_tp2_run_teaches(capsys):
     assert "computing" in out and "MFU n/a: a CPU run" in out
 
 
-def test_pipeline_report_counts_the_stages_bytes_and_writes_a_trace(capsys, tmp_path):
-    """The composed loop times a step as one compute event per rank (its hooks see the step,
-    not each F and B), so the report no longer prints a measured pipeline idle: chapter 06's
-    runtime measures it. The bytes are the pipeline group's, each beside its formula."""
+def test_pipeline_report_explains_the_bubble_and_writes_a_trace(capsys, tmp_path):
+    """The pipeline's idle share of the last step, measured from the runtime's F and B events
+    (the composed loop keeps its PipelineRun), beside the simulator and the formula; the bytes
+    are the pipeline group's, each beside its formula; the trace has every F and B."""
     import json
 
     trace = tmp_path / "trace.json"
@@ -93,13 +93,19 @@ def test_pipeline_report_counts_the_stages_bytes_and_writes_a_trace(capsys, tmp_
                         "--schedule", "gpipe", "--trace", str(trace)]) == 0
     out = capsys.readouterr().out
     assert "--schedule gpipe " in out
+    line = next(x for x in out.splitlines() if "pipeline idle" in x)
+    measured, simulated = map(float, re.search(
+        r"pipeline idle ([\d.]+)% \(measured, last step\) vs ([\d.]+)% \(simulator fed the "
+        r"measured stage times\) vs 33.3% \(formula", line).groups())
+    assert 0 < simulated < 100 and 0 < measured < 100
+    assert "the formula assumes equal stages and free hand-offs" in line
     lines = _rank_lines(out, "bytes sent per step")  # 2 micro-batches of 4 x 16 x 32 (fp32)
     # + the tied embedding's all-reduce 8,192 B; rank 0: + a 72 B shape header; rank 1
     # (the loss's stage): + the loss broadcast, 4 B
     for line, pp in zip(lines, ["24,648", "24,580"], strict=True):
         assert re.search(rf"pp {pp} B = {pp} B", line), line
     events = json.loads(trace.read_text())["traceEvents"]
-    assert sum(e.get("ph") == "X" for e in events) == 2  # 2 ranks x one FB of the step
+    assert sum(e.get("ph") == "X" for e in events) == 2 * 2 * 2  # 2 ranks x (2 F + 2 B)
 
 
 @pytest.mark.parametrize("layout", [["--zero", "1"], ["--zero", "3", "--varlen"]])

@@ -80,7 +80,9 @@ class Parallel:
     ``optimizer``, ``no_sync`` (keeps a backward's gradients local), the ``tp_group`` the
     logits are split over (``None``: whole), ``replicas`` (ranks the wrapper averages
     gradients over) and ``finish_gradients`` (run after the last backward, before the
-    step)."""
+    step); ``pipeline_run``: with pp > 1, the :class:`engine.pp.PipelineRun` of the last
+    step (its forward and backward events per micro-batch, which the trainer's pipeline idle
+    share is measured from)."""
 
     model: GPT
     module: nn.Module
@@ -91,6 +93,7 @@ class Parallel:
     tp_group: Any
     replicas: int
     finish_gradients: Callable[[], None] = lambda: None
+    pipeline_run: Any = None
 
 
 def qkv_heads_slice(whole: torch.Tensor, sizes: list[int], t: int, rank: int) -> torch.Tensor:
@@ -185,7 +188,10 @@ def apply_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls, compre
         optimizer = ZeroOptimizer(list(model.parameters()), optimizer_cls, stage=zero,
                                   group=group, **kwargs)
         return model, optimizer, contextlib.nullcontext
-    module = ZeroDataParallel(model, optimizer_cls, group=group, **kwargs)
+    # a unit per transformer block, the rest (embeddings, final norm, head) the root unit, as
+    # torchtitan's fully_shard per block: 3 units of the tiny GPT, not one per module (15)
+    module = ZeroDataParallel(model, optimizer_cls, units=list(model.blocks), group=group,
+                              **kwargs)
     return module, module.optimizer, contextlib.nullcontext
 
 

@@ -140,7 +140,8 @@ class ChunkCall(nn.Module):
 
 def pipeline_backward(par, micro: list, global_tokens: int) -> torch.Tensor:
     """Forward and backward of every micro-batch through ``par.plan.schedule``; returns this
-    rank's sum of token losses (0 off the last stage)."""
+    rank's sum of token losses (0 off the last stage) and keeps the runtime's
+    :class:`engine.pp.PipelineRun` as ``par.pipeline_run``."""
     m, mesh, name = len(micro), par.mesh, par.plan.schedule
     v = chunks_per_rank(name)
     spec = SCHEDULES[name]
@@ -156,7 +157,8 @@ def pipeline_backward(par, micro: list, global_tokens: int) -> torch.Tensor:
         return global_token_loss(summed, global_tokens, par.replicas) * m
 
     labels = [torch.stack([mb.targets, mb.mask.to(mb.targets.dtype)]) for mb in micro]
-    run_pipeline(chunks, schedule, [mb.ids for mb in micro], labels, loss_fn,
-                 stage=mesh.coords.pp, group=mesh.pp_group, placement=spec.placement)
+    par.pipeline_run = run_pipeline(chunks, schedule, [mb.ids for mb in micro], labels,
+                                    loss_fn, stage=mesh.coords.pp, group=mesh.pp_group,
+                                    placement=spec.placement)
     local = torch.stack(sums).sum() if sums else torch.zeros(())
     return local.to(micro[0].mask.device)
