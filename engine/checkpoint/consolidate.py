@@ -10,7 +10,7 @@ may have saved it.
   moments per parameter, its step count). With :func:`engine.zero.recut.load_dense`, which
   loads such a whole state into any layout, it re-cuts a checkpoint for another dp, the way
   DeepSpeed's universal checkpoint does (its per-parameter fp32 "atoms");
-  :mod:`engine.reshard` joins the tp and pp parts of the trainer's GPT too.
+  :mod:`engine.compose.reshard` joins every part of the trainer's GPT (tp, pp, ep) too.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """Where tensor parallelism cuts each parameter of the tiny GPT: the one table that the live
-gather (:func:`engine.tp.blocks.dense_state`) and resharding (:mod:`engine.reshard`) both read.
+gather (:func:`engine.tp.blocks.dense_state`) and the cut of a dense model (the layers'
+``from_dense``) both read. (The composed GPT's fused [q | k | v] has its own table,
+:data:`engine.compose.state.TP_SPLIT`.)
 
 Megatron-LM (Shoeybi et al. 2019, section 3) splits a column-parallel linear layer's weight
 and bias on their output dimension (dim 0: ``fc``, and ``qkv`` by heads), a row-parallel one's

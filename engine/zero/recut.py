@@ -3,8 +3,8 @@ into this rank's ZeRO buckets, whatever layout the state came from.
 
 With :func:`engine.checkpoint.consolidate.consolidate_optimizer`, which joins a checkpoint's
 shards into such a state offline, this re-cuts a checkpoint for another dp, the way
-DeepSpeed's universal checkpoint does (its per-parameter fp32 "atoms"); :mod:`engine.reshard`
-joins and re-cuts the tp and pp parts of the trainer's GPT too.
+DeepSpeed's universal checkpoint does (its per-parameter fp32 "atoms"); :mod:`engine.compose.
+reshard` joins and re-cuts every part of the trainer's GPT (tp, pp, cp, ep) with it.
 """
 
 from __future__ import annotations
