@@ -112,6 +112,7 @@ def lab(served, tmp_path_factory):
          f"--ServerApp.port={port}", f"--IdentityProvider.token={token}",
          f"--ServerApp.root_dir={served}", f"--LabApp.user_settings_dir={settings}",
          f"--LabApp.workspaces_dir={workspaces}",
+         "--LabApp.expose_app_in_browser=True",  # window.jupyterapp: open a chapter in place
          "--allow-root"], stdout=log, stderr=subprocess.STDOUT, cwd=served)
     try:
         for _ in range(120):
@@ -152,32 +153,60 @@ RUN_OVER = """() => { const cells = document.querySelectorAll(
     return cells.length > 0 && ![...cells].some(p => p.textContent.includes('*')); }"""
 
 
+# How often a wait re-reads the page or the file: a query of a few hundred prompts costs the
+# browser well under a millisecond, and each wait otherwise ends on average half a period late
+# (13 chapters, several waits each).
+POLL_MS = 200
+
 STARTED = """() => [...document.querySelectorAll(
         '.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-CodeCell .jp-InputPrompt')]
     .some(prompt => /\\[(\\*|\\d+)\\]/.test(prompt.textContent))"""
 
 
-def _open_and_run(page, url, token, chapter):
+# The current notebook is this chapter and its kernel is idle (JupyterLab's own objects).
+KERNEL_IDLE = """path => { const w = window.jupyterapp.shell.currentWidget;
+    const kernel = w && w.sessionContext && w.sessionContext.session
+                   && w.sessionContext.session.kernel;
+    return !!kernel && w.context.path === path && kernel.status === 'idle'; }"""
+# Close every tab (each saved and clean: see _reusable), then open the chapter in the same app.
+OPEN_IN_PLACE = """async path => { await window.jupyterapp.commands.execute('application:close-all');
+    await window.jupyterapp.commands.execute('docmanager:open', {path}); }"""
+
+
+def _reusable(page) -> bool:
+    """A page whose last chapter passed: JupyterLab loaded, no unsaved tab (closing one would
+    ask to save it). Loading JupyterLab again costs 3 s of a quiet 2-core machine per chapter,
+    8 s of a busy one (measured), so the next chapter opens in it."""
+    return page is not None and not page.is_closed() and page.evaluate(
+        "() => !!window.jupyterapp && !document.querySelector('.lm-TabBar-tab.jp-mod-dirty')")
+
+
+def _open_and_run(page, url, token, chapter, in_place=False):
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
-    # a workspace of its own, reset: only this notebook is open
-    page.goto(f"{url}/lab/workspaces/{chapter[:2]}/tree/course/{chapter}?reset&token={token}")
-    page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell",
-                           timeout=120_000)
-    page.wait_for_function("() => document.body.innerText.includes('Idle')", timeout=120_000)
+    if in_place:  # the JupyterLab of the previous chapter: only this notebook open in it
+        page.evaluate(OPEN_IN_PLACE, f"course/{chapter}")
+        page.wait_for_function(KERNEL_IDLE, arg=f"course/{chapter}", timeout=120_000,
+                               polling=POLL_MS)
+    else:  # a workspace of its own, reset: only this notebook is open
+        page.goto(f"{url}/lab/workspaces/{chapter[:2]}/tree/course/{chapter}?reset&token={token}")
+        page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell",
+                               timeout=120_000)
+        page.wait_for_function("() => document.body.innerText.includes('Idle')",
+                               timeout=120_000)
     # Run All queues every cell at once ([*]). On a cold server a click can land before the
     # notebook is wired to its kernel and do nothing: then click once more.
     for attempt in range(2):
         page.click("div.lm-MenuBar-itemLabel:text-is('Run')")
         page.click("text=Run All Cells")
         try:
-            page.wait_for_function(STARTED, timeout=60_000, polling=500)
+            page.wait_for_function(STARTED, timeout=60_000, polling=POLL_MS)
             break
         except PlaywrightTimeout:
             if attempt:
                 raise AssertionError(f"{chapter}: Run All Cells started no cell in 60 s, "
                                      "twice") from None
-    page.wait_for_function(RUN_OVER, timeout=800_000, polling=1000)
+    page.wait_for_function(RUN_OVER, timeout=800_000, polling=POLL_MS)
 
 
 # chapters this module ran in JupyterLab, and those of them saved with their outputs
@@ -192,37 +221,57 @@ def _save(page, served, chapter):
     page.click("div.lm-MenuBar-itemLabel:text-is('File')")
     page.click(".lm-Menu-itemLabel:text-is('Save Notebook')")
     page.wait_for_function("() => !document.querySelector('.lm-TabBar-tab.jp-mod-dirty')",
-                           timeout=60_000, polling=500)
-    for _ in range(120):
+                           timeout=60_000, polling=POLL_MS)
+    for _ in range(60_000 // POLL_MS):
         if path.stat().st_mtime_ns != before:
             SAVED.add(chapter)
             return
-        time.sleep(0.5)
+        time.sleep(POLL_MS / 1000)
     raise AssertionError(f"{chapter}: Save Notebook did not write the file in 60 s")
 
 
+@pytest.fixture(scope="module")
+def pages(browser):
+    """The page the chapters run in, one after another; a chapter that fails takes it down
+    with it, and the next one starts a page of its own."""
+    held = {"page": None}
+    yield held
+    if held["page"] is not None and not held["page"].is_closed():
+        held["page"].close()
+
+
 @pytest.mark.parametrize("chapter", CHAPTERS)
-def test_every_chapter_runs_in_jupyterlab_and_its_widgets_work(lab, served, browser, chapter):
+def test_every_chapter_runs_in_jupyterlab_and_its_widgets_work(lab, served, browser, pages,
+                                                                chapter):
     url, token = lab
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page, in_place = pages["page"], _reusable(pages["page"])
+    if not in_place:
+        if page is not None and not page.is_closed():
+            page.close()
+        page = pages["page"] = browser.new_page(viewport={"width": 1400, "height": 1000})
     console = []
-    page.on("console", lambda m: console.append(m.text) if m.type == "error" else None)
-    page.on("pageerror", lambda e: console.append(f"page error: {e}"))
+    on_console = lambda m: console.append(m.text) if m.type == "error" else None  # noqa: E731
+    on_error = lambda e: console.append(f"page error: {e}")  # noqa: E731
+    page.on("console", on_console)
+    page.on("pageerror", on_error)
     try:
-        _run_and_check(page, url, token, chapter, console, served)
+        _run_and_check(page, url, token, chapter, console, served, in_place)
     except BaseException:
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / f"{chapter[:-6]}-FAILED.png"), full_page=False)
+        page.close()
         raise
     finally:
-        page.close()
+        if not page.is_closed():
+            page.remove_listener("console", on_console)
+            page.remove_listener("pageerror", on_error)
 
 
-def _run_and_check(page, url, token, chapter, console, served):
+def _run_and_check(page, url, token, chapter, console, served, in_place=False):
     """Run and save the chapter; assert no cell raised, its widgets rendered, a slider redraws
     its figure (chapters 01, 04, 06), and the console stayed clean; screenshot it."""
     RAN.add(chapter)
-    _open_and_run(page, url, token, chapter)
+    _open_and_run(page, url, token, chapter, in_place)
     _save(page, served, chapter)
     # textContent, not innerText: JupyterLab lays out only the cells near the viewport, and
     # innerText of the others is empty.
@@ -261,7 +310,11 @@ def _slider_redraws_its_figure(page, chapter):
         """([el, before]) => { const img = el.querySelector('.jp-OutputArea-output img');
                                return img && img.getAttribute('src') !== before; }""",
         arg=[box, before], timeout=60_000)
-    page.wait_for_timeout(1000)  # let the redraw settle before the screenshot
+    # the redrawn figure decoded (not a fixed pause) before the screenshot
+    page.wait_for_function(
+        """el => { const img = el.querySelector('.jp-OutputArea-output img');
+                   return img && img.complete && img.naturalWidth > 0; }""",
+        arg=box, timeout=60_000)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     box.screenshot(path=str(ARTIFACTS / f"{chapter[:-6]}-widget.png"))
 
