@@ -169,8 +169,9 @@ KERNEL_IDLE = """path => { const w = window.jupyterapp.shell.currentWidget;
                    && w.sessionContext.session.kernel;
     return !!kernel && w.context.path === path && kernel.status === 'idle'; }"""
 # Close every tab (each saved and clean: see _reusable), then open the chapter in the same app.
-OPEN_IN_PLACE = """async path => { await window.jupyterapp.commands.execute('application:close-all');
-    await window.jupyterapp.commands.execute('docmanager:open', {path}); }"""
+OPEN_IN_PLACE = """async path => { const commands = window.jupyterapp.commands;
+    await commands.execute('application:close-all');
+    await commands.execute('docmanager:open', {path}); }"""
 
 
 def _reusable(page) -> bool:
