@@ -8,8 +8,9 @@ trace splits the idle share
 the last backward) into the parts below. The trace is the :class:`engine.pp.PipelineRun` that
 the pipeline runtime (:func:`engine.pp.run_pipeline`) returns inside the trainer's step
 (:func:`engine.compose.pipeline.pipeline_backward`): its compute events and point-to-point
-spans. The trainer's report keeps only one compute event per step, so :func:`recorded_runs`
-keeps each run the runtime returns while the trainer's own step runs:
+spans. The trainer's step returns the compute events alone (its report's idle line needs no
+more), so :func:`recorded_runs` keeps each whole run the runtime returns while the trainer's
+own step runs:
 
 * **p2p**: inside a batch of sends and receives (posting it and waiting for the peer: the
   schedule's own waits, the transfer, and a peer descheduled by the OS);
