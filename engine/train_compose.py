@@ -277,22 +277,29 @@ def composed_strategy(cfg, mesh: Mesh, device: torch.device, precision: str) -> 
 
 class ExpertLoads:
     """A loop hook for an MoE model: per step, the rows this rank's experts processed (every
-    MoE layer it holds, every micro-batch: :attr:`engine.moe.layer.MoEStats.processed`) and
-    the mean drop rate of its tokens' assignments (0 when dropless)."""
+    MoE layer it holds, every micro-batch: :attr:`engine.moe.layer.MoEStats.processed`), the
+    mean drop rate of its tokens' assignments (0 when dropless) and the (token, expert) rows
+    its router kept for experts on other ranks (``crossing_rows``: the input of the
+    expert-parallel formula, :func:`engine.compose.formulas.ep_formula`)."""
 
     def __init__(self, model):
-        self.loads, self.drop_rates, self.load, self.drops = [], [], 0, []
+        self.loads, self.drop_rates, self.crossing_rows = [], [], []
+        self.load, self.drops, self.crossing = 0, [], 0
         for layer in moe_layers(model):
             layer.register_forward_hook(self.record)
 
     def record(self, layer, inputs, output) -> None:
         self.load += sum(layer.stats.processed)
         self.drops.append(layer.stats.drop_rate)
+        mine = range(layer.first_expert, layer.first_expert + len(layer.experts))
+        self.crossing += sum(n for e, n in enumerate(layer.stats.kept) if e not in mine)
 
     def on_step_end(self, step: int, loss: float) -> None:
         self.loads.append(self.load)
         self.drop_rates.append(sum(self.drops) / len(self.drops) if self.drops else 0.0)
-        self.load, self.drops = 0, []
+        self.crossing_rows.append(self.crossing)
+        self.load, self.drops, self.crossing = 0, [], 0
 
     def moe_stats(self) -> dict:
-        return {"loads": self.loads, "drop_rates": self.drop_rates}
+        return {"loads": self.loads, "drop_rates": self.drop_rates,
+                "crossing_rows": self.crossing_rows}

@@ -45,15 +45,17 @@ def model_flops(model_cfg, sequences: int, top_k: int = 1) -> float:
     return flops
 
 
-def composed_traffic_formulas(strategy, cfg) -> dict[str, Formula]:
+def composed_traffic_formulas(strategy, cfg, crossing_rows: int | None = None
+                              ) -> dict[str, Formula]:
     """The composed engine's formulas for one step of this rank, under the report's names:
     :func:`engine.compose.formulas.layout_formulas`, the same the parity matrix checks
     (:func:`engine.compose.traffic.report_names`: the gradients over dp x cp named ``dp``,
-    ``cp`` or ``dp x cp``). The experts' all-to-alls depend on the routing, unknown before the
-    step: no ep formula here (``python -m engine parity`` gives it from the routers' counts)."""
+    ``cp`` or ``dp x cp``). The experts' all-to-alls depend on the routing: their formula
+    needs the (token, expert) rows this rank's router sent to other ranks in the counted step
+    (``crossing_rows``, counted by the router after the step; None: no ep formula)."""
     module = strategy.model
     par = SimpleNamespace(plan=plan_of(cfg), mesh=strategy.mesh, module=module,
                           model=getattr(module, "module", module), optimizer=strategy.optimizer)
-    formulas = layout_formulas(par, cfg.micro_batch, steps=1)
+    formulas = layout_formulas(par, cfg.micro_batch, steps=1, crossing_rows=crossing_rows)
     return report_names(formulas, strategy.mesh,
                         add=lambda a, b: Formula(a.bytes + b.bytes, f"{a.text}; + {b.text}"))

@@ -159,6 +159,13 @@ def _traffic_table(runs, precision: str) -> None:
         which = "" if len(ranks) == len(runs) else \
             f" (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
         print(f"    {kind}{which}: {text}")
+    with_ep = [r for r in runs if r["formulas"].get("ep")]
+    if with_ep:  # one rank sends its rows out and others' back: exact summed over the ranks
+        sent = sum(r["traffic"].get("ep", 0) for r in with_ep)
+        print(f"    ep summed over the {len(with_ep)} ranks: {_size(sent)} = "
+              f"{_size(sum(r['formulas']['ep'].bytes for r in with_ep))} (a rank sends its "
+              "own rows out and other ranks' rows back, so the formula is exact summed over "
+              "the ranks, per rank only when as many rows come in as go out)")
     if not counted:
         print("    modeled, not counted: " + (
             f"this launch resumed after step {first}, and only a run's first step counts "

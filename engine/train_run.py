@@ -184,6 +184,11 @@ def run_implementations(cfg, resume_from: ResumePoint | None, progress_fd: int |
         formulas = composed_traffic_formulas(strategy, cfg) if impl == "engine" else {}
         run, first_step, losses, blocked_s = train(
             strategy, cfg, resume_from if impl == "engine" else None, progress_fd, step_file)
+        moe = strategy.moe_stats() if hasattr(strategy, "moe_stats") else None
+        if impl == "engine" and cfg.ep > 1 and moe and moe["crossing_rows"]:
+            # the experts' all-to-alls: their formula from the rows the router sent out in the
+            # counted step (this launch's first)
+            formulas = composed_traffic_formulas(strategy, cfg, moe["crossing_rows"][0])
         offset = clock_offset(device)  # each rank's events on rank 0's clock (several nodes)
         out[impl] = {"first_step": first_step, "run_losses": losses,
             "name": strategy.name, "coords": mesh.coords, "device_type": device.type,
@@ -195,7 +200,7 @@ def run_implementations(cfg, resume_from: ResumePoint | None, progress_fd: int |
             "activations": run.last.peak_activation_bytes,
             "events": on_clock(run.last.events, offset),
             "cuda_allocated": run.cuda_allocated, "cuda_peak": run.cuda_peak,
-            "moe": strategy.moe_stats() if hasattr(strategy, "moe_stats") else None,
+            "moe": moe,
             "composed": True}
     return out
 

@@ -593,13 +593,19 @@ def test_engine_train_runs_expert_by_data_parallelism_and_reports_load_and_drops
                        r"[\d,]+ / max [\d,]+; drop rate 0.0%", out)  # dropless routing
     assert loads == [("0", "0"), ("1", "1")]
     assert "per-rank load, last step: min" in out
-    # the dense gradients' all-reduce, counted, equals its formula; the experts' bytes (the
-    # all-to-alls, which follow the router, and their gradients' all-reduce) are counted
+    # the dense gradients' all-reduce, counted, equals its formula on every rank; the
+    # experts' all-to-alls follow the router: their formula (from the rows each rank's router
+    # sent out in the counted step) is exact summed over the ranks (a rank sends its own rows
+    # out and other ranks' back), so per rank it may differ, the sum may not
     traffic = re.findall(r"rank \d \(dp\d cp0 tp0 pp0, Ψ = [\d,]+\): dp ([\d,]+) B = "
-                         r"([\d,]+) B; ep ([\d,]+) B", out)
+                         r"([\d,]+) B; ep ([\d,]+) B = ([\d,]+) B", out)
     assert len(traffic) == 2
-    for dp, dp_formula, ep in traffic:
+    for dp, dp_formula, ep, ep_formula in traffic:
         assert dp == dp_formula and int(ep.replace(",", "")) > 0
+    summed = re.search(r"ep summed over the 2 ranks: ([\d,]+) B = ([\d,]+) B", out)
+    assert summed and summed.group(1) == summed.group(2)
+    assert int(summed.group(1).replace(",", "")) == sum(int(t[2].replace(",", ""))
+                                                        for t in traffic)
 
 
 @pytest.mark.parametrize("args, message", [
