@@ -30,6 +30,20 @@ def ring_all_reduce_bytes(size_bytes: float, n: int) -> float:
     return 2 * (n - 1) / n * size_bytes
 
 
+def ring_all_reduce_rank_bytes(numel: int, element_bytes: int, n: int, index: int) -> int:
+    """Bytes the rank at ``index`` of the ring sends in a ring all-reduce of ``numel``
+    elements cut into ``n`` chunks (the first ``numel mod n`` one element longer): in the
+    reduce-scatter it sends every chunk but its own (``index``), in the all-gather every chunk
+    but the one its left neighbour finished (``index + 1``). The mean over the ranks is
+    :func:`ring_all_reduce_bytes`; a rank's own differs when ``n`` does not divide ``numel``
+    (a scalar over 4 ranks: 4, 8, 8, 4 B, not 6 B each)."""
+    _check_n(n)
+    q, r = divmod(numel, n)
+    chunk = [q + (1 if i < r else 0) for i in range(n)]
+    return element_bytes * (2 * numel - chunk[index % n] - chunk[(index + 1) % n]) \
+        if n > 1 else 0
+
+
 def ring_reduce_scatter_bytes(size_bytes: float, n: int) -> float:
     """Bytes each rank sends (and receives) in a ring reduce-scatter of a ``size_bytes`` input."""
     _check_n(n)

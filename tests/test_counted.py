@@ -151,3 +151,25 @@ def _small_ints(rank, world_size):
 def test_counted_all_reduce_takes_every_dtype_the_built_in_takes():
     for got in run_ranks(_small_ints, 3):
         assert got == {"torch.uint8": True, "torch.int8": True}
+
+
+def _all_reduce_bytes(rank, world_size, sizes):
+    sent = []
+    for numel in sizes:
+        with CommMeter(count="wire") as meter:
+            ops.all_reduce(torch.ones(numel))
+        sent.append(meter.bytes_sent)
+    return sent
+
+
+def test_a_ranks_own_ring_bytes_follow_its_place_when_n_does_not_divide_the_size():
+    """``theory.ring_all_reduce_rank_bytes``: the counted ring's bytes rank by rank, for
+    sizes 4 ranks do not split evenly (a scalar: 4, 8, 8, 4 B, the mean 6 B of
+    ring_all_reduce_bytes on none of them) and one they do."""
+    sizes = (1, 7, 10, 13, 12)
+    sent = run_ranks(_all_reduce_bytes, 4, sizes)
+    for j, numel in enumerate(sizes):
+        mine = [theory.ring_all_reduce_rank_bytes(numel, 4, 4, rank) for rank in range(4)]
+        assert [s[j] for s in sent] == mine
+        assert sum(mine) == 4 * theory.ring_all_reduce_bytes(4 * numel, 4)
+    assert [s[0] for s in sent] == [4, 8, 8, 4]

@@ -576,9 +576,7 @@ def test_the_planner_ranks_expert_parallel_layouts_for_an_moe_model():
 def test_engine_train_runs_expert_by_data_parallelism_and_reports_load_and_drops(capsys):
     """Expert parallelism borrows its ranks from dp x cp (torchtitan's and Megatron-Core's
     --ep): dp 2 with ep 2 is 2 ranks, each holding half the experts, every rank its own
-    rows. (At dp 4 the dense bytes differ from engine.compose.formulas' by a few bytes: its
-    ring formula 2(N-1)/N x size assumes sizes N divides, and the balancing statistics' 10
-    elements do not split into 4.)"""
+    rows."""
     import re
 
     from engine.__main__ import main as engine_main

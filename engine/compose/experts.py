@@ -169,15 +169,17 @@ def balance_bytes(model: nn.Module, mesh: Mesh, micro_batches: int, steps: int =
     """Bytes one rank sends over ``mesh.dp_cp_group`` for balancing in ``steps`` steps: per
     micro-batch and MoE layer the ``2E + 2`` fp32 statistics all-reduced forward and their
     gradient backward (:func:`balance_globally`), per step and layer with a bias its ``E``
-    int64 loads (:func:`update_expert_biases`); each at the ring's cost."""
+    int64 loads (:func:`update_expert_biases`); each at the ring's cost for this rank's place
+    in the ring (:func:`engine.theory.ring_all_reduce_rank_bytes`: ``2E + 2`` elements do not
+    split evenly over every number of ranks)."""
     n, layers = mesh.dp_cp_size, moe_layers(model)
     if n == 1 or not layers:
         return 0.0
-    experts = model.cfg.num_experts
+    experts, index = model.cfg.num_experts, ops.group_ranks(mesh.dp_cp_group).index(mesh.rank)
     per_step = 0.0
     if balances_globally(model, mesh):
         per_step += 2 * micro_batches * len(layers) * \
-            theory.ring_all_reduce_bytes((2 * experts + 2) * 4, n)
-    per_step += sum(theory.ring_all_reduce_bytes(experts * 8, n) for moe in layers
+            theory.ring_all_reduce_rank_bytes(2 * experts + 2, 4, n, index)
+    per_step += sum(theory.ring_all_reduce_rank_bytes(experts, 8, n, index) for moe in layers
                     if moe.expert_bias is not None)
     return steps * per_step

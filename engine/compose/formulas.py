@@ -59,6 +59,7 @@ from typing import NamedTuple
 from torch import nn
 
 from engine import theory
+from engine.comm import ops
 from engine.compose.experts import balance_bytes
 from engine.compose.model import Block
 from engine.compose.pipeline import chunk_layout, chunks_per_rank, loss_stage, tied_across_ranks
@@ -201,12 +202,15 @@ def pp_formula(gpt, plan: Plan, mesh: Mesh, b: int, steps: int) -> Formula:
 
 
 def dp_formula(par_bytes: int, replicas: int, zero: int, steps: int, micro_batches: int,
-               root_bytes: int = 0, tied_bucket_bytes: int = 0, chunks: int = 1) -> float:
+               root_bytes: int = 0, tied_bucket_bytes: int = 0, chunks: int = 1,
+               index: int | None = None) -> float:
     """Bytes one rank sends over dp x cp in ``steps`` steps (module docstring), for
     ``par_bytes`` of (padded) parameters; ``root_bytes``: ZeRO-3's root unit, padded;
     ``tied_bucket_bytes``: ZeRO-2's bucket (ZeRO-3's unit) holding a tied embedding gathered
     in a pipeline; ``chunks``: model chunks per pipeline rank (ZeRO-3 reduce-scatters every
-    unit of the rank at each chunk's backward: ``chunks`` reduce-scatters per micro-batch)."""
+    unit of the rank at each chunk's backward: ``chunks`` reduce-scatters per micro-batch);
+    ``index``: this rank's place in the dp x cp ring, for the loss's exact bytes (a scalar
+    does not split evenly: :func:`engine.theory.ring_all_reduce_rank_bytes`; None: the mean)."""
     if replicas == 1:
         return 0.0
     if zero == 3:
@@ -216,11 +220,23 @@ def dp_formula(par_bytes: int, replicas: int, zero: int, steps: int, micro_batch
         per_step = ring_all_reduce(par_bytes, replicas) * gradient_all_reduces(zero,
                                                                               micro_batches)
     per_step += theory.ring_all_gather_bytes(tied_bucket_bytes, replicas)
-    return steps * (per_step + ring_all_reduce(4, replicas))
+    return steps * (per_step + loss_all_reduce(replicas, index))
 
 
 def ring_all_reduce(size: float, n: int) -> float:
     return theory.ring_all_reduce_bytes(size, n)
+
+
+def loss_all_reduce(n: int, index: int | None = None) -> float:
+    """The step's loss (one fp32) all-reduced over ``n`` ranks: the bytes of the rank at
+    ``index`` of the ring, or the mean over the ranks (None)."""
+    return ring_all_reduce(4, n) if index is None else \
+        theory.ring_all_reduce_rank_bytes(1, 4, n, index)
+
+
+def ring_index(mesh) -> int:
+    """This rank's place in the ring over ``mesh.dp_cp_group`` (the group's rank order)."""
+    return ops.group_ranks(mesh.dp_cp_group).index(mesh.rank)
 
 
 def dense_parameter_bytes(par) -> tuple[int, int, int]:
@@ -266,14 +282,15 @@ def layout_formulas(par, micro_rows: int, steps: int = 1,
     b, out = micro_rows, {}
     size, root, tied = dense_parameter_bytes(par)
     n = mesh.dp_cp_size
+    index = ring_index(mesh) if n > 1 else 0
     if plan.compress is not None and n > 1:
         c = compressed_dp_formula(par.module, n)
-        out["dp"] = Formula(steps * (c.bytes + ring_all_reduce(4, n)),
+        out["dp"] = Formula(steps * (c.bytes + loss_all_reduce(n, index)),
                             f"{counted(steps)} x ({c.text} + the loss 2(N-1)/N x 4 B)")
     else:
         out["dp"] = Formula(dp_formula(size, n, plan.zero, steps, plan.micro_batches, root,
                                        tied, chunks_per_rank(plan.schedule) if plan.pp > 1
-                                       else 1)
+                                       else 1, index)
                             + balance_bytes(gpt, mesh, plan.micro_batches, steps),
                             f"{counted(steps)} x ZeRO-{plan.zero} over N = {n}: "
                             f"parameters of {size:,} B (+ the loss 2(N-1)/N x 4 B; MoE: + "

@@ -34,7 +34,8 @@ from engine.compose.parallelize import parallelize
 from engine.compose.pipeline import chunks_per_rank
 from engine.compose.plan import Plan
 from engine.compose.state import dense_state
-from engine.compose.formulas import dense_parameter_bytes, dp_formula, layout_formulas
+from engine.compose.formulas import (dense_parameter_bytes, dp_formula, layout_formulas,
+                                    ring_index)
 from engine.compose.traffic import KINDS, bytes_by_kind
 from engine.zero import ZeroDataParallel
 
@@ -202,7 +203,8 @@ def run_layout(rank: int, world_size: int, row: Row, steps: int = STEPS) -> dict
         losses = train(par, steps, ROWS, seed=SEED + 1, varlen=row.varlen)
     size, root, tied = dense_parameter_bytes(par)
     plain = dp_formula(size, mesh.dp_cp_size, plan.zero, steps, plan.micro_batches, root, tied,
-                       chunks_per_rank(plan.schedule) if plan.pp > 1 else 1) + \
+                       chunks_per_rank(plan.schedule) if plan.pp > 1 else 1,
+                       ring_index(mesh) if mesh.dp_cp_size > 1 else None) + \
         balance_bytes(par.model, mesh, plan.micro_batches, steps)
     formulas = layout_formulas(par, ROWS // (plan.dp * plan.micro_batches), steps,
                                None if crossing is None else sum(crossing))
