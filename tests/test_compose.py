@@ -82,8 +82,9 @@ def test_the_plan_refuses_bad_degrees_before_any_rank_starts():
      r"\(micro-batches\) >= 2p = 4"),
     (Plan(pp=2, schedule="interleaved", micro_batches=3),
      r"schedule 'interleaved' on pp = 2 with micro_batches = 3: .*multiple"),
-    (Plan(dp=2, pp=2, zero=3, schedule="zb_h1", micro_batches=2),
-     r"zero = 3 with schedule 'zb_h1': its W actions .* use schedule gpipe, 1f1b, interleaved"),
+    (Plan(dp=2, pp=2, zero=3, schedule="zb_v", micro_batches=2),
+     r"zero = 3 with schedule 'zb_v' and a tied embedding: its V placement .* use schedule "
+     r"gpipe, 1f1b, interleaved, zb_h1, zb_h2"),
 ])
 def test_the_plan_refuses_what_a_schedule_rejects_before_any_rank_starts(plan, message):
     cfg = ModelConfig(layers=4)

@@ -29,7 +29,8 @@ MOE = ["moe dp2", "moe dp2xep2", "moe dp2xep2 zero1", "moe dp2xep2 zero2",
 EXPECTED += ["pp2 interleaved", "pp2 zb_v", "pp2 dualpipe_v",  # 4 layers: 2 chunks a rank
              "dp2xpp2 interleaved zero3"]
 EXPECTED = [*EXPECTED, *(f"{name} varlen" for name in EXPECTED), "dp2xtp2 untied",
-            "tp2 sp untied varlen", *MOE, *(f"{name} varlen" for name in MOE)]
+            "tp2 sp untied varlen", *MOE, *(f"{name} varlen" for name in MOE),
+            "dp2xpp2 zb_h1 zero3 varlen"]  # ZeRO-3 under W actions: one row (4 s)
 
 
 def test_no_row_is_missing():

@@ -46,7 +46,9 @@ degree, ``m`` the micro-batches, 4 B an fp32 element.
   ZeRO-3 two all-gathers and a reduce-scatter per micro-batch less one all-gather of its root
   unit, kept from forward to backward (in a pipeline, ``v`` chunks a rank: each chunk's backward
   reduce-scatters every unit of the rank, ``(2 + v) A / 2`` per micro-batch, and the stages
-  holding the tied embedding gather its unit once more, as ZeRO-2); plus the step's loss, an
+  holding the tied embedding gather its unit once more, as ZeRO-2; under a schedule with W
+  actions the linear layers' units, ``L`` bytes, are reduce-scattered after their W instead,
+  once per micro-batch and chunk: ``(v - 1) L / 2`` less per micro-batch); plus the step's loss, an
   all-reduce of 4 B. A ring over n ranks cuts a tensor into n chunks; when n does not divide
   it the chunks differ and so do the ranks' bytes, but every chunk still travels ``2(n-1)``
   times: summed over the group the formula is exact. Compressed DDP: :func:`compressed_dp_formula`.
@@ -203,19 +205,22 @@ def pp_formula(gpt, plan: Plan, mesh: Mesh, b: int, steps: int) -> Formula:
 
 def dp_formula(par_bytes: int, replicas: int, zero: int, steps: int, micro_batches: int,
                root_bytes: int = 0, tied_bucket_bytes: int = 0, chunks: int = 1,
-               index: int | None = None) -> float:
+               index: int | None = None, late_bytes: int = 0) -> float:
     """Bytes one rank sends over dp x cp in ``steps`` steps (module docstring), for
     ``par_bytes`` of (padded) parameters; ``root_bytes``: ZeRO-3's root unit, padded;
     ``tied_bucket_bytes``: ZeRO-2's bucket (ZeRO-3's unit) holding a tied embedding gathered
     in a pipeline; ``chunks``: model chunks per pipeline rank (ZeRO-3 reduce-scatters every
     unit of the rank at each chunk's backward: ``chunks`` reduce-scatters per micro-batch);
     ``index``: this rank's place in the dp x cp ring, for the loss's exact bytes (a scalar
-    does not split evenly: :func:`engine.theory.ring_all_reduce_rank_bytes`; None: the mean)."""
+    does not split evenly: :func:`engine.theory.ring_all_reduce_rank_bytes`; None: the mean);
+    ``late_bytes``: ZeRO-3's units reduce-scattered after W actions, not at every B
+    (:func:`late_unit_bytes`)."""
     if replicas == 1:
         return 0.0
     if zero == 3:
         per_step = ring_all_reduce(par_bytes, replicas) * (2 + chunks) / 2 * micro_batches - \
-            micro_batches * ring_all_reduce(root_bytes, replicas) / 2
+            micro_batches * ring_all_reduce(root_bytes, replicas) / 2 - \
+            micro_batches * (chunks - 1) * ring_all_reduce(late_bytes, replicas) / 2
     else:
         per_step = ring_all_reduce(par_bytes, replicas) * gradient_all_reduces(zero,
                                                                               micro_batches)
@@ -272,6 +277,12 @@ def dense_parameter_bytes(par) -> tuple[int, int, int]:
                 if id(p) not in experts), 0, 0)
 
 
+def late_unit_bytes(par) -> int:
+    """Padded bytes of ZeRO-3's units whose gradients come in W actions (0 without them)."""
+    return sum(u.padded * u.shard.element_size()
+               for u in getattr(par.module, "late_units", ()))
+
+
 def layout_formulas(par, micro_rows: int, steps: int = 1,
                     crossing_rows: int | None = None) -> dict[str, Formula | None]:
     """Per kind of group, the bytes this rank of ``par`` (a :class:`engine.compose.
@@ -290,7 +301,7 @@ def layout_formulas(par, micro_rows: int, steps: int = 1,
     else:
         out["dp"] = Formula(dp_formula(size, n, plan.zero, steps, plan.micro_batches, root,
                                        tied, chunks_per_rank(plan.schedule) if plan.pp > 1
-                                       else 1, index)
+                                       else 1, index, late_unit_bytes(par))
                             + balance_bytes(gpt, mesh, plan.micro_batches, steps),
                             f"{counted(steps)} x ZeRO-{plan.zero} over N = {n}: "
                             f"parameters of {size:,} B (+ the loss 2(N-1)/N x 4 B; MoE: + "

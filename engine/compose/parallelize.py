@@ -32,9 +32,12 @@ compile, then FSDP): each step changes modules the next one wraps, never the oth
    every micro-batch's forward and again for its backward, freed after each (torchtitan keeps
    the last stage's gathered after forward; here every stage reshards), backward prefetch off
    (it would follow another micro-batch's order); every backward of a chunk (each B action)
-   reduce-scatters all of the rank's units, so gradients leave per micro-batch and chunk (GPipe,
-   1F1B, interleaved: schedules with a W action are refused, :data:`engine.compose.plan.
-   ZERO3_SCHEDULES`). With
+   reduce-scatters all of the rank's units, so gradients leave per micro-batch and chunk. Under
+   a schedule with W actions (ZB-H1, ZB-V, DualPipeV) the linear layers' units get their weight
+   gradients in W, outside autograd (:func:`defer_linear_gradients`): B frees them as any unit
+   but keeps their gradients, and each W reduce-scatters them once its ``dW = dY^T X`` is in
+   (:func:`engine.compose.pipeline.sharded_weight_grads`; W needs no weight, so nothing is
+   gathered for it). With
    experts spread (ep > 1): ZeRO-0 reduces after backward by the experts' rule, ZeRO-1/2 run
    one sharded optimizer per group (experts' over ``mesh.expert_dp_group``), ZeRO-3 shards
    the dense parameters over ``mesh.dp_cp_group`` (the experts are its ``ignored_params``, as
@@ -67,6 +70,8 @@ from engine.cp.allgather import allgather_attention
 from engine.cp.ring import ring_attention
 from engine.cp.ulysses import ulysses_attention
 from engine.dp import DataParallel
+from engine.pp.actions import actions_of, splits_backward
+from engine.pp.registry import build_schedule
 from engine.topology import Mesh
 from engine.tp.layers import (ColumnParallelLinear, RowParallelLinear,
                               SequenceParallelLayerNorm, VocabParallelEmbedding)
@@ -226,6 +231,19 @@ def apply_expert_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls,
                                                          across)
 
 
+def defer_linear_gradients(module: ZeroDataParallel, plan: Plan) -> None:
+    """Under a schedule with W actions, declare every linear layer's parameters to ZeRO-3 as
+    getting their gradients late (the runtime defers each ``F.linear`` of the stage's weights:
+    :mod:`engine.pp.weight_grad`); a row-parallel bias, added outside ``F.linear``, comes in B
+    and waits in its unit's buffer for the weight's W."""
+    schedule = build_schedule(plan.schedule, plan.pp, plan.micro_batches)[0]
+    if not splits_backward(actions_of(schedule)):
+        return
+    linear = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
+    module.defer_gradients([p for m in module.module.modules() if isinstance(m, linear)
+                            for p in m.parameters(recurse=False)])
+
+
 def parallelize(model: GPT, mesh: Mesh, plan: Plan, optimizer_cls=torch.optim.AdamW,
                 **optimizer_kwargs) -> Parallel:
     """This rank's :class:`Parallel` of ``model`` (built whole, from the same seed, on every
@@ -250,10 +268,14 @@ def parallelize(model: GPT, mesh: Mesh, plan: Plan, optimizer_cls=torch.optim.Ad
     if plan.ep > 1:
         module, optimizer, finish = apply_expert_data_parallel(
             model, mesh, plan.zero, optimizer_cls, across, **optimizer_kwargs)
+        if isinstance(module, ZeroDataParallel) and plan.pp > 1:
+            defer_linear_gradients(module, plan)
         return Parallel(model, module, optimizer, mesh, plan, contextlib.nullcontext, tp_group,
                         mesh.dp_cp_size, finish)
     module, optimizer, no_sync = apply_data_parallel(model, mesh, plan.zero, optimizer_cls,
                                                      plan.compress, **optimizer_kwargs)
+    if isinstance(module, ZeroDataParallel) and plan.pp > 1:
+        defer_linear_gradients(module, plan)
     holder = module if isinstance(module, ZeroDataParallel) else optimizer  # has .launcher
     return Parallel(model, module, optimizer, mesh, plan, no_sync, tp_group, mesh.dp_cp_size,
                     lambda: sum_tied_embedding(model, mesh, holder, across))

@@ -35,7 +35,7 @@ from engine.compose.pipeline import chunks_per_rank
 from engine.compose.plan import Plan
 from engine.compose.state import dense_state
 from engine.compose.formulas import (dense_parameter_bytes, dp_formula, layout_formulas,
-                                    ring_index)
+                                    late_unit_bytes, ring_index)
 from engine.compose.traffic import KINDS, bytes_by_kind
 from engine.zero import ZeroDataParallel
 
@@ -107,7 +107,8 @@ MULTI_CHUNK = [Plan(pp=2, schedule=name, micro_batches=4)
 ROWS_PHASE_1 = [Row(plan, varlen) for varlen in (False, True) for plan in PHASE_1] + \
     [Row(plan, varlen, layers=4) for varlen in (False, True) for plan in MULTI_CHUNK] + \
     [Row(_p(dp=2, tp=2), tied=False), Row(_p(tp=2, sequence_parallel=True), True, False)] + \
-    [Row(plan, varlen, moe=True) for varlen in (False, True) for plan in MOE_LAYOUTS]
+    [Row(plan, varlen, moe=True) for varlen in (False, True) for plan in MOE_LAYOUTS] + \
+    [Row(_p(dp=2, pp=2, schedule="zb_h1", zero=3), varlen=True)]  # ZeRO-3's W (one row: 4 s)
 # Lossy gradient compression (engine.compress has no lossless spec): expected to differ from
 # one process, by at most drift_bound / loss_bound (below)
 COMPRESSED_ROWS = [Row(_p(dp=2, compress="fp16")), Row(_p(dp=2, compress="bf16")),
@@ -204,7 +205,8 @@ def run_layout(rank: int, world_size: int, row: Row, steps: int = STEPS) -> dict
     size, root, tied = dense_parameter_bytes(par)
     plain = dp_formula(size, mesh.dp_cp_size, plan.zero, steps, plan.micro_batches, root, tied,
                        chunks_per_rank(plan.schedule) if plan.pp > 1 else 1,
-                       ring_index(mesh) if mesh.dp_cp_size > 1 else None) + \
+                       ring_index(mesh) if mesh.dp_cp_size > 1 else None,
+                       late_unit_bytes(par)) + \
         balance_bytes(par.model, mesh, plan.micro_batches, steps)
     formulas = layout_formulas(par, ROWS // (plan.dp * plan.micro_batches), steps,
                                None if crossing is None else sum(crossing))

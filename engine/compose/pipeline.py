@@ -25,6 +25,7 @@ from engine.comm import ops
 from engine.compose.loss import global_token_loss, masked_sum
 from engine.pp import SCHEDULES, run_pipeline, uniform_boundaries
 from engine.pp.actions import virtual_stages
+from engine.pp.weight_grad import apply_weight_grads, linear_weight_grad
 from engine.topology import Mesh
 
 ONE_CHUNK = ("gpipe", "1f1b", "zb_h1")  # schedules with one model chunk per rank
@@ -138,6 +139,29 @@ class ChunkCall(nn.Module):
         return self.model.output(out) if self.last else out
 
 
+def sharded_weight_grads(module):
+    """The W action (:mod:`engine.pp.weight_grad`) under ZeRO-3 (``module``, a
+    :class:`engine.zero.ZeroDataParallel` whose linear layers were declared with
+    ``defer_gradients``): each stashed layer's ``dW = dY^T X`` and ``db = sum dY`` go into its
+    unit's gradient buffer (no weight needed: the unit stays freed), then every unit holding
+    gradients is reduce-scattered into its shard, one per chunk and micro-batch, as a B
+    action reduce-scatters the others."""
+    @torch.no_grad()  # X may require grad (a stage's input): dW must not enter a graph
+    def weight_grads(stash: list) -> None:
+        apply_weight_grads([s for s in stash if s[2] not in module.launcher.bucket_of])
+        for x, grad_out, weight, bias in stash:  # the rest: ZeRO-3's (experts are not)
+            if weight not in module.launcher.bucket_of:
+                continue
+            grad_weight, grad_bias = linear_weight_grad(x, grad_out)
+            module.add_late_grad(weight, grad_weight)
+            if bias is not None:
+                module.add_late_grad(bias, grad_bias)
+        stash.clear()
+        module.reduce_late_grads()
+
+    return weight_grads
+
+
 def pipeline_backward(par, micro: list, global_tokens: int) -> torch.Tensor:
     """Forward and backward of every micro-batch through ``par.plan.schedule``; returns this
     rank's sum of token losses (0 off the last stage) and keeps the runtime's
@@ -157,8 +181,10 @@ def pipeline_backward(par, micro: list, global_tokens: int) -> torch.Tensor:
         return global_token_loss(summed, global_tokens, par.replicas) * m
 
     labels = [torch.stack([mb.targets, mb.mask.to(mb.targets.dtype)]) for mb in micro]
+    late = getattr(par.module, "late_units", None)  # ZeRO-3 under a schedule with W actions
+    weight_grads = sharded_weight_grads(par.module) if late else apply_weight_grads
     par.pipeline_run = run_pipeline(chunks, schedule, [mb.ids for mb in micro], labels,
                                     loss_fn, stage=mesh.coords.pp, group=mesh.pp_group,
-                                    placement=spec.placement)
+                                    placement=spec.placement, weight_grads=weight_grads)
     local = torch.stack(sums).sum() if sums else torch.zeros(())
     return local.to(micro[0].mask.device)

@@ -45,8 +45,10 @@ def check_cp_method(method: str, cp: int | None = None) -> str:
                          f"ring groups: U x R = {u * r} must equal cp = {cp}")
     return method
 ZERO_STAGES = (0, 1, 2, 3)
-# schedules ZeRO-3 runs under: a whole backward per B action (no W action)
-ZERO3_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+# schedules ZeRO-3 runs under with any embedding: a whole backward per B action, or W actions
+# whose weight gradients ZeRO-3 reduce-scatters after W (engine.compose.pipeline); the V
+# placement (ZB-V, DualPipeV) only untied (check: a tied weight there is a root unit)
+ZERO3_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1", "zb_h2")
 
 
 def check_divides(what: str, degree: int, name: str, value: int) -> None:
@@ -163,10 +165,12 @@ class Plan:
             except ValueError as e:
                 raise ValueError(f"schedule {self.schedule!r} on pp = {self.pp} with "
                                  f"micro_batches = {self.micro_batches}: {e}") from None
-            if self.zero == 3 and self.schedule not in ZERO3_SCHEDULES:
-                raise ValueError(f"zero = 3 with schedule {self.schedule!r}: its W actions "
-                                 "add weight gradients outside autograd, unseen by ZeRO-3's "
-                                 "gradient hooks (not composed yet); use schedule "
+            if self.zero == 3 and cfg.tied and self.schedule not in ZERO3_SCHEDULES:
+                raise ValueError(f"zero = 3 with schedule {self.schedule!r} and a tied "
+                                 "embedding: its V placement puts the embedding and the output "
+                                 "layer on one rank, where ZeRO-3 makes their shared weight a "
+                                 "root unit that no pipeline stage gathers (not composed yet); "
+                                 "untie the embedding or use schedule "
                                  + ", ".join(ZERO3_SCHEDULES))
             chunks = self.pp * (SCHEDULES[self.schedule].chunks or 2)  # interleaved: 2 a rank
             if self.pp > cfg.layers:

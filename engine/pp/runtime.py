@@ -137,13 +137,16 @@ def _check_stage(stage, p: int, group) -> tuple[int, ...]:
 def run_pipeline(chunks: list[nn.Module], schedule, inputs: list[torch.Tensor],
                  targets: list[torch.Tensor], loss_fn=nn.functional.mse_loss, *,
                  stage: int | None = None, group=None,
-                 placement: str = "interleaved") -> PipelineRun:
+                 placement: str = "interleaved", weight_grads=apply_weight_grads
+                 ) -> PipelineRun:
     """Execute pipeline stage ``stage``'s part of ``schedule`` (one forward and backward over
     ``m`` micro-batches). ``stage`` is this rank's position in the pipeline ``group`` (its
     ``mesh.coords.pp``); ``chunks[c]`` is the virtual stage
     ``virtual_stages(stage, p, v, placement)[c]``; ``inputs``/``targets`` are the
     micro-batches (used on the first and last virtual stage). Gradients land in the chunks'
-    ``param.grad`` (call ``zero_grad`` between steps)."""
+    ``param.grad`` (call ``zero_grad`` between steps). ``weight_grads(stash)`` runs each W
+    action (default :func:`engine.pp.weight_grad.apply_weight_grads`; a sharded wrapper
+    passes its own, e.g. ZeRO-3 reduce-scattering the unit's gradients after its W)."""
     if stage is None or isinstance(chunks, int):
         raise TypeError("run_pipeline needs stage=, this rank's position in the pipeline "
                         "group: run_pipeline(chunks, schedule, inputs, targets, loss_fn, "
@@ -204,7 +207,7 @@ def run_pipeline(chunks: list[nn.Module], schedule, inputs: list[torch.Tensor],
                 link.send(x.grad, ("grad", mb, vs), rank_of(vs - 1, p, placement))
         else:
             start = clock.mark()
-            apply_weight_grads(waiting.pop((mb, c)))
+            weight_grads(waiting.pop((mb, c)))
             end = clock.mark()
             memory.weight_grad(mb, c)
         marks.append((kind, mb, c, start, end))

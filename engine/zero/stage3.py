@@ -137,8 +137,8 @@ class ZeroDataParallel(nn.Module):
         # units launch their reduce-scatter as soon as their gradients are complete (the
         # reverse of the forward's order, the same on every rank); unused ones and the root
         # at the end of backward
-        self.launcher = BucketLauncher(self.all_units, ordered=False,
-                                       launch=lambda u: u.start_reduce_scatter(self.group),
+        self.late_units: list[_Unit] = []  # gradients outside autograd: defer_gradients
+        self.launcher = BucketLauncher(self.all_units, ordered=False, launch=self._launch,
                                        finish=self._finish_unit)
         self.optimizer = _ShardOptimizer(self, optimizer_cls([u.master for u in self.all_units],
                                                              **kwargs))
@@ -244,17 +244,55 @@ class ZeroDataParallel(nn.Module):
                 self._start(earlier, "backward prefetch")
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if p.grad is None:  # an undefined gradient: a B whose W adds it later (late units)
+            return
         unit = self.launcher.bucket_of[p]
-        unit.accumulate_grad(p)
-        self.launcher.grad_ready(p, launch=unit is not self.root)  # the root waits for the end
+        unit.accumulate_grad(p)  # the root waits for the end; a late unit for its late grads
+        self.launcher.grad_ready(p, launch=unit is not self.root and unit not in self.late_units)
         if unit.work is not None:  # its gradients are on their way: its parameters can go
             self._free(unit, "after backward")
 
+    def _launch(self, unit: _Unit):
+        if unit in self.late_units:  # reduced once its late gradients are in (defer_gradients)
+            return _NOTHING_LAUNCHED
+        return unit.start_reduce_scatter(self.group)
+
     def _finish_unit(self, unit: _Unit) -> None:
-        unit.add_reduced_grad()
+        if unit not in self.late_units:  # a late unit keeps its buffer for reduce_late_grads
+            unit.add_reduced_grad()
         if unit.pending is not None:  # prefetched, but its backward never came
             unit.finish_gather()
         self._free(unit, "end of backward")
+
+    # -- gradients that arrive outside autograd (a zero-bubble pipeline's W actions) ---------
+
+    def defer_gradients(self, params) -> None:
+        """The units holding ``params`` get (some of) their gradients outside autograd, through
+        :meth:`add_late_grad` (the W actions of Qi et al., "Zero Bubble Pipeline Parallelism",
+        2024: ``dW = dY^T X``, which needs no weight). The end of a backward frees such a unit
+        as any other but keeps its gradient buffer; :meth:`reduce_late_grads` reduce-scatters
+        it once the late gradients are in."""
+        late = {self.launcher.bucket_of[p] for p in params if p in self.launcher.bucket_of}
+        self.late_units = [u for u in self.all_units if u in late]  # one order on every rank
+
+    def add_late_grad(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        """Add ``grad`` (``p``'s shape) to ``p``'s place in its unit's gradient buffer."""
+        unit = self.launcher.bucket_of.get(p)
+        if unit not in self.late_units:
+            raise ValueError(f"a gradient of shape {tuple(grad.shape)} came outside autograd "
+                             "for a parameter not declared with defer_gradients (its unit "
+                             f"{getattr(unit, 'name', None)!r} was reduce-scattered already)")
+        if unit.buffer is None:
+            unit.buffer = unit.new_flat()
+        unit.view_of(p, unit.buffer).add_(grad)
+
+    def reduce_late_grads(self) -> None:
+        """Reduce-scatter every late unit holding gradients, in the units' order (the same on
+        every rank of the group), into its shard; the full gradients are dropped."""
+        for unit in self.late_units:
+            if unit.buffer is not None:
+                unit.start_reduce_scatter(self.group).wait()
+                unit.add_reduced_grad()
 
     # -- measuring ------------------------------------------------------------------------------
 
@@ -272,6 +310,16 @@ class ZeroDataParallel(nn.Module):
     def state_bytes(self) -> StateBytes:
         """Bytes this rank holds, each storage counted once."""
         return count_state_bytes(self.state_tensors())
+
+
+class _NothingLaunched:
+    """The work of a late unit at the end of a backward: nothing to wait for."""
+
+    def wait(self) -> None:
+        return None
+
+
+_NOTHING_LAUNCHED = _NothingLaunched()
 
 
 class _ShardOptimizer:
