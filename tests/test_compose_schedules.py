@@ -95,7 +95,8 @@ def test_what_a_schedule_cannot_run_is_refused_naming_the_values(args, message, 
 
 # ZeRO-3 under the schedules with W actions: dp2 x pp2 (every unit really sharded over 2
 # ranks), 8 rows so that dp x m = 2 x 4 divides them (DualPipeV needs m >= 2p = 4)
-ZERO3_W = [("zb_h1", True), ("zb_v", False), ("dualpipe_v", False)]  # V placement: untied
+ZERO3_W = [("zb_h1", True), ("zb_h2", True), ("zb_v", False),  # V placement: untied
+           ("dualpipe_v", False)]
 ZERO3_ROWS = 8
 
 
@@ -142,8 +143,8 @@ def _one_process(cfg, steps, rows):
 
 
 def test_zero3_under_every_schedule_with_w_actions_trains_as_one_process():
-    """ZeRO-3 over dp2 x pp2 under ZB-H1 (tied embedding), ZB-V and DualPipeV (untied: the V
-    placement's tied weight is still refused): each W action's ``dW = dY^T X`` goes into its
+    """ZeRO-3 over dp2 x pp2 under ZB-H1, ZB-H2 (tied embedding), ZB-V and DualPipeV (untied:
+    the V placement's tied weight is still refused): each W action's ``dW = dY^T X`` goes into its
     unit's gradient and is reduce-scattered there. Losses and every parameter within 1e-6 of
     one process (not exactly equal: the micro-batches' gradients are summed in the schedule's
     order and averaged by a reduce-scatter, one process sums the whole batch at once), and the
