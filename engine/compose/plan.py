@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from engine.pp.actions import actions_of, splits_backward
 from engine.pp.registry import SCHEDULES, build_schedule
 from engine.topology import check_mesh
 from engine.validation import one_of, positive_int
@@ -161,10 +162,16 @@ class Plan:
         if self.pp > 1:
             one_of("schedule", self.schedule, tuple(SCHEDULES))
             try:  # the schedule's own demands (DualPipeV: m >= 2p; interleaved: p divides m)
-                build_schedule(self.schedule, self.pp, self.micro_batches)
+                schedule = build_schedule(self.schedule, self.pp, self.micro_batches)[0]
             except ValueError as e:
                 raise ValueError(f"schedule {self.schedule!r} on pp = {self.pp} with "
                                  f"micro_batches = {self.micro_batches}: {e}") from None
+            if self.ep > 1 and splits_backward(actions_of(schedule)):
+                raise ValueError(f"ep = {self.ep} with schedule {self.schedule!r}: its W "
+                                 "actions give the experts' weight gradients outside autograd, "
+                                 "where expert parallelism's gradient scaling and reduction do "
+                                 "not take them (not composed yet: the run fails at every ZeRO "
+                                 "stage); use schedule gpipe, 1f1b or interleaved, or ep = 1")
             if self.zero == 3 and cfg.tied and self.schedule not in ZERO3_SCHEDULES:
                 raise ValueError(f"zero = 3 with schedule {self.schedule!r} and a tied "
                                  "embedding: its V placement puts the embedding and the output "
