@@ -119,6 +119,8 @@ def _zero3_under_w(rank, world_size):
             losses = train(par, STEPS, ZERO3_ROWS, seed=SEED + 1)
         rows = ZERO3_ROWS // (plan.dp * plan.micro_batches)
         found[name] = {"losses": losses, "state": dense_state(par),
+                       "peak": par.module.peak_gathered_bytes,
+                       "largest": max(u.full_bytes for u in par.module.all_units),
                        "dp": bytes_by_kind(meter.events, mesh, False)["dp"],
                        "formula": layout_formulas(par, rows, STEPS)["dp"].bytes}
     return found
@@ -149,7 +151,9 @@ def test_zero3_under_every_schedule_with_w_actions_trains_as_one_process():
     one process (not exactly equal: the micro-batches' gradients are summed in the schedule's
     order and averaged by a reduce-scatter, one process sums the whole batch at once), and the
     dp bytes counted on the wire equal to the formula (ZB-H1: one reduce-scatter of every unit
-    per micro-batch as under 1F1B; V: the units of a B twice, the linear layers' once)."""
+    per micro-batch as under 1F1B; V: the units of a B twice, the linear layers' once). At
+    most one unit whole at a time, as under 1F1B: a linear layer's unit is freed once B has
+    used its weight (W needs none)."""
     ranks = run_ranks(_zero3_under_w, 4, timeout=240)
     for name, tied in ZERO3_W:
         losses, state = _one_process(replace(MODEL, tied=tied), STEPS, ZERO3_ROWS)
@@ -160,6 +164,7 @@ def test_zero3_under_every_schedule_with_w_actions_trains_as_one_process():
             diff = max((t - state[n]).abs().max().item() for n, t in run["state"].items())
             assert run["state"] and diff <= TOLERANCE, (name, diff)
             assert run["dp"] == run["formula"], (name, run["dp"], run["formula"])
+            assert run["peak"] == run["largest"], (name, run["peak"], run["largest"])
 
 
 def test_engine_train_runs_zero3_under_zb_h1(capsys):

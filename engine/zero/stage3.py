@@ -138,6 +138,7 @@ class ZeroDataParallel(nn.Module):
         # reverse of the forward's order, the same on every rank); unused ones and the root
         # at the end of backward
         self.late_units: list[_Unit] = []  # gradients outside autograd: defer_gradients
+        self._through: dict[_Unit, set] = {}  # a late unit's parameters through a backward
         self.launcher = BucketLauncher(self.all_units, ordered=False, launch=self._launch,
                                        finish=self._finish_unit)
         self.optimizer = _ShardOptimizer(self, optimizer_cls([u.master for u in self.all_units],
@@ -244,9 +245,10 @@ class ZeroDataParallel(nn.Module):
                 self._start(earlier, "backward prefetch")
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if p.grad is None:  # an undefined gradient: a B whose W adds it later (late units)
-            return
         unit = self.launcher.bucket_of[p]
+        if unit in self.late_units:
+            self._through_backward(unit, p)
+            return
         unit.accumulate_grad(p)  # the root waits for the end; a late unit for its late grads
         self.launcher.grad_ready(p, launch=unit is not self.root and unit not in self.late_units)
         if unit.work is not None:  # its gradients are on their way: its parameters can go
@@ -257,7 +259,20 @@ class ZeroDataParallel(nn.Module):
             return _NOTHING_LAUNCHED
         return unit.start_reduce_scatter(self.group)
 
+    def _through_backward(self, unit: _Unit, p: nn.Parameter) -> None:
+        """A late unit's ``p`` is through this backward: a gradient from autograd waits in the
+        buffer (none for a deferred weight: W adds it); once all its parameters are through,
+        the unit is freed (W needs no weight), as a unit whose reduce-scatter started."""
+        if p.grad is not None:
+            unit.accumulate_grad(p)
+        through = self._through.setdefault(unit, set())
+        through.add(p)
+        if len(through) == len(unit.params):
+            through.clear()
+            self._free(unit, "after backward (W later)")
+
     def _finish_unit(self, unit: _Unit) -> None:
+        self._through.pop(unit, None)
         if unit not in self.late_units:  # a late unit keeps its buffer for reduce_late_grads
             unit.add_reduced_grad()
         if unit.pending is not None:  # prefetched, but its backward never came
