@@ -20,6 +20,12 @@ Like PyTorch's FSDP, the engine prefetches in backward by default (FSDP's
 Parameters that are not in any unit, or that two units share (tied embeddings), form the
 *root* unit: gathered when the forward starts and freed when the backward ends.
 
+In a zero-bubble pipeline (Qi et al. 2024) B gives a linear layer's input gradient only and
+W its weight gradient later, outside autograd: :meth:`ZeroDataParallel.defer_gradients` names
+those units; B frees them as soon as it has used their weights, W adds ``dW = dY^T X`` to their
+buffers (:meth:`~ZeroDataParallel.add_late_grad`, no gather: W needs no weight) and
+:meth:`~ZeroDataParallel.reduce_late_grads` reduce-scatters them.
+
 Under bf16 autocast the bf16 casts of a unit's weights are not kept from forward to backward
 (:mod:`engine.zero.recast`): backward casts again from the re-gathered unit, so what is
 held between the two passes is what fp32 holds.
