@@ -198,16 +198,24 @@ def _run_and_send(writer, fn) -> None:
 
 
 def _in_a_fresh_process(fn, timeout_s: float = 100.0):
-    """``fn()`` in a freshly spawned process, its result sent back. torchft's lighthouse and
-    managers leave native threads running after ``shutdown()``, and a process with threads
-    must not fork: ``engine.launch`` forks the ranks of every later test from pytest's own
-    process (a rank hung in tests/test_tp.py after this file ran its threads in-process)."""
+    """``fn()`` in a freshly spawned process, its result sent back serialized. torchft's
+    lighthouse and managers leave native threads running after ``shutdown()``, and a process
+    with threads must not fork: ``engine.launch`` forks the ranks of every later test from
+    pytest's own process (a rank hung in tests/test_tp.py after this file ran its threads
+    in-process), and a replica forked from a process running earlier managers' threads once
+    never committed its first step (a lock some thread held, copied into the child). On a
+    timeout the child's own children (the kill run's replicas) are killed first, then the
+    child: nothing is left behind."""
     import io
     import multiprocessing
+    import os
+    import signal
+
+    from tests.helpers import descendants
 
     context = multiprocessing.get_context("spawn")
     reader, writer = context.Pipe(duplex=False)
-    child = context.Process(target=_run_and_send, args=(writer, fn))
+    child = context.Process(target=_run_and_send, args=(writer, fn))  # not daemonic: a parent
     child.start()
     writer.close()
     try:
@@ -217,6 +225,11 @@ def _in_a_fresh_process(fn, timeout_s: float = 100.0):
     finally:
         child.join(timeout=10)
         if child.is_alive():
+            for pid in descendants(child.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             child.kill()
             child.join(timeout=5)
         reader.close()
@@ -523,55 +536,6 @@ def _torchft_kill_run(give_up_s: float = 45.0):
     return pids, codes, steps_seen, finals
 
 
-def _launcher(writer) -> None:
-    """The parent of the three replicas, itself a fresh (spawned) process: forking from a
-    process that runs other threads (earlier tests' torchft managers, each with its Rust
-    runtime) can copy a lock some thread holds into the child, which then hangs (seen here: a
-    replica never committing its first step when the whole file ran). The result goes back
-    serialized."""
-    import io
-
-    buffer = io.BytesIO()
-    try:
-        torch.save(("ok", _torchft_kill_run()), buffer)
-    except Exception as error:  # noqa: BLE001 -- reported to the test, which raises it
-        torch.save(("error", f"{type(error).__name__}: {error}"), buffer)
-    writer.send_bytes(buffer.getvalue())
-
-
-def _torchft_kill_run_in_a_fresh_process(timeout_s: float = 75.0):
-    import io
-    import multiprocessing
-    import os
-    import signal
-
-    from tests.helpers import descendants
-
-    context = multiprocessing.get_context("spawn")
-    reader, writer = context.Pipe(duplex=False)
-    launcher = context.Process(target=_launcher, args=(writer,))  # not daemonic: a parent
-    launcher.start()
-    writer.close()
-    try:
-        if not reader.poll(timeout_s):
-            raise TimeoutError(f"the torchft kill run sent nothing in {timeout_s} s")
-        status, result = torch.load(io.BytesIO(reader.recv_bytes()), weights_only=False)
-        launcher.join(timeout=10)
-    finally:
-        if launcher.is_alive():  # its replicas first, then itself: nothing left behind
-            for pid in descendants(launcher.pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            launcher.kill()
-        launcher.join(timeout=5)
-        reader.close()
-    if status != "ok":
-        raise RuntimeError(f"the torchft kill run failed: {result}")
-    return result
-
-
 def _same(a, b) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and torch.equal(a, b)
@@ -587,7 +551,7 @@ def test_torchft_manager_replica_processes_survive_a_sigkill_and_the_restart_hea
         engine_failure_run):
     from tests.helpers import descendants
 
-    pids, codes, steps_seen, finals = _torchft_kill_run_in_a_fresh_process()
+    pids, codes, steps_seen, finals = _in_a_fresh_process(_torchft_kill_run, timeout_s=75.0)
     assert not descendants(), "a replica process was left behind"
     assert codes == {(0, 0): 0, (1, 0): 0, (2, 0): -9, (2, 1): 0}
     for survivor in (0, 1):  # one process each, from step 1 to the end: never restarted
