@@ -120,6 +120,12 @@ class Peers:
                 break
             time.sleep(0.1)
             gone = self.gone()
+        for _ in range(10):  # peers killed together (an agent's workers) end a moment apart:
+            time.sleep(0.1)  # name them all, once the set has stopped growing
+            again = self.gone()
+            if again == gone:
+                break
+            gone = again
         if gone:
             who = ", ".join(f"rank {r} (pid {self.everyone[r].pid} on {self.everyone[r].host})"
                             for r in gone)
