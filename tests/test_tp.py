@@ -10,6 +10,7 @@ from torch import nn
 
 from engine import theory
 from engine.comm import CommMeter
+from engine.compose.model import ModelConfig
 from engine.models import GPTConfig, TinyGPT, token_data
 from engine.tp import (ColumnParallelLinear, RowParallelLinear, TensorParallelGPT,
                        VocabParallelEmbedding, check_tp_degree, copy_to_tp, dense_state,
@@ -205,10 +206,41 @@ def test_matches_pytorch_dtensor_colwise_and_rowwise_parallel():
     (GPTConfig(vocab=63, heads=4, hidden=32), 2, "vocab=63 is not divisible by the "
      "tensor-parallel degree 2"),
     (GPTConfig(), 0, "degree must be a positive int, got 0"),
+    (GPTConfig(heads=4, hidden=32, ffn_hidden=50), 4, "ffn_hidden=50 is not divisible by the "
+     "tensor-parallel degree 4"),
+    # what TensorParallelGPT does not split at all, refused whatever the degree
+    (GPTConfig(tied=False), 2, "splits tied models only; got tied=False: use engine.compose"),
+    (GPTConfig(heads=4, kv_heads=2), 2, r"multi-head attention only \(kv_heads 0 or heads=4\); "
+     "got kv_heads=2"),
+    (GPTConfig(qkv_bias=False), 2, "a qkv with a bias only; got qkv_bias=False"),
+    (ModelConfig(num_experts=4), 2, r"dense MLPs only; got num_experts=4 \(expected 0\)"),
 ])
 def test_sizes_that_do_not_split_are_clear_errors_before_any_rank_starts(cfg, t, message):
     with pytest.raises(ValueError, match=message):
         check_tp_degree(cfg, t)
+
+
+def _wider_mlp_and_a_moe_model(rank, world_size):
+    from engine.moe.gpt import TinyMoEGPT
+
+    cfg = GPTConfig(vocab=64, seq_len=8, layers=1, heads=2, hidden=16, kv_heads=2,
+                    ffn_hidden=24)  # kv_heads = heads: multi-head; ffn not 4 hidden
+    check_tp_degree(cfg, world_size)
+    dense = TinyGPT(cfg, seed=0)
+    x, _ = token_data(2, cfg.seq_len, cfg.vocab, seed=1)
+    diff = (TensorParallelGPT.from_dense(dense)(x, gather=True) - dense(x)).abs().max().item()
+    try:
+        TensorParallelGPT.from_dense(TinyMoEGPT(cfg, num_experts=2, seed=0))
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
+    return diff, refused
+
+
+def test_a_supported_choice_splits_and_a_moe_model_is_refused():
+    for diff, refused in run_ranks(_wider_mlp_and_a_moe_model, 2):
+        assert diff <= 1e-6  # the same sums in another order: round-off only
+        assert "dense MLPs only; got num_experts=2 (expected 0)" in refused
 
 
 def test_a_layer_that_does_not_split_is_a_clear_error_on_the_ranks():

@@ -98,13 +98,39 @@ class ParallelBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+COMPOSED = "use engine.compose's parallelize, which splits every GPT the engine builds"
+
+
 def check_tp_degree(cfg, t: int) -> None:
-    """Raise a clear error, naming both values, if ``cfg`` cannot be split ``t`` ways. Pure:
-    call it before any rank starts."""
+    """Raise a clear error, naming the value and what was expected, if :class:`TensorParallelGPT`
+    cannot split ``cfg`` (a :class:`engine.models.GPTConfig`, or a
+    :class:`engine.compose.model.ModelConfig`) ``t`` ways. Pure: call it before any rank starts.
+
+    This readable layer splits GPT-2's shape only: multi-head attention (``kv_heads`` 0 or
+    ``heads``), a biased fused ``qkv``, the output layer tied to the embedding, dense MLPs.
+    The MLP's width (``ffn_hidden``) may be any multiple of ``t``."""
     positive_int("the tensor-parallel degree", t)
+    if not cfg.tied:
+        raise ValueError(f"TensorParallelGPT splits tied models only; got tied={cfg.tied}: "
+                         f"{COMPOSED}")
+    if cfg.kv_heads_or_heads != cfg.heads:
+        raise ValueError(f"TensorParallelGPT splits multi-head attention only (kv_heads 0 or "
+                         f"heads={cfg.heads}); got kv_heads={cfg.kv_heads}: {COMPOSED}")
+    if not cfg.qkv_bias:
+        raise ValueError(f"TensorParallelGPT splits a qkv with a bias only; got "
+                         f"qkv_bias={cfg.qkv_bias}: {COMPOSED}")
+    check_dense_feed_forward(getattr(cfg, "num_experts", 0))
     check_divisible("hidden", cfg.hidden, t)
     check_divisible("heads", cfg.heads, t)
+    check_divisible("ffn_hidden", cfg.ffn, t)
     check_divisible("vocab", cfg.vocab, t)
+
+
+def check_dense_feed_forward(num_experts: int) -> None:
+    """TensorParallelGPT splits dense MLPs, not mixture-of-experts layers."""
+    if num_experts:
+        raise ValueError(f"TensorParallelGPT splits dense MLPs only; got num_experts="
+                         f"{num_experts} (expected 0): {COMPOSED}")
 
 
 class TensorParallelGPT(nn.Module):
@@ -118,6 +144,7 @@ class TensorParallelGPT(nn.Module):
         _, t = tp_rank_and_size(group)
         cfg = gpt.cfg
         check_tp_degree(cfg, t)
+        check_dense_feed_forward(max((m.num_experts for m in gpt.moe_layers()), default=0))
         self.group, self.cfg, self.sequence_parallel = group, cfg, sequence_parallel
         self.tok = VocabParallelEmbedding.from_dense(gpt.tok, group, sequence_parallel)
         self.pos = copy.deepcopy(gpt.pos)
