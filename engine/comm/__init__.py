@@ -29,7 +29,7 @@ The layers, top down; each imports only the layers below it::
 
 from engine.comm import ops
 from engine.comm.all_to_all import pairwise_all_to_all
-from engine.comm.meter import CommEvent, CommMeter
+from engine.comm.meter import CommEvent, CommMeter, comm_purpose
 from engine.comm.ps import ps_all_reduce
 from engine.comm.ring import chunk_sizes, ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from engine.comm.ring_pipelined import (RingBuffers, ring_all_gather_pipelined,
@@ -37,7 +37,7 @@ from engine.comm.ring_pipelined import (RingBuffers, ring_all_gather_pipelined,
                                         ring_reduce_scatter_pipelined)
 from engine.comm.tree import tree_all_reduce
 
-__all__ = ["CommMeter", "CommEvent", "ops", "ring_all_reduce", "ring_reduce_scatter",
-           "ring_all_gather", "ring_all_reduce_pipelined", "ring_reduce_scatter_pipelined",
-           "ring_all_gather_pipelined", "RingBuffers", "chunk_sizes",
-           "ps_all_reduce", "tree_all_reduce", "pairwise_all_to_all"]
+__all__ = ["CommMeter", "CommEvent", "comm_purpose", "ops", "ring_all_reduce",
+           "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce_pipelined",
+           "ring_reduce_scatter_pipelined", "ring_all_gather_pipelined", "RingBuffers",
+           "chunk_sizes", "ps_all_reduce", "tree_all_reduce", "pairwise_all_to_all"]

@@ -17,21 +17,25 @@ from __future__ import annotations
 import torch
 
 from engine.comm import ops
+from engine.comm.meter import comm_purpose, current_purpose
 
 
 class AllToAll(torch.autograd.Function):
     """All-to-all of rows (split along dim 0); backward is the same all-to-all with the splits
-    swapped. Splits ``None``: equal pieces."""
+    swapped. Splits ``None``: equal pieces. The backward's events carry the purpose the
+    forward's did (:class:`engine.comm.meter.comm_purpose`), whichever thread runs it."""
 
     @staticmethod
     def forward(ctx, rows, output_splits, input_splits, group):
         ctx.splits, ctx.group = (output_splits, input_splits), group
+        ctx.purpose = current_purpose()
         return _exchange(rows, output_splits, input_splits, group)
 
     @staticmethod
     def backward(ctx, grad):
         output_splits, input_splits = ctx.splits
-        return _exchange(grad, input_splits, output_splits, ctx.group), None, None, None
+        with comm_purpose(ctx.purpose):
+            return _exchange(grad, input_splits, output_splits, ctx.group), None, None, None
 
 
 def _exchange(rows: torch.Tensor, output_splits, input_splits, group) -> torch.Tensor:
@@ -59,7 +63,7 @@ class AllReduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group = group
+        ctx.group, ctx.purpose = group, current_purpose()
         out = x.clone()
         ops.all_reduce(out, group=group)
         return out
@@ -67,7 +71,8 @@ class AllReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.clone()
-        ops.all_reduce(grad, group=ctx.group)
+        with comm_purpose(ctx.purpose):
+            ops.all_reduce(grad, group=ctx.group)
         return grad, None
 
 

@@ -26,6 +26,13 @@ its numbers were obtained (``measured``):
 Point-to-point ops (``send``, ``recv``, ``isend``, ``irecv``, ``batch_isend_irecv``) are
 counted exactly in both modes: a send of ``S`` bytes puts ``S`` bytes on the wire.
 
+Each event also says what it was sent for (``purpose``, e.g. ``"cp"`` or ``"ep"``), when the
+layer that issued it said so with :class:`comm_purpose` around the call: two groups can hold the
+same ranks (with dp = 1 the context-parallel group *is* dp x cp), so the ranks alone cannot
+always name the traffic (:func:`engine.compose.traffic.kind_of` reads the purpose first). The
+purpose is per thread, and an autograd function that issues collectives sets it in its
+backward too: on CUDA, backward runs on autograd's own thread.
+
 Each event also says how its start and end were obtained (``timed_by``): on NCCL, by NCCL's
 own events on its communication stream (``"nccl"``, read from the op's work when the meter
 closes, so no host synchronisation is added inside a step); otherwise by CUDA events on the
@@ -37,6 +44,7 @@ the return value of :func:`engine.launch`.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -45,6 +53,37 @@ from engine.clock import Clock
 from engine.comm import durations
 
 COUNT_MODES = ("model", "wire")
+_PURPOSE = threading.local()  # .name: what the ops this thread issues now are for
+
+
+def current_purpose() -> str:
+    """What the ops this thread issues now are for (``""``: not said; :class:`comm_purpose`)."""
+    return getattr(_PURPOSE, "name", "")
+
+
+class comm_purpose:
+    """``with comm_purpose("cp"):`` every event created on this thread inside it (a collective,
+    its messages, a point-to-point op) records ``purpose="cp"``. Nests (the inner one wins) and
+    costs one thread-local write each way; an event reads it only when a meter records one.
+    Set it *inside* the function that issues the collective, forward and backward: autograd may
+    run backward on another thread (CUDA), where a purpose set around ``loss.backward()`` is not
+    seen (:func:`engine.comm.autograd.all_to_all` carries its forward's purpose into its
+    backward)."""
+
+    __slots__ = ("name", "previous")
+
+    def __init__(self, name: str):
+        if not isinstance(name, str):
+            raise TypeError(f"comm_purpose takes a name (a str such as 'cp'), got {name!r}")
+        self.name = name
+
+    def __enter__(self) -> "comm_purpose":
+        self.previous = current_purpose()
+        _PURPOSE.name = self.name
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _PURPOSE.name = self.previous
 
 
 @dataclass
@@ -71,6 +110,9 @@ class CommEvent:
     # works kept below), "cuda-events (compute stream)" or "host clock" (engine.comm.durations)
     timed_by: str = durations.HOST
     works: list = field(default_factory=list, repr=False)  # read when the meter closes
+    # what it was sent for ("cp", "ep", ...; "" when not said): the purpose current on the
+    # issuing thread when the event was made (comm_purpose), read by every creator of events
+    purpose: str = field(default_factory=current_purpose)
 
     @property
     def seconds(self) -> float | None:

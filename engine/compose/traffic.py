@@ -2,19 +2,20 @@
 bookkeeper of composed bytes, for ``python -m engine parity`` and ``engine train`` alike.
 
 A :class:`engine.comm.CommMeter` opened with ``count="wire"`` counts every message this rank
-sends, each event naming the ranks of its group. :func:`bytes_by_kind` names the group by the
-:class:`engine.topology.Mesh` dimension it is, resolving groups that hold the same ranks (ep is
-borrowed from dp x cp) by the operation: an all-to-all of an MoE model is expert parallelism,
-another (Ulysses) context parallelism; a point-to-point message on the pipeline group is pp,
-on the context group cp (ring attention). Gradient reductions over ``dp_cp_group`` count as
+sends, each event naming the ranks of its group and, where the layer that issued it said so,
+its purpose (:class:`engine.comm.comm_purpose`, set at the call, forward and backward): ring
+attention's, all-gather attention's and Ulysses' (USP's) traffic is tagged ``cp``, the MoE
+dispatch and combine all-to-alls (and their token counts) ``ep``. :func:`kind_of` takes that
+tag first. The ranks cannot tell these apart, since :class:`engine.topology.Mesh` reuses one
+group wherever two dimensions hold the same ranks: with dp = 1 the cp group *is* dp x cp (all-
+gather attention's all-gathers and reduce-scatters look like gradient reductions), and where
+ep = cp an MoE model's Ulysses all-to-alls look like the experts'.
+
+An untagged event is named by its ranks and operation: an all-to-all on the ep group of an MoE
+model is expert parallelism, another context parallelism; a point-to-point message on the
+pipeline group is pp, on another group cp; gradient reductions over ``dp_cp_group`` count as
 dp, over ``expert_dp_group`` as ep, the tied embedding's over ``embedding_group`` as pp.
 The formulas beside the counts are :mod:`engine.compose.formulas`'.
-
-An event names its group by its ranks and its operation only, so two cases, in no row of the
-parity matrix, cannot be split: with dp = 1 the cp group *is* dp x cp, and all-gather
-attention's all-gathers and reduce-scatters count as dp (``engine train`` names both ``cp``
-there, the sum truthful); an MoE model with Ulysses (or USP) whose all-to-all group holds the
-ep group's ranks (as where ep = cp) counts Ulysses' all-to-alls as ep.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from engine.compose.formulas import dp_formula  # re-exported: its home before
 from engine.topology import Mesh
 
 KINDS = ("dp", "cp", "ep", "tp", "pp")
-__all__ = ["KINDS", "P2P", "group_kinds", "kind_of", "bytes_by_kind", "dp_formula",
+__all__ = ["KINDS", "P2P", "group_kinds", "kind_of", "tagged", "bytes_by_kind", "dp_formula",
            "gradient_group_name", "report_names", "report_traffic", "strategy_traffic"]
 P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 
@@ -43,7 +44,11 @@ def group_kinds(mesh: Mesh) -> list[tuple[tuple[int, ...], str]]:
 
 
 def kind_of(event, mesh: Mesh, moe: bool) -> str:
-    """The dimension ``event`` (a :class:`engine.comm.CommEvent`) travelled on."""
+    """The dimension ``event`` (a :class:`engine.comm.CommEvent`) travelled on: its
+    ``purpose`` when that names a dimension of more than one rank of ``mesh``, else found
+    from its ranks and operation (module docstring)."""
+    if tagged(event.purpose, mesh):
+        return event.purpose
     ranks = tuple(event.group)
     if event.op == "all_to_all":
         return "ep" if moe and ranks == tuple(ops.group_ranks(mesh.ep_group)) else "cp"
@@ -54,6 +59,14 @@ def kind_of(event, mesh: Mesh, moe: bool) -> str:
         if ranks == group:
             return kind
     raise ValueError(f"{event.op} on ranks {ranks} is on no group of {mesh!r}")
+
+
+def tagged(purpose: str, mesh: Mesh) -> bool:
+    """Whether ``purpose`` names a dimension of ``mesh`` with more than one rank (dp: of dp x
+    cp, the group the composed engine reduces gradients over)."""
+    if purpose not in KINDS:
+        return False
+    return (mesh.dp_cp_size if purpose == "dp" else getattr(mesh, purpose)) > 1
 
 
 def bytes_by_kind(events, mesh: Mesh, moe: bool) -> dict[str, int]:

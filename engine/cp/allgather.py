@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from engine.comm import ops
+from engine.comm.meter import comm_purpose
 from engine.cp.blocks import accumulation_dtype, block_backward, block_forward, merge
 from engine.cp.buffers import hold
 from engine.cp.checks import check_attention_inputs, check_same_on_every_rank
@@ -45,8 +46,9 @@ def _gather_kv(k, v, group):
     everyone = torch.empty((n, *mine.shape), dtype=mine.dtype, device=mine.device)
     if n == 1:
         everyone[0].copy_(mine)
-    else:
-        ops.all_gather_into_tensor(everyone.view(-1), mine.view(-1), group=group)
+    else:  # context-parallel traffic, though with dp = 1 the group is dp x cp's ranks
+        with comm_purpose("cp"):
+            ops.all_gather_into_tensor(everyone.view(-1), mine.view(-1), group=group)
     return everyone
 
 
@@ -103,7 +105,8 @@ class _AllGatherAttention(torch.autograd.Function):
         if n == 1:
             mine.copy_(sending[0])
         else:
-            ops.reduce_scatter_tensor(mine.view(-1), sending.view(-1), group=group)
+            with comm_purpose("cp"):
+                ops.reduce_scatter_tensor(mine.view(-1), sending.view(-1), group=group)
         return torch.cat(dq, dim=-2).to(q.dtype), mine[0], mine[1], None, None, None
 
 

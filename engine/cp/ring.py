@@ -32,6 +32,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from engine.comm.meter import comm_purpose
 from engine.comm.ring import exchange, ring_position, start_exchange
 from engine.cp.buffers import hold
 from engine.cp.blocks import (BELOW, DIAGONAL, FULL, accumulation_dtype, block_backward,
@@ -80,7 +81,8 @@ class _RingAttention(torch.autograd.Function):
         for step in range(n):
             if step < n - 1:
                 incoming = torch.empty_like(kv)
-                works = start_exchange(kv, right, incoming, left, group)
+                with comm_purpose("cp"):
+                    works = start_exchange(kv, right, incoming, left, group)
                 hold("forward", kv, incoming)
             k_chunks, v_chunks = (t.to(acc).chunk(per_rank, dim=-2) for t in kv)
             for a, b, kind in block_pairs(me, (me - step) % n, n, layout, causal):
@@ -112,7 +114,8 @@ class _RingAttention(torch.autograd.Function):
         for step in range(n):
             if step < n - 1:
                 incoming = torch.empty_like(kv)
-                works = start_exchange(kv, right, incoming, left, group)
+                with comm_purpose("cp"):
+                    works = start_exchange(kv, right, incoming, left, group)
             k_chunks, v_chunks = (t.to(acc).chunk(per_rank, dim=-2) for t in kv)
             dk = [torch.zeros_like(c) for c in k_chunks]
             dv = [torch.zeros_like(c) for c in v_chunks]
@@ -132,7 +135,8 @@ class _RingAttention(torch.autograd.Function):
                 arrived = torch.empty_like(travelling)
                 hold("backward", kv, incoming if step < n - 1 else kv[:0], own, share,
                      travelling, arrived)
-                exchange(travelling, right, arrived, left, group)
+                with comm_purpose("cp"):
+                    exchange(travelling, right, arrived, left, group)
                 arrived = arrived.to(acc)
             if step < n - 1:
                 for work in works:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from engine import theory
 from engine.comm.autograd import all_to_all
+from engine.comm.meter import comm_purpose
 from engine.cp.buffers import hold
 from engine.cp.checks import check_attention_inputs, check_same_on_every_rank
 from engine.validation import positive_int
@@ -59,11 +60,13 @@ def heads_all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int
     """Cut ``x`` into N pieces along ``scatter_dim``, send piece j to rank j, and concatenate
     what arrives (rank order) along ``gather_dim``. Differentiable: the pieces travel stacked
     along dim 0 through :func:`engine.comm.autograd.all_to_all`, whose backward is the same
-    exchange the other way."""
+    exchange the other way; both are context-parallel traffic (``comm_purpose("cp")``: with
+    an MoE model its group can hold the expert-parallel ranks)."""
     n = dist.get_world_size(group)
     pieces = torch.stack(x.chunk(n, dim=scatter_dim))
     if n > 1:
-        pieces = all_to_all(pieces, group=group)
+        with comm_purpose("cp"):
+            pieces = all_to_all(pieces, group=group)
     return torch.cat(pieces.unbind(0), dim=gather_dim)
 
 

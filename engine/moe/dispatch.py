@@ -19,7 +19,8 @@ all-to-alls are differentiable: the gradient of an all-to-all is the all-to-all 
 and output splits swapped, so backward crosses the wire the same two times, reversed
 (:func:`engine.comm.autograd.all_to_all`, shared with Ulysses).
 Everything goes through :mod:`engine.comm.ops`, so a ``CommMeter`` sees (and inside
-``CommMeter(count="wire")`` counts) every byte.
+``CommMeter(count="wire")`` counts) every byte, each all-to-all (backward's too) tagged
+``comm_purpose("ep")``: expert-parallel traffic, whatever other group holds the same ranks.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch.distributed as dist
 
 from engine.comm import ops
 from engine.comm.autograd import all_to_all  # differentiable; re-exported by engine.moe
+from engine.comm.meter import comm_purpose
 from engine.validation import divides
 
 
@@ -39,7 +41,8 @@ def exchange_counts(counts: torch.Tensor, group=None) -> torch.Tensor:
     how many rows of each of this rank's experts rank s sends (one all-to-all of E ints)."""
     n = dist.get_world_size(group)
     received = torch.empty_like(counts)
-    ops.all_to_all_single(received, counts.contiguous(), group=group)
+    with comm_purpose("ep"):
+        ops.all_to_all_single(received, counts.contiguous(), group=group)
     return received.view(n, -1)
 
 
@@ -70,7 +73,8 @@ def dispatch(rows: torch.Tensor, expert: torch.Tensor, num_experts: int, group=N
     from_each = exchange_counts(counts, group)  # [n sources, local experts]
     sent = counts.view(n, local).sum(dim=1).tolist()
     received = from_each.sum(dim=1).tolist()
-    arrived = all_to_all(rows[order], received, sent, group)
+    with comm_purpose("ep"):
+        arrived = all_to_all(rows[order], received, sent, group)
     # arrived is ordered (source, expert); regroup it (expert, source)
     block = torch.repeat_interleave(torch.arange(n * local, device=rows.device),
                                     from_each.reshape(-1))
@@ -84,7 +88,8 @@ def combine(outputs: torch.Tensor, state: DispatchState) -> torch.Tensor:
     """The inverse of :func:`dispatch`: ``outputs`` (one row per dispatched row, in the order
     :func:`dispatch` returned them) back to their ranks, in the order of the original rows."""
     by_source = outputs[inverse(state.regroup)]
-    back = all_to_all(by_source, state.sent, state.received, state.group)
+    with comm_purpose("ep"):
+        back = all_to_all(by_source, state.sent, state.received, state.group)
     return back[inverse(state.order)]
 
 
