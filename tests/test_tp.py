@@ -310,3 +310,16 @@ def test_join_puts_back_together_what_the_table_cuts():
             assert torch.equal(join(f"blocks.1.{name}", slices), whole), (name, t)
     assert split_dim("blocks.0.ln1.weight") is None and split_dim("attn.proj.bias") is None
     assert join("pos.weight", [torch.ones(2), torch.ones(2)]).shape == (2,)  # replicated
+
+
+def test_the_composed_engine_reads_the_same_table_and_grouped_query_heads_join_back():
+    from engine.compose import state
+    from engine.tp.layout import TP_SPLIT, heads_slice, join, qkv_sizes
+
+    assert state.TP_SPLIT is TP_SPLIT and state.QKV == TP_SPLIT["attn.qkv.weight"]
+    sizes = qkv_sizes(heads=4, kv_heads=2, head_dim=3)  # q 12 rows, k 6, v 6
+    whole = torch.arange(24.0).unsqueeze(1).repeat(1, 5)
+    slices = [heads_slice(whole, 2, r, sizes) for r in range(2)]
+    rows = [0, 1, 2, 3, 4, 5, 12, 13, 14, 18, 19, 20]  # rank 0: query heads 0-1, kv head 0
+    assert torch.equal(slices[0][:, 0], torch.tensor(rows, dtype=torch.float32))
+    assert torch.equal(join("blocks.0.attn.qkv.weight", slices, sizes), whole)

@@ -3,9 +3,9 @@ the parity matrix compares with one process.
 
 ZeRO-3 first: each unit's shards are all-gathered over the data-parallel group (the
 parameters themselves are empty between uses). Then tensor parallelism: each split parameter
-is all-gathered over ``mesh.tp_group`` and joined on the dimension :data:`TP_SPLIT` names (the
-fused ``[q | k | v]`` by heads: rank r holds its query, key and value heads side by side). Call
-on every rank (collective).
+is all-gathered over ``mesh.tp_group`` and joined on the dimension the one table,
+:data:`engine.tp.layout.TP_SPLIT`, names (the fused ``[q | k | v]`` by heads: rank r holds its
+query, key and value heads side by side). Call on every rank (collective).
 """
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ import torch
 from engine.comm import ops
 from engine.compose.parallelize import Parallel
 from engine.tp.blocks import gather_dim
+from engine.tp.layout import HEADS, TP_SPLIT, heads_joined, qkv_sizes, split_dim
 from engine.zero import ZeroDataParallel
 
-QKV = "qkv"
-TP_SPLIT = {"tok.weight": 0, "head.weight": 0, "attn.qkv.weight": QKV, "attn.qkv.bias": QKV,
-            "attn.proj.weight": 1, "fc.weight": 0, "fc.bias": 0, "out.weight": 1}
-_IN_BLOCK = re.compile(r"blocks\.\d+\.(.*)")
+QKV = HEADS  # its name here before the one table: the fused [q | k | v], cut by heads
+__all__ = ["QKV", "TP_SPLIT", "local_tensors", "join_tp", "global_expert_name", "dense_state"]
 _EXPERT = re.compile(r"blocks\.(\d+)\.moe\.experts\.(\d+)\.(.*)")
 
 
@@ -41,20 +40,16 @@ def local_tensors(par: Parallel) -> dict[int, torch.Tensor]:
 
 
 def join_tp(name: str, local: torch.Tensor, par: Parallel) -> torch.Tensor:
-    match = _IN_BLOCK.fullmatch(name)
-    split = TP_SPLIT.get(match.group(1) if match else name)
+    """The dense parameter ``name`` from this rank's ``local`` slice: all-gathered over the
+    tensor-parallel group and joined as :data:`engine.tp.layout.TP_SPLIT` says."""
+    split = split_dim(name)
     if par.tp_group is None or split is None:
         return local.clone()
-    if split != QKV:
+    if split != HEADS:
         return gather_dim(local, split, par.tp_group)
-    t = par.mesh.tp
-    slices = gather_dim(local, 0, par.tp_group).chunk(t, dim=0)
     cfg = par.model.cfg
-    d = cfg.head_dim
-    sizes = [cfg.heads // t * d, cfg.kv_heads_or_heads // t * d,
-             cfg.kv_heads_or_heads // t * d]
-    parts = [s.split(sizes, dim=0) for s in slices]  # per rank: its q, k, v
-    return torch.cat([torch.cat([p[j] for p in parts]) for j in range(3)])
+    slices = list(gather_dim(local, 0, par.tp_group).chunk(par.mesh.tp, dim=0))
+    return heads_joined(slices, qkv_sizes(cfg.heads, cfg.kv_heads_or_heads, cfg.head_dim))
 
 
 def global_expert_name(name: str, par: Parallel) -> str:
