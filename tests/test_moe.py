@@ -310,6 +310,20 @@ def test_tiny_moe_gpt_counts_its_experts():
     assert sum(p.numel() for p in expert_parameters(model)) == 2 * 4 * per_expert
 
 
+def test_both_moe_gpts_draw_the_same_experts_from_one_seed():
+    """TinyMoEGPT and the composed GPT draw their experts in one order (moe_feed_forward): the
+    same seed gives every parameter, router and experts included, the same bits in both (they
+    differed in block 0's router and experts when one drew every layer before initialising)."""
+    from engine.compose.model import GPT, ModelConfig
+
+    cfg = GPTConfig(vocab=64, seq_len=16, layers=2, heads=2, hidden=32)
+    tiny = TinyMoEGPT(cfg, num_experts=4, top_k=2, capacity_factor=1.25, seed=3).state_dict()
+    composed = GPT(ModelConfig.from_gpt(cfg, num_experts=4, top_k=2, capacity_factor=1.25),
+                   seed=3).state_dict()
+    assert list(tiny) == list(composed) and any(".moe.experts." in name for name in tiny)
+    assert [n for n in tiny if not torch.equal(tiny[n], composed[n])] == []
+
+
 # -- EP x DP: the gradient rule and training equal to one process ----------------------------
 
 CFG = GPTConfig(vocab=64, seq_len=16, layers=2, heads=2, hidden=32)

@@ -27,8 +27,8 @@ from dataclasses import dataclass, fields
 import torch
 
 from engine.models import GPT as OneGPT
-from engine.models import Attention, Block, GPTConfig, gpt2_init, grouped_causal_attention
-from engine.moe.layer import MoE
+from engine.models import Attention, Block, GPTConfig, grouped_causal_attention
+from engine.moe.gpt import moe_feed_forward
 from engine.tp.mappings import scatter_to_sequence_parallel
 from engine.validation import non_negative_int, positive_int
 
@@ -71,12 +71,9 @@ class GPT(OneGPT):
 
     def __init__(self, cfg: ModelConfig = ModelConfig(), seed: int = 0, expert_group=None,
                  checkpoint: bool = False):
-        def experts(layers: int) -> list[MoE]:  # each drawn, then initialised, in turn
-            return [MoE(cfg.hidden, cfg.ffn, cfg.num_experts, cfg.top_k, cfg.capacity_factor,
-                        expert_group, cfg.aux_loss_coef, cfg.z_loss_coef,
-                        bias_update_rate=cfg.bias_update_rate).apply(gpt2_init)
-                    for _ in range(layers)]
-
+        experts = moe_feed_forward(cfg.hidden, cfg.ffn, cfg.num_experts, cfg.top_k,
+                                   cfg.capacity_factor, expert_group, cfg.aux_loss_coef,
+                                   cfg.z_loss_coef, bias_update_rate=cfg.bias_update_rate)
         super().__init__(cfg, seed, checkpoint, experts if cfg.num_experts else None)
 
     def scatter_positions(self, pos: torch.Tensor, group) -> torch.Tensor:

@@ -11,6 +11,7 @@ of it: the same dense weights, and this rank's experts of every MoE layer.
 from __future__ import annotations
 
 import copy
+from typing import Callable
 
 from torch import nn
 
@@ -21,24 +22,36 @@ TINY_MOE = dict(num_experts=4, top_k=2, capacity_factor=1.25)
 MOE_MODELS = {"tiny-moe": TINY_MOE}  # python -m engine train --model NAME: the MoE settings
 
 
+def moe_feed_forward(hidden: int, ffn_hidden: int, num_experts: int, top_k: int = 2,
+                     capacity_factor: float | None = 1.25, group=None,
+                     aux_loss_coef: float = 0.01, z_loss_coef: float = 1e-3, **options
+                     ) -> Callable[[int], list[MoE]]:
+    """The ``feed_forward`` of an MoE :class:`engine.models.GPT`: given the number of blocks,
+    one :class:`MoE` per block (``options``: its frontier options), each drawn and then given
+    GPT-2's initialisation before the next is drawn. The one order every MoE GPT of the engine
+    draws its experts in (:class:`TinyMoEGPT`, :class:`engine.compose.model.GPT`), so the same
+    seed gives both the same experts (tests/test_moe.py)."""
+
+    def layers(blocks: int) -> list[MoE]:
+        return [MoE(hidden, ffn_hidden, num_experts, top_k, capacity_factor, group,
+                    aux_loss_coef, z_loss_coef, **options).apply(gpt2_init)
+                for _ in range(blocks)]
+
+    return layers
+
+
 class TinyMoEGPT(TinyGPT):
     """:class:`TinyGPT` with MoE MLPs of ``num_experts`` experts of ``ffn_hidden`` (default
     ``4 hidden``, the dense MLP's size) each, spread over ``group``. The experts are drawn
-    under the seed ``seed + 1``: every layer's, then every layer initialised."""
+    under the seed ``seed + 1``, in the order of :func:`moe_feed_forward`."""
 
     def __init__(self, cfg: GPTConfig = GPTConfig(), num_experts: int = 4, top_k: int = 2,
                  capacity_factor: float = 1.25, ffn_hidden: int | None = None, seed: int = 0,
                  group=None, aux_loss_coef: float = 0.01, z_loss_coef: float = 1e-3):
         ffn = 4 * cfg.hidden if ffn_hidden is None else ffn_hidden
-
-        def experts(layers: int) -> list[MoE]:
-            moes = [MoE(cfg.hidden, ffn, num_experts, top_k, capacity_factor, group,
-                        aux_loss_coef, z_loss_coef) for _ in range(layers)]
-            for moe in moes:
-                moe.apply(gpt2_init)
-            return moes
-
-        super().__init__(cfg, seed, feed_forward=experts)
+        super().__init__(cfg, seed, feed_forward=moe_feed_forward(
+            cfg.hidden, ffn, num_experts, top_k, capacity_factor, group, aux_loss_coef,
+            z_loss_coef))
 
 
 def expert_parallel(model: nn.Module, group=None) -> nn.Module:
