@@ -1,12 +1,12 @@
 """Every composed byte named by the purpose it was sent for (engine.comm.comm_purpose), not only
 by the ranks of its group: where two dimensions of the mesh hold the same ranks, the ranks
-cannot tell them apart (engine.compose.traffic).
+cannot tell them apart (engine.compose.traffic). Bytes below: one step, summed over ranks.
 
 * cp2 with all-gather attention: dp = 1, so the cp group *is* dp x cp; before the tag, its
-  all-gathers and reduce-scatters (147,456 B) were counted as dp, the gradients', and the cp
-  column read 0 against a formula of 147,456 B.
+  all-gathers and reduce-scatters (49,152 B) were counted as dp, the gradients', and the cp
+  column read 0 against a formula of 49,152 B.
 * MoE with Ulysses, ep = cp = 2: the Ulysses group is the ep group; before the tag, Ulysses'
-  all-to-alls (147,456 B) were counted as ep.
+  all-to-alls (49,152 B) were counted as ep; the same with USP's inner Ulysses groups.
 * The tag reaches the collectives autograd issues in backward, on whatever thread runs it (CUDA
   runs backward on its own thread; here a Python thread stands in for it).
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
+import pytest
 import torch
 
 from engine.compose.parity import Row, _p, run_row
@@ -37,8 +38,13 @@ def test_allgather_attention_with_dp_1_counts_as_cp_not_dp():
     assert result.sent["dp"] == result.dp_formula  # the gradients' all-reduce alone
 
 
-def test_moe_ulysses_on_the_ep_ranks_counts_as_cp_and_ep_apart():
-    result = run_row(Row(_p(cp=2, ep=2, cp_method="ulysses"), moe=True), steps=1)
+@pytest.mark.parametrize("plan", [_p(cp=2, ep=2, cp_method="ulysses"),
+                                  _p(cp=4, ep=2, cp_method="usp:2x2")],
+                         ids=["ulysses cp2 ep2", "usp 2x2 ep2"])
+def test_moe_ulysses_on_the_ep_ranks_counts_as_cp_and_ep_apart(plan):
+    """USP 2x2 with ep 2: the Ulysses groups (cp indices 0-1, 2-3) are the ep groups; before
+    the tag, 49,152 B of its 98,304 B of cp counted as ep."""
+    result = run_row(Row(plan, moe=True), steps=1)
     _assert_counted_equals_formula(result, {"dp", "cp", "ep"})
 
 
