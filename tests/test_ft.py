@@ -102,6 +102,26 @@ def test_the_best_checkpoint_interval_is_youngs():
     assert simulate_wall_time(100, 0, 1e12, 1000) == 1000  # no failure, free checkpoints
 
 
+def test_the_store_serves_from_a_process_of_its_own_not_a_thread_of_this_one():
+    """run_with_failure forks its replicas while the store serves: from another process (the
+    launcher's store_main), so no store thread of the forking process can be caught mid-lock."""
+    import glob
+
+    from engine.ft.harness import store_in_a_process
+
+    def store_threads():  # PyTorch names a store's server thread pt_tcpstore_uv
+        names = (open(f).read().strip() for f in glob.glob("/proc/self/task/*/comm"))
+        return sum("tcpstore" in name for name in names)
+
+    before = store_threads()  # another test's store may still be alive in this process
+    with store_in_a_process(timeout_s=5.0) as store:
+        store.set("key", "value")
+        assert store.get("key") == b"value"
+        assert store_threads() == before  # one served here would add its server thread
+        assert len(descendants()) == 1  # the server
+    assert descendants() == []  # killed and reaped
+
+
 def _failing_loss(model, step, rank):
     raise RuntimeError("a bug in the loss (injected)")
 

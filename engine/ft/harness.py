@@ -1,15 +1,16 @@
 """Three replica groups, one killed and restarted: the fault-tolerance experiment, and its
 reference.
 
-:func:`run_with_failure` hosts a ``TCPStore`` in this process, forks ``replicas`` replica
-groups of ``group_size`` ranks each, and lets every rank of group ``kill[0]`` SIGKILL itself
+:func:`run_with_failure` serves a ``TCPStore`` from a process of its own (the launcher's
+:func:`engine.launch.rank.store_main`: not this process, whose store thread a forked rank could
+inherit mid-lock), forks ``replicas`` replica groups of ``group_size`` ranks each, and lets every rank of group ``kill[0]`` SIGKILL itself
 at step ``kill[1]``,
 after it joined the quorum and computed its gradient and just before the all-reduce: the
 worst moment for the others, whose all-reduce fails mid-step. The survivors are not restarted:
 they abort that round and redo the step without it. Once they have committed
 ``restart_after`` more steps, the killed replica is started again (incarnation 1); it joins a
 later round and receives the state from a live peer. Every process is killed in a ``finally``
-and every wait has a timeout.
+(the store's last, once the replicas are gone) and every wait has a timeout.
 
 :func:`reference_run` recomputes the run in one process from the survivors' log: at each step
 the gradient averaged over exactly that step's quorum.
@@ -17,6 +18,7 @@ the gradient averaged over exactly that step's quorum.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import json
@@ -30,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from engine.ft.replica import FaultTolerantReplica
+from engine.launch.rank import HOST, store_main
 from engine.validation import divides, positive_int
 
 
@@ -72,6 +75,28 @@ def warm_up(model_fn, optimizer_fn, loss_fn) -> None:
     model = model_fn()
     loss_fn(model, 0, 0).backward()
     optimizer_fn(model).step()
+
+
+@contextlib.contextmanager
+def store_in_a_process(timeout_s: float, start_timeout_s: float = 30.0, context=None):
+    """A ``TCPStore`` served by a process of its own (:func:`engine.launch.rank.store_main`,
+    as a launch serves its rendezvous store), and this process's client of it: forking from
+    here is then safe, no store thread runs in this process. The server is killed and reaped
+    on exit, so call it around (outside) the processes that use the store."""
+    context = context or multiprocessing.get_context("fork")
+    port, port_ready = context.Value("i", 0), context.Event()
+    server = context.Process(target=store_main, name="ft-store", daemon=True,
+                             args=(timeout_s, port, port_ready))
+    server.start()
+    try:
+        if not port_ready.wait(start_timeout_s):
+            raise TimeoutError(f"the store process did not serve within {start_timeout_s:g} s "
+                               f"(exit code {server.exitcode})")
+        yield dist.TCPStore(HOST, port.value, is_master=False,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    finally:
+        server.kill()
+        server.join(timeout=5)
 
 
 def _replica_main(port, replica, local, group_size, replicas, incarnation, steps, kill,
@@ -124,9 +149,18 @@ def run_with_failure(model_fn, optimizer_fn, loss_fn, replicas: int = 3, steps: 
         raise ValueError(f"kill = {kill} must name a replica group in 0..{replicas - 1} and a "
                          f"step before {steps - restart_after - 2} (steps = {steps})")
     warm_up(model_fn, optimizer_fn, loss_fn)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
     context = multiprocessing.get_context("fork")
+    with store_in_a_process(timeout_s, run_timeout_s, context) as store:
+        return _run_replicas(store, context, model_fn, optimizer_fn, loss_fn, replicas, steps,
+                             kill, restart_after, deadline_s, timeout_s, run_timeout_s,
+                             group_size)
+
+
+def _run_replicas(store, context, model_fn, optimizer_fn, loss_fn, replicas, steps, kill,
+                  restart_after, deadline_s, timeout_s, run_timeout_s, group_size
+                  ) -> FailureRun:
+    """:func:`run_with_failure` once its arguments are checked and its store serves."""
+    victim, kill_step = kill
     procs: dict[tuple[int, int], list] = {}
 
     def start(replica, incarnation):
