@@ -107,6 +107,17 @@ class GradBucket:
         return {p: self.view_of(p, self.buffer) for p in self.params}
 
 
+class NothingLaunched:
+    """What ``launch`` returns for a bucket whose collective runs elsewhere (a zero-bubble
+    pipeline's late gradients, reduced after W): nothing to wait for."""
+
+    def wait(self) -> None:
+        return None
+
+
+NOTHING_LAUNCHED = NothingLaunched()
+
+
 class BucketLauncher:
     """Launch each bucket's collective as soon as its gradients are in; finish them all at the
     end of backward.

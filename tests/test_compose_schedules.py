@@ -185,14 +185,3 @@ def test_engine_train_runs_zero3_under_zb_h1(capsys):
     assert max(abs(a - b) for a, b in zip(alone, zero3)) <= TOLERANCE, (alone, zero3)
     dp = re.findall(r"dp ([\d,]+) B = ([\d,]+) B", out)
     assert len(dp) == 4 and all(a == b for a, b in dp), dp
-
-
-def test_expert_parallelism_under_w_actions_is_refused_naming_the_values():
-    """ep > 1 with a schedule with W actions: the experts' weight gradients come outside
-    autograd, where expert parallelism does not take them (the run crashed at ZeRO 0, 1 and
-    3); refused before any rank starts."""
-    cfg = replace(MODEL, num_experts=4, top_k=2)
-    with pytest.raises(ValueError, match=r"ep = 2 with schedule 'zb_h1': its W actions .* "
-                                         r"use schedule gpipe, 1f1b or interleaved, or ep = 1"):
-        Plan(dp=2, ep=2, pp=2, zero=1, schedule="zb_h1", micro_batches=2).check(cfg, 4)
-    Plan(dp=2, ep=2, pp=2, zero=1, schedule="1f1b", micro_batches=2).check(cfg, 4)

@@ -30,7 +30,9 @@ EXPECTED += ["pp2 interleaved", "pp2 zb_v", "pp2 dualpipe_v",  # 4 layers: 2 chu
              "dp2xpp2 interleaved zero3"]
 EXPECTED = [*EXPECTED, *(f"{name} varlen" for name in EXPECTED), "dp2xtp2 untied",
             "tp2 sp untied varlen", *MOE, *(f"{name} varlen" for name in MOE),
-            "dp2xpp2 zb_h1 zero3 varlen"]  # ZeRO-3 under W actions: one row (4 s)
+            "dp2xpp2 zb_h1 zero3 varlen",  # ZeRO-3 under W actions: one row (4 s)
+            "dp2xpp2 zb_h1 zero2", "dp2xpp2 zb_v zero3", "moe dp2xep2xpp2 zb_h1 zero1",
+            "moe cp2xep2xpp2 ring-zigzag dualpipe_v zero1"]  # W actions (parity.W_ROWS)
 
 
 def test_no_row_is_missing():
@@ -73,6 +75,7 @@ def test_row_equals_one_process(row):
 # MoE with Switch's balancing loss and the z-loss over the global micro-batch, or with the
 # aux-loss-free bias from the loads summed over dp x cp (engine.compose.experts)
 BALANCED = ["moe dp2xep2 balanced", "moe dp2xep2xtp2 balanced", "moe dp2xep2xpp2 1f1b balanced",
+            "moe dp2xep2xpp2 zb_h1 balanced",
             "moe cp2xep2 ring-zigzag varlen balanced", "moe dp2xep2 bias"]
 
 

@@ -17,8 +17,9 @@ expert data parallelism). Each rank differentiates ``local_sum * R / N``
   missing is the other copies of the expert, on ``mesh.expert_dp_group`` (``R / ep`` ranks).
   Summing there and dividing by ``R`` gives ``sum / N``; averaging there, as a data-parallel
   wrapper does, leaves it ``ep`` times too large, so :func:`engine.compose.parallelize.
-  parallelize` puts a hook on each expert parameter that divides its gradient by ``ep`` as
-  backward produces it.
+  parallelize` gives the experts' :class:`engine.zero.ZeroOptimizer` ``divide_by = R``: it
+  divides the sum itself, wherever the gradient came from (autograd, or a zero-bubble
+  pipeline's W action, which no hook on the parameter would see).
 
 **Balancing, the same in every layout.** Routing is per token: with no token dropped
 (``capacity_factor >= E / k``) every token meets the same experts with the same gates whatever

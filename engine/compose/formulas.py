@@ -166,7 +166,8 @@ def ep_formula(gpt, plan: Plan, mesh: Mesh, optimizer, steps: int,
         size = sum(bk.padded * bk.flat.element_size() for bk in inner.buckets) if inner \
             else sum(p.numel() * p.element_size() for p in experts)
         zero = 1 if plan.zero == 3 else plan.zero  # ZeRO-3 gives the experts ZeRO-1
-        grads = steps * gradient_all_reduces(zero, m) * \
+        chunks = chunks_per_rank(plan.schedule) if plan.pp > 1 else 1
+        grads = steps * gradient_all_reduces(zero, m * chunks) * \
             theory.ring_all_reduce_bytes(size, replicas)
     return Formula(counts + rows + grads,
                    f"{counted(steps)} x m x {layers} layers x counts (N-1)/N x E x 8 B + 4 x "
@@ -174,9 +175,11 @@ def ep_formula(gpt, plan: Plan, mesh: Mesh, optimizer, steps: int,
                    + (f" + the experts' gradients over {replicas} ranks" if grads else ""))
 
 
-def gradient_all_reduces(zero: int, m: int) -> float:
-    """A step's data-parallel traffic in all-reduces of the parameter bytes, ZeRO-0 to 2."""
-    return {0: 1.0, 1: 1.0, 2: (m + 1) / 2}[zero]
+def gradient_all_reduces(zero: int, backwards: int) -> float:
+    """A step's data-parallel traffic in all-reduces of the parameter bytes, ZeRO-0 to 2:
+    ZeRO-2 reduce-scatters at each of the step's ``backwards`` (the micro-batches, times the
+    chunks a pipeline rank holds: each chunk's B, or W, sends its own) and all-gathers once."""
+    return {0: 1.0, 1: 1.0, 2: (backwards + 1) / 2}[zero]
 
 
 def pp_formula(gpt, plan: Plan, mesh: Mesh, b: int, steps: int) -> Formula:
@@ -205,25 +208,31 @@ def pp_formula(gpt, plan: Plan, mesh: Mesh, b: int, steps: int) -> Formula:
 
 def dp_formula(par_bytes: int, replicas: int, zero: int, steps: int, micro_batches: int,
                root_bytes: int = 0, tied_bucket_bytes: int = 0, chunks: int = 1,
-               index: int | None = None, late_bytes: int = 0) -> float:
+               index: int | None = None, late_bytes: int = 0,
+               pipeline: bool = False) -> float:
     """Bytes one rank sends over dp x cp in ``steps`` steps (module docstring), for
     ``par_bytes`` of (padded) parameters; ``root_bytes``: ZeRO-3's root unit, padded;
     ``tied_bucket_bytes``: ZeRO-2's bucket (ZeRO-3's unit) holding a tied embedding gathered
-    in a pipeline; ``chunks``: model chunks per pipeline rank (ZeRO-3 reduce-scatters every
-    unit of the rank at each chunk's backward: ``chunks`` reduce-scatters per micro-batch);
+    in a pipeline; ``chunks``: model chunks per pipeline rank (ZeRO-2 and 3 reduce-scatter
+    every bucket or unit of the rank at each chunk's backward: ``chunks`` reduce-scatters per
+    micro-batch);
     ``index``: this rank's place in the dp x cp ring, for the loss's exact bytes (a scalar
     does not split evenly: :func:`engine.theory.ring_all_reduce_rank_bytes`; None: the mean);
     ``late_bytes``: ZeRO-3's units reduce-scattered after W actions, not at every B
-    (:func:`late_unit_bytes`)."""
+    (:func:`late_unit_bytes`); ``pipeline``: ZeRO-3's root is gathered and reduce-scattered
+    once a step (:meth:`engine.zero.ZeroDataParallel.root_gathered`), not once a
+    micro-batch."""
     if replicas == 1:
         return 0.0
     if zero == 3:
+        root_times = 1 if pipeline else micro_batches  # all-reduces' worth of the root
         per_step = ring_all_reduce(par_bytes, replicas) * (2 + chunks) / 2 * micro_batches - \
-            micro_batches * ring_all_reduce(root_bytes, replicas) / 2 - \
+            ring_all_reduce(root_bytes, replicas) * ((2 + chunks) / 2 * micro_batches -
+                                                     root_times) - \
             micro_batches * (chunks - 1) * ring_all_reduce(late_bytes, replicas) / 2
     else:
-        per_step = ring_all_reduce(par_bytes, replicas) * gradient_all_reduces(zero,
-                                                                              micro_batches)
+        per_step = ring_all_reduce(par_bytes, replicas) * gradient_all_reduces(
+            zero, micro_batches * chunks)
     per_step += theory.ring_all_gather_bytes(tied_bucket_bytes, replicas)
     return steps * (per_step + loss_all_reduce(replicas, index))
 
@@ -278,9 +287,10 @@ def dense_parameter_bytes(par) -> tuple[int, int, int]:
 
 
 def late_unit_bytes(par) -> int:
-    """Padded bytes of ZeRO-3's units whose gradients come in W actions (0 without them)."""
+    """Padded bytes of ZeRO-3's units whose gradients come in W actions (0 without them), the
+    root apart (it is reduced once a step in a pipeline)."""
     return sum(u.padded * u.shard.element_size()
-               for u in getattr(par.module, "late_units", ()))
+               for u in getattr(par.module, "late_units", ()) if u is not par.module.root)
 
 
 def layout_formulas(par, micro_rows: int, steps: int = 1,
@@ -301,7 +311,7 @@ def layout_formulas(par, micro_rows: int, steps: int = 1,
     else:
         out["dp"] = Formula(dp_formula(size, n, plan.zero, steps, plan.micro_batches, root,
                                        tied, chunks_per_rank(plan.schedule) if plan.pp > 1
-                                       else 1, index, late_unit_bytes(par))
+                                       else 1, index, late_unit_bytes(par), plan.pp > 1)
                             + balance_bytes(gpt, mesh, plan.micro_batches, steps),
                             f"{counted(steps)} x ZeRO-{plan.zero} over N = {n}: "
                             f"parameters of {size:,} B (+ the loss 2(N-1)/N x 4 B; MoE: + "

@@ -32,12 +32,15 @@ compile, then FSDP): each step changes modules the next one wraps, never the oth
    every micro-batch's forward and again for its backward, freed after each (torchtitan keeps
    the last stage's gathered after forward; here every stage reshards), backward prefetch off
    (it would follow another micro-batch's order); every backward of a chunk (each B action)
-   reduce-scatters all of the rank's units, so gradients leave per micro-batch and chunk. Under
-   a schedule with W actions (ZB-H1, ZB-V, DualPipeV) the linear layers' units get their weight
-   gradients in W, outside autograd (:func:`defer_linear_gradients`): B frees them as any unit
-   but keeps their gradients, and each W reduce-scatters them once its ``dW = dY^T X`` is in
+   reduce-scatters all of the rank's units, so gradients leave per micro-batch and chunk; a
+   unit two chunks share (a tied embedding under the V placement, the root unit) is gathered
+   for the whole step and reduce-scattered at its end (:meth:`engine.zero.ZeroDataParallel.
+   root_gathered`). Under a schedule with W actions (ZB-H1, ZB-H2, ZB-V, DualPipeV) the
+   linear layers' gradients come in W, outside autograd (:func:`defer_linear_gradients`):
+   ZeRO-3's units are freed after B as any unit but keep their gradient buffers, ZeRO-2's
+   buckets keep theirs, and each W adds its ``dW = dY^T X`` and reduce-scatters them
    (:func:`engine.compose.pipeline.sharded_weight_grads`; W needs no weight, so nothing is
-   gathered for it). With
+   gathered for it); ZeRO-0 and 1 find W's gradients in ``.grad`` at the step. With
    experts spread (ep > 1): ZeRO-0 reduces after backward by the experts' rule, ZeRO-1/2 run
    one sharded optimizer per group (experts' over ``mesh.expert_dp_group``), ZeRO-3 shards
    the dense parameters over ``mesh.dp_cp_group`` (the experts are its ``ignored_params``, as
@@ -53,7 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -87,7 +90,9 @@ class Parallel:
     gradients over) and ``finish_gradients`` (run after the last backward, before the
     step); ``pipeline_run``: with pp > 1, the :class:`engine.pp.PipelineRun` of the last
     step (its forward and backward events per micro-batch, which the trainer's pipeline idle
-    share is measured from)."""
+    share is measured from); ``late_gradients``: under a schedule with W actions, the ZeRO-2
+    and ZeRO-3 holders of sharded gradients that wait for W
+    (:func:`defer_linear_gradients`)."""
 
     model: GPT
     module: nn.Module
@@ -99,6 +104,7 @@ class Parallel:
     replicas: int
     finish_gradients: Callable[[], None] = lambda: None
     pipeline_run: Any = None
+    late_gradients: list = field(default_factory=list)
 
 
 def qkv_heads_slice(whole: torch.Tensor, sizes: list[int], t: int, rank: int) -> torch.Tensor:
@@ -212,36 +218,44 @@ def apply_expert_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls,
             sum_tied_embedding(model, mesh, across_ranks=across)
 
         return model, optimizer_cls(model.parameters(), **kwargs), finish
-    for p in expert_parameters(model):  # averaged over R / ep ranks: a sum over R after this
-        p.register_hook(lambda grad, ep=mesh.ep: grad / ep)
+    # the experts' gradients: summed over the R / ep ranks holding a copy, divided by R
+    experts = dict(group=mesh.expert_dp_group, divide_by=mesh.dp_cp_size, **kwargs)
     if zero == 3:  # dense: ZeRO-3 over dp x cp; experts: ZeRO-1 over expert_dp (docstring)
         module = ZeroDataParallel(model, optimizer_cls, group=mesh.dp_cp_group,
                                   backward_prefetch=mesh.pp == 1,
                                   ignored_params=expert_parameters(model), **kwargs)
         optimizers = Optimizers(module.optimizer, ZeroOptimizer(
-            expert_parameters(model), optimizer_cls, stage=1, group=mesh.expert_dp_group,
-            **kwargs))
+            expert_parameters(model), optimizer_cls, stage=1, **experts))
         return module, optimizers, lambda: sum_tied_embedding(model, mesh, module, across)
     optimizers = Optimizers(
         ZeroOptimizer(dense_parameters(model), optimizer_cls, stage=zero,
                       group=mesh.dp_cp_group, **kwargs),
-        ZeroOptimizer(expert_parameters(model), optimizer_cls, stage=zero,
-                      group=mesh.expert_dp_group, **kwargs))
+        ZeroOptimizer(expert_parameters(model), optimizer_cls, stage=zero, **experts))
     return model, optimizers, lambda: sum_tied_embedding(model, mesh, optimizers.optimizers[0],
                                                          across)
 
 
-def defer_linear_gradients(module: ZeroDataParallel, plan: Plan) -> None:
-    """Under a schedule with W actions, declare every linear layer's parameters to ZeRO-3 as
-    getting their gradients late (the runtime defers each ``F.linear`` of the stage's weights:
-    :mod:`engine.pp.weight_grad`); a row-parallel bias, added outside ``F.linear``, comes in B
-    and waits in its unit's buffer for the weight's W."""
+def defer_linear_gradients(module: nn.Module, optimizer, plan: Plan) -> list:
+    """Under a schedule with W actions, declare every linear layer's parameters as getting
+    their gradients late to what shards gradients during backward (ZeRO-3's
+    :class:`engine.zero.ZeroDataParallel`, ZeRO-2's :class:`engine.zero.stage2.
+    GradientSharding`; the runtime defers each ``F.linear`` of the stage's weights:
+    :mod:`engine.pp.weight_grad`); returns those holders, for the W actions
+    (:func:`engine.compose.pipeline.sharded_weight_grads`). A row-parallel bias, added outside
+    ``F.linear``, comes in B and waits in its buffer for the weight's W. ZeRO-0 and 1 reduce
+    ``.grad`` at the step, where W's gradients are in already."""
     schedule = build_schedule(plan.schedule, plan.pp, plan.micro_batches)[0]
-    if not splits_backward(actions_of(schedule)):
-        return
+    if plan.pp == 1 or not splits_backward(actions_of(schedule)):
+        return []
+    holders = [module] if isinstance(module, ZeroDataParallel) else []
+    holders += [o.grad_sharding for o in getattr(optimizer, "optimizers", (optimizer,))
+                if getattr(o, "grad_sharding", None) is not None]
     linear = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
-    module.defer_gradients([p for m in module.module.modules() if isinstance(m, linear)
-                            for p in m.parameters(recurse=False)])
+    params = [p for m in module.modules() if isinstance(m, linear)
+              for p in m.parameters(recurse=False)]
+    for holder in holders:
+        holder.defer_gradients(params)
+    return holders
 
 
 def parallelize(model: GPT, mesh: Mesh, plan: Plan, optimizer_cls=torch.optim.AdamW,
@@ -268,14 +282,12 @@ def parallelize(model: GPT, mesh: Mesh, plan: Plan, optimizer_cls=torch.optim.Ad
     if plan.ep > 1:
         module, optimizer, finish = apply_expert_data_parallel(
             model, mesh, plan.zero, optimizer_cls, across, **optimizer_kwargs)
-        if isinstance(module, ZeroDataParallel) and plan.pp > 1:
-            defer_linear_gradients(module, plan)
         return Parallel(model, module, optimizer, mesh, plan, contextlib.nullcontext, tp_group,
-                        mesh.dp_cp_size, finish)
+                        mesh.dp_cp_size, finish,
+                        late_gradients=defer_linear_gradients(module, optimizer, plan))
     module, optimizer, no_sync = apply_data_parallel(model, mesh, plan.zero, optimizer_cls,
                                                      plan.compress, **optimizer_kwargs)
-    if isinstance(module, ZeroDataParallel) and plan.pp > 1:
-        defer_linear_gradients(module, plan)
     holder = module if isinstance(module, ZeroDataParallel) else optimizer  # has .launcher
     return Parallel(model, module, optimizer, mesh, plan, no_sync, tp_group, mesh.dp_cp_size,
-                    lambda: sum_tied_embedding(model, mesh, holder, across))
+                    lambda: sum_tied_embedding(model, mesh, holder, across),
+                    late_gradients=defer_linear_gradients(module, optimizer, plan))

@@ -104,11 +104,20 @@ MOE_LAYOUTS = [_p(dp=2), _p(dp=2, ep=2), _p(dp=2, ep=2, zero=1), _p(dp=2, ep=2, 
 MULTI_CHUNK = [Plan(pp=2, schedule=name, micro_batches=4)
                for name in ("interleaved", "zb_v", "dualpipe_v")] + \
     [_p(dp=2, pp=2, schedule="interleaved", zero=3)]  # ZeRO-3 over a stage's two chunks
+# the W actions of the zero-bubble schedules with what keeps gradients outside .grad: ZeRO-2's
+# buckets, ZeRO-3's root unit (a tied embedding on one rank under the V placement), expert
+# parallelism (alone, and DeepSeek-V3's layout: PP x EP x ZeRO-1 under DualPipe, here DualPipeV)
+W_ROWS = [Row(_p(dp=2, pp=2, schedule="zb_h1", zero=2)),
+          Row(_p(dp=2, pp=2, schedule="zb_v", zero=3), layers=4),
+          Row(_p(dp=2, ep=2, pp=2, schedule="zb_h1", zero=1), moe=True),
+          Row(Plan(cp=2, ep=2, pp=2, schedule="dualpipe_v", zero=1, micro_batches=4), moe=True,
+              layers=4)]
 ROWS_PHASE_1 = [Row(plan, varlen) for varlen in (False, True) for plan in PHASE_1] + \
     [Row(plan, varlen, layers=4) for varlen in (False, True) for plan in MULTI_CHUNK] + \
     [Row(_p(dp=2, tp=2), tied=False), Row(_p(tp=2, sequence_parallel=True), True, False)] + \
     [Row(plan, varlen, moe=True) for varlen in (False, True) for plan in MOE_LAYOUTS] + \
-    [Row(_p(dp=2, pp=2, schedule="zb_h1", zero=3), varlen=True)]  # ZeRO-3's W (one row: 4 s)
+    [Row(_p(dp=2, pp=2, schedule="zb_h1", zero=3), varlen=True)] + \
+    W_ROWS  # ZeRO-3's W (one row: 4 s), and W_ROWS
 # Lossy gradient compression (engine.compress has no lossless spec): expected to differ from
 # one process, by at most drift_bound / loss_bound (below)
 COMPRESSED_ROWS = [Row(_p(dp=2, compress="fp16")), Row(_p(dp=2, compress="bf16")),
@@ -120,6 +129,7 @@ SGD_ROWS = [replace(row, optimizer="sgd") for row in ROWS_PHASE_1 if not row.var
 BALANCED_ROWS = [Row(_p(dp=2, ep=2), moe=True, balance="loss"),
                  Row(_p(dp=2, ep=2, tp=2), moe=True, balance="loss"),
                  Row(_p(dp=2, ep=2, pp=2), moe=True, balance="loss"),
+                 Row(_p(dp=2, ep=2, pp=2, schedule="zb_h1"), moe=True, balance="loss"),
                  Row(_p(cp=2, ep=2), True, moe=True, balance="loss"),
                  Row(_p(dp=2, ep=2), moe=True, balance="bias")]
 ALL_ROWS = ROWS_PHASE_1 + SGD_ROWS + COMPRESSED_ROWS + BALANCED_ROWS
@@ -206,7 +216,7 @@ def run_layout(rank: int, world_size: int, row: Row, steps: int = STEPS) -> dict
     plain = dp_formula(size, mesh.dp_cp_size, plan.zero, steps, plan.micro_batches, root, tied,
                        chunks_per_rank(plan.schedule) if plan.pp > 1 else 1,
                        ring_index(mesh) if mesh.dp_cp_size > 1 else None,
-                       late_unit_bytes(par)) + \
+                       late_unit_bytes(par), plan.pp > 1) + \
         balance_bytes(par.model, mesh, plan.micro_batches, steps)
     formulas = layout_formulas(par, ROWS // (plan.dp * plan.micro_batches), steps,
                                None if crossing is None else sum(crossing))

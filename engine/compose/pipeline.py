@@ -18,6 +18,8 @@ labels are ``[targets; mask]``, and the last stage's loss is the global-token on
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -27,6 +29,7 @@ from engine.pp import SCHEDULES, run_pipeline, uniform_boundaries
 from engine.pp.actions import virtual_stages
 from engine.pp.weight_grad import apply_weight_grads, linear_weight_grad
 from engine.topology import Mesh
+from engine.zero import ZeroDataParallel
 
 ONE_CHUNK = ("gpipe", "1f1b", "zb_h1")  # schedules with one model chunk per rank
 INTERLEAVED_CHUNKS = 2  # chunks per rank of the interleaved 1F1B (the caller's choice)
@@ -139,25 +142,32 @@ class ChunkCall(nn.Module):
         return self.model.output(out) if self.last else out
 
 
-def sharded_weight_grads(module):
-    """The W action (:mod:`engine.pp.weight_grad`) under ZeRO-3 (``module``, a
-    :class:`engine.zero.ZeroDataParallel` whose linear layers were declared with
-    ``defer_gradients``): each stashed layer's ``dW = dY^T X`` and ``db = sum dY`` go into its
-    unit's gradient buffer (no weight needed: the unit stays freed), then every unit holding
-    gradients is reduce-scattered into its shard, one per chunk and micro-batch, as a B
-    action reduce-scatters the others."""
+def sharded_weight_grads(holders: list):
+    """The W action (:mod:`engine.pp.weight_grad`) when sharded gradients wait for it:
+    ``holders`` are what declared linear layers with ``defer_gradients`` (ZeRO-3's
+    :class:`engine.zero.ZeroDataParallel`, ZeRO-2's :class:`engine.zero.stage2.
+    GradientSharding`; :func:`engine.compose.parallelize.defer_linear_gradients`). Each stashed
+    layer's ``dW = dY^T X`` and ``db = sum dY`` go into its holder's gradient buffer (ZeRO-3:
+    no weight needed, the unit stays freed), then every holder reduce-scatters what it holds,
+    one per chunk and micro-batch, as a B action does under 1F1B; a layer no holder owns (an
+    expert under a ZeRO-1 optimizer) gets its ``.grad`` as without sharding."""
+    if not holders:
+        return apply_weight_grads
+
     @torch.no_grad()  # X may require grad (a stage's input): dW must not enter a graph
     def weight_grads(stash: list) -> None:
-        apply_weight_grads([s for s in stash if s[2] not in module.launcher.bucket_of])
-        for x, grad_out, weight, bias in stash:  # the rest: ZeRO-3's (experts are not)
-            if weight not in module.launcher.bucket_of:
+        owner = {p: h for h in holders for p in h.launcher.bucket_of}
+        apply_weight_grads([s for s in stash if s[2] not in owner])
+        for x, grad_out, weight, bias in stash:
+            if weight not in owner:
                 continue
             grad_weight, grad_bias = linear_weight_grad(x, grad_out)
-            module.add_late_grad(weight, grad_weight)
+            owner[weight].add_late_grad(weight, grad_weight)
             if bias is not None:
-                module.add_late_grad(bias, grad_bias)
+                owner[bias].add_late_grad(bias, grad_bias)
         stash.clear()
-        module.reduce_late_grads()
+        for holder in holders:
+            holder.reduce_late_grads()
 
     return weight_grads
 
@@ -181,10 +191,14 @@ def pipeline_backward(par, micro: list, global_tokens: int) -> torch.Tensor:
         return global_token_loss(summed, global_tokens, par.replicas) * m
 
     labels = [torch.stack([mb.targets, mb.mask.to(mb.targets.dtype)]) for mb in micro]
-    late = getattr(par.module, "late_units", None)  # ZeRO-3 under a schedule with W actions
-    weight_grads = sharded_weight_grads(par.module) if late else apply_weight_grads
-    par.pipeline_run = run_pipeline(chunks, schedule, [mb.ids for mb in micro], labels,
-                                    loss_fn, stage=mesh.coords.pp, group=mesh.pp_group,
-                                    placement=spec.placement, weight_grads=weight_grads)
+    whole = par.module.root_gathered() if isinstance(par.module, ZeroDataParallel) \
+        else contextlib.nullcontext()  # ZeRO-3: a weight two units share, for the whole step
+    with whole:
+        par.pipeline_run = run_pipeline(chunks, schedule, [mb.ids for mb in micro], labels,
+                                        loss_fn, stage=mesh.coords.pp, group=mesh.pp_group,
+                                        placement=spec.placement,
+                                        weight_grads=sharded_weight_grads(par.late_gradients))
+    for holder in par.late_gradients:  # a backward not split into B and W (none in ZB-H1's
+        holder.reduce_late_grads()  # pattern) leaves its gradients in a late buffer
     local = torch.stack(sums).sum() if sums else torch.zeros(())
     return local.to(micro[0].mask.device)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from engine.pp.actions import actions_of, splits_backward
 from engine.pp.registry import SCHEDULES, build_schedule
 from engine.topology import check_mesh
 from engine.validation import one_of, positive_int
@@ -46,10 +45,6 @@ def check_cp_method(method: str, cp: int | None = None) -> str:
                          f"ring groups: U x R = {u * r} must equal cp = {cp}")
     return method
 ZERO_STAGES = (0, 1, 2, 3)
-# schedules ZeRO-3 runs under with any embedding: a whole backward per B action, or W actions
-# whose weight gradients ZeRO-3 reduce-scatters after W (engine.compose.pipeline); the V
-# placement (ZB-V, DualPipeV) only untied (check: a tied weight there is a root unit)
-ZERO3_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1", "zb_h2")
 
 
 def check_divides(what: str, degree: int, name: str, value: int) -> None:
@@ -166,19 +161,6 @@ class Plan:
             except ValueError as e:
                 raise ValueError(f"schedule {self.schedule!r} on pp = {self.pp} with "
                                  f"micro_batches = {self.micro_batches}: {e}") from None
-            if self.ep > 1 and splits_backward(actions_of(schedule)):
-                raise ValueError(f"ep = {self.ep} with schedule {self.schedule!r}: its W "
-                                 "actions give the experts' weight gradients outside autograd, "
-                                 "where expert parallelism's gradient scaling and reduction do "
-                                 "not take them (not composed yet: the run fails at every ZeRO "
-                                 "stage); use schedule gpipe, 1f1b or interleaved, or ep = 1")
-            if self.zero == 3 and cfg.tied and self.schedule not in ZERO3_SCHEDULES:
-                raise ValueError(f"zero = 3 with schedule {self.schedule!r} and a tied "
-                                 "embedding: its V placement puts the embedding and the output "
-                                 "layer on one rank, where ZeRO-3 makes their shared weight a "
-                                 "root unit that no pipeline stage gathers (not composed yet); "
-                                 "untie the embedding or use schedule "
-                                 + ", ".join(ZERO3_SCHEDULES))
             chunks = self.pp * (SCHEDULES[self.schedule].chunks or 2)  # interleaved: 2 a rank
             if self.pp > cfg.layers:
                 raise ValueError(f"pp = {self.pp} pipeline stages need at least {self.pp} "

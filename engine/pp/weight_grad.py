@@ -87,6 +87,7 @@ def deferred_weight_grads(weights: Iterable[torch.Tensor]):
         yield stash
 
 
+@torch.no_grad()  # X may require grad (a stage's input, an expert's rows): dW enters no graph
 def apply_weight_grads(stash: list[Stashed]) -> None:
     """W: add each stashed layer's ``dW = dYᵀ X`` (and ``db = Σ dY``) to ``.grad``, then drop
     the stash."""

@@ -34,6 +34,7 @@ class ShardedBucket(GradBucket):
                  index: int = 0, is_last: bool = False):
         super().__init__(params, index, is_last, pad_to=world_size)
         self.rank, self.world_size = rank, world_size
+        self.divide_by = world_size  # the reduced sum is divided by it: an average over ranks
         self.shard_numel = self.padded // world_size
         self.master: nn.Parameter | None = None
         self.shard_grad: torch.Tensor | None = None  # the averaged gradient of the shard
@@ -72,9 +73,9 @@ class ShardedBucket(GradBucket):
                                          async_op=True)
 
     def add_reduced_grad(self) -> None:
-        """Once the reduce-scatter is done: add the average to ``shard_grad``, drop the full
-        gradient."""
-        self.shard_grad.add_(self.received.div_(self.world_size))
+        """Once the reduce-scatter is done: add the average (the sum over ranks divided by
+        ``divide_by``) to ``shard_grad``, drop the full gradient."""
+        self.shard_grad.add_(self.received.div_(self.divide_by))
         self.buffer = self.received = None
 
 

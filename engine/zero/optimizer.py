@@ -31,6 +31,7 @@ from torch import nn
 
 from engine.comm import ops
 from engine.memory import StateBytes, StateTensors, count_state_bytes, optimizer_tensors
+from engine.validation import positive_int
 from engine.zero.flat import check_params, make_buckets
 from engine.zero.stage2 import GradientSharding
 
@@ -51,13 +52,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         offload: keep the fp32 master weights and the optimizer state in CPU memory and run the
             optimizer step there (ZeRO-Offload, Ren et al., USENIX ATC 2021): the accelerator
             keeps only parameters and gradients. Worth it when the GPU is what runs out.
+        divide_by: what the gradients summed over ``group`` are divided by (default: the
+            group's size, an average). Expert parallelism passes dp x cp, the ranks whose
+            tokens an expert's gradient already sums (:mod:`engine.compose.experts`).
 
     Use it as any optimizer: ``loss.backward(); opt.step(); opt.zero_grad()``. In stages 0
     and 1 ``backward`` is the plain one (no DataParallel wrapper: the optimizer averages).
     """
 
     def __init__(self, params, optimizer_cls, stage: int = 1, group=None,
-                 bucket_cap_mb: float = 25, offload: bool = False, **kwargs):
+                 bucket_cap_mb: float = 25, offload: bool = False,
+                 divide_by: int | None = None, **kwargs):
         if stage == 3:
             raise ValueError("stage 3 shards the parameters themselves, so it wraps the model: "
                              "use ZeroDataParallel(module, optimizer_cls, ...)")
@@ -67,10 +72,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         super().__init__(params, {})
         self.stage, self.group = stage, group
         self.world_size = dist.get_world_size(group)
+        self.divide_by = self.world_size if divide_by is None else \
+            positive_int("divide_by", divide_by)
         sharded = stage >= 1
         self.buckets = make_buckets(params, bucket_cap_mb,
                                     dist.get_rank(group) if sharded else 0,
                                     self.world_size if sharded else 1)
+        for b in self.buckets:
+            b.divide_by = self.divide_by
         root = ops.group_ranks(group)[0]
         for b in self.buckets:
             ops.broadcast(b.flat, root, group)
@@ -99,15 +108,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _average_gradients(self) -> list[torch.Tensor]:
         """This rank's shard of the averaged gradient, per bucket."""
         if self.grad_sharding is not None:  # stage 2: reduced during backward already
+            self.grad_sharding.reduce_late_grads()  # (a full backward left in a late bucket)
             return self.grad_sharding.shard_grads()
         shards = []
         for b in self.buckets:
             full = b.flatten_grads()
             if self.stage == 0:
                 ops.all_reduce(full, group=self.group)
-                shards.append(full.div_(self.world_size))
+                shards.append(full.div_(self.divide_by))
             else:
-                shards.append(self._reduce_scatter(full, b).div_(self.world_size))
+                shards.append(self._reduce_scatter(full, b).div_(self.divide_by))
         return shards
 
     def _reduce_scatter(self, full: torch.Tensor, bucket) -> torch.Tensor:

@@ -33,6 +33,7 @@ held between the two passes is what fp32 holds.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -40,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.comm import ops
-from engine.grad_buckets import BucketLauncher
+from engine.grad_buckets import NOTHING_LAUNCHED, BucketLauncher
 from engine.memory import (StateBytes, StateTensors, count_state_bytes, mark_held_by,
                            optimizer_tensors)
 from engine.validation import boolean
@@ -151,6 +152,7 @@ class ZeroDataParallel(nn.Module):
                                                              **kwargs))
         self._order: list[_Unit] = []  # units in the order the last forward ran them
         self.gathered_bytes = 0
+        self._root_held = False  # root_gathered: no backward's end frees the root
         self.peak_gathered_bytes = 0
         self.memory_timeline: list[tuple[float, int, str]] = []  # (time, bytes gathered, event)
         for unit, mod in zip(self.units, self._unit_modules, strict=True):
@@ -195,7 +197,12 @@ class ZeroDataParallel(nn.Module):
         self._start(unit, event)
         unit.finish_gather()
 
+    def _held(self, unit: _Unit) -> bool:
+        return unit is self.root and self._root_held
+
     def _free(self, unit: _Unit, event: str) -> None:
+        if self._held(unit):
+            return
         if unit.full is not None:
             unit.free()
             self._account(-unit.full_bytes, f"free {unit.name} ({event})")
@@ -214,6 +221,26 @@ class ZeroDataParallel(nn.Module):
         # under autocast (entered here or inside the module), no bf16 copy kept for backward
         with recast_in_backward(self.launcher.bucket_of):
             return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def root_gathered(self):
+        """The root unit whole through a pipeline step (the runtime calls the chunks, not
+        this wrapper, and ends a backward at every B action), reduce-scattered at its end: a
+        tied embedding under the V placement (ZB-V)."""
+        root = self.root
+        if root is None:
+            yield
+            return
+        self._gather(root, "pipeline step")
+        self._root_held = True
+        try:
+            yield
+        finally:
+            self._root_held = False
+        if root.buffer is not None:
+            root.start_reduce_scatter(self.group).wait()
+            root.add_reduced_grad()
+        self._free(root, "end of pipeline step")
 
     def _before_forward(self, unit: _Unit) -> None:
         if not torch.is_grad_enabled() and unit.full is not None:
@@ -261,8 +288,8 @@ class ZeroDataParallel(nn.Module):
             self._free(unit, "after backward")
 
     def _launch(self, unit: _Unit):
-        if unit in self.late_units:  # reduced once its late gradients are in (defer_gradients)
-            return _NOTHING_LAUNCHED
+        if unit in self.late_units or self._held(unit):  # reduced once its late gradients
+            return NOTHING_LAUNCHED  # are in (defer_gradients), or at root_gathered's end
         return unit.start_reduce_scatter(self.group)
 
     def _through_backward(self, unit: _Unit, p: nn.Parameter) -> None:
@@ -279,7 +306,7 @@ class ZeroDataParallel(nn.Module):
 
     def _finish_unit(self, unit: _Unit) -> None:
         self._through.pop(unit, None)
-        if unit not in self.late_units:  # a late unit keeps its buffer for reduce_late_grads
+        if unit not in self.late_units and not self._held(unit):  # else it keeps its buffer
             unit.add_reduced_grad()
         if unit.pending is not None:  # prefetched, but its backward never came
             unit.finish_gather()
@@ -311,7 +338,7 @@ class ZeroDataParallel(nn.Module):
         """Reduce-scatter every late unit holding gradients, in the units' order (the same on
         every rank of the group), into its shard; the full gradients are dropped."""
         for unit in self.late_units:
-            if unit.buffer is not None:
+            if unit.buffer is not None and not self._held(unit):
                 unit.start_reduce_scatter(self.group).wait()
                 unit.add_reduced_grad()
 
@@ -332,15 +359,6 @@ class ZeroDataParallel(nn.Module):
         """Bytes this rank holds, each storage counted once."""
         return count_state_bytes(self.state_tensors())
 
-
-class _NothingLaunched:
-    """The work of a late unit at the end of a backward: nothing to wait for."""
-
-    def wait(self) -> None:
-        return None
-
-
-_NOTHING_LAUNCHED = _NothingLaunched()
 
 
 class _ShardOptimizer:
