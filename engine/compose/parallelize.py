@@ -109,8 +109,10 @@ class Parallel:
 
 def qkv_heads_slice(whole: torch.Tensor, sizes: list[int], t: int, rank: int) -> torch.Tensor:
     """Rank ``rank``'s rows of a fused ``[q | k | v]`` weight or bias (``sizes``: the rows of
-    q, k and v): its ``1/t`` of the query heads, of the key heads and of the value heads."""
-    return torch.cat([part.chunk(t, dim=0)[rank] for part in whole.split(sizes, dim=0)])
+    q, k and v): :func:`engine.tp.layout.heads_slice`, the one cut, with ``sizes`` first."""
+    from engine.tp.layout import heads_slice
+
+    return heads_slice(whole, t, rank, sizes)
 
 
 def parallel_qkv(attn: nn.Module, group, rank: int, t: int, sp: bool) -> ColumnParallelLinear:
