@@ -12,8 +12,9 @@ distributed checkpoint does with each tensor's recorded placement:
    each of its tensors sits in the dense GPT (:func:`engine.compose.resume.placement`). A ZeRO
    shard is joined with the other shards of its bucket (the ranks recorded, in their order)
    and cut at the parameter's offset; then the tensor-parallel slices of each parameter are
-   joined on the dimension Megatron-LM split it on (:data:`engine.compose.state.TP_SPLIT`;
-   the fused ``[q | k | v]`` by heads, as :func:`engine.compose.state.join_tp` joins it live).
+   joined on the dimension Megatron-LM split it on (:func:`engine.tp.layout.join`, the one
+   table :data:`engine.tp.layout.TP_SPLIT`; the fused ``[q | k | v]`` by heads, as
+   :func:`engine.compose.state.join_tp` joins it live).
    The same for every elementwise optimizer state (AdamW's ``exp_avg``, ``exp_avg_sq``: they
    lie in a bucket exactly as their parameters do); AdamW's ``step`` is one number. The result
    is named like the one-process :class:`engine.compose.model.GPT`.
@@ -39,7 +40,6 @@ carry.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
@@ -52,11 +52,9 @@ from engine.compose.experts import Optimizers, apply_expert_parallel
 from engine.compose.model import GPT, ModelConfig
 from engine.compose.parallelize import Parallel, apply_tensor_parallel
 from engine.compose.pipeline import apply_pipeline
-from engine.compose.state import QKV, TP_SPLIT
+from engine.tp.layout import join, qkv_sizes
 from engine.zero import ZeroDataParallel, ZeroOptimizer
 from engine.zero.recut import load_dense
-
-_IN_BLOCK = re.compile(r"blocks\.\d+\.(.*)")
 
 
 @dataclass
@@ -72,17 +70,9 @@ class UniversalState:
 
 def join_slices(name: str, slices: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
     """The dense ``name`` from its tensor-parallel ``slices`` (rank order), offline: the join of
-    :func:`engine.compose.state.join_tp` without the all-gather."""
-    match = _IN_BLOCK.fullmatch(name)
-    split = TP_SPLIT.get(match.group(1) if match else name)
-    if len(slices) == 1 or split is None:
-        return slices[0]
-    if split != QKV:
-        return torch.cat(slices, dim=split)
-    t, d = len(slices), cfg.head_dim
-    sizes = [cfg.heads // t * d, cfg.kv_heads_or_heads // t * d, cfg.kv_heads_or_heads // t * d]
-    parts = [s.split(sizes, dim=0) for s in slices]  # per rank: its q, k, v rows
-    return torch.cat([torch.cat([p[j] for p in parts]) for j in range(3)])
+    :func:`engine.compose.state.join_tp` without the all-gather (:func:`engine.tp.layout.join`,
+    which reads the one split table)."""
+    return join(name, slices, qkv_sizes(cfg.heads, cfg.kv_heads_or_heads, cfg.head_dim))
 
 
 def universal_state(directory, cfg: ModelConfig) -> UniversalState:
