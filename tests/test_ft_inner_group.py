@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from engine.ft import reference_run
 from engine.ft.group import QuorumGroup
-from engine.ft.harness import warm_up
+from engine.ft.harness import store_in_a_process, warm_up
 from engine.ft.replica import FaultTolerantReplica
 from tests.helpers import descendants
 from tests.test_ft import _loss, _model, _optimizer
@@ -55,23 +55,23 @@ def _rank(port: int, local: int, out) -> None:
 
 @pytest.mark.timeout(60)
 def test_a_round_failed_at_different_collectives_is_retried_on_a_new_inner_group():
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=20))
     warm_up(_model, _optimizer, _loss)  # the lazy imports done once, not in each rank
     context = multiprocessing.get_context("fork")
-    out = context.Queue()
-    procs = [context.Process(target=_rank, args=(store.port, local, out), daemon=True)
-             for local in range(2)]
-    try:
-        for p in procs:
-            p.start()
-        results = dict((r[0], r[1:]) for r in (out.get(timeout=45) for _ in procs))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(timeout=5)
-    assert not descendants()
+    # the store served by a process of its own, not a thread of this one, which forks the ranks
+    with store_in_a_process(20, context=context) as store:
+        out = context.Queue()
+        procs = [context.Process(target=_rank, args=(store.port, local, out), daemon=True)
+                 for local in range(2)]
+        try:
+            for p in procs:
+                p.start()
+            results = dict((r[0], r[1:]) for r in (out.get(timeout=45) for _ in procs))
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join(timeout=5)
+    assert not descendants()  # the ranks and the store's process
     (state0, log0, builds0), (state1, log1, builds1) = results[0], results[1]
     assert log0 == log1
     assert [(s, a) for s, _, a in log0] == [(0, 0), (1, 1), (2, 0), (3, 0)]  # step 1 retried

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from engine import theory
 from engine.ft import Quorum
+from engine.ft.harness import store_in_a_process
 from engine.grading.core import CheckFailed, Exercise, passed, run_ranks
 from engine.grading.drill import Drill
 
@@ -179,12 +180,10 @@ _last: dict = {}  # the latest impl's results: the three checks share one run
 
 def _quorum_results(impl):
     if _last.get("impl") is not impl:
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=60))
-        try:
+        # served by a process of its own: the ranks are forked from this one, and a store
+        # thread here could be caught mid-lock by the fork (engine.launch.rank.store_main)
+        with store_in_a_process(60) as store:
             results = run_ranks(_quorum_on_rank, REPLICAS, store.port, impl, 10.0, timeout=20)
-        finally:
-            del store
         _last.update(impl=impl, results=results)
     return _last["results"]
 
