@@ -9,12 +9,9 @@ peaks MFU divides by are :mod:`engine.hardware`'s.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from engine import theory
 from engine.compose.formulas import Formula, layout_formulas
 from engine.compose.traffic import gradient_group_name, report_names
-from engine.train_compose import plan_of
 
 __all__ = ["Formula", "memory_formula", "model_flops", "gradient_group_name",
            "composed_traffic_formulas"]
@@ -53,9 +50,7 @@ def composed_traffic_formulas(strategy, cfg, crossing_rows: int | None = None
     ``cp`` or ``dp x cp``). The experts' all-to-alls depend on the routing: their formula
     needs the (token, expert) rows this rank's router sent to other ranks in the counted step
     (``crossing_rows``, counted by the router after the step; None: no ep formula)."""
-    module = strategy.model
-    par = SimpleNamespace(plan=plan_of(cfg), mesh=strategy.mesh, module=module,
-                          model=getattr(module, "module", module), optimizer=strategy.optimizer)
+    par = strategy.rank_state[0].par  # the rank's engine.compose.parallelize.Parallel
     formulas = layout_formulas(par, cfg.micro_batch, steps=1, crossing_rows=crossing_rows)
     return report_names(formulas, strategy.mesh,
                         add=lambda a, b: Formula(a.bytes + b.bytes, f"{a.text}; + {b.text}"))

@@ -39,6 +39,12 @@ FAMILIES = {  # name: (plan, moe, varlen)
     "dp2xtp2 zero3": (Plan(dp=2, tp=2, zero=3), False, False),
     "dp2xpp2 1f1b zero2": (Plan(dp=2, pp=2, zero=2, micro_batches=2), False, False),
     "dp2xpp2 1f1b zero3": (Plan(dp=2, pp=2, zero=3, micro_batches=2), False, False),
+    # W actions: ZeRO-2's late buckets, dense and the experts' (engine.zero.stage2)
+    "tiny-moe dp2xep2xpp2 zb_h1 zero2": (Plan(dp=2, ep=2, pp=2, zero=2, schedule="zb_h1",
+                                              micro_batches=2), True, False),
+    # the compressor of a pipeline stage's step all-reduce (its PowerSGD warm start)
+    "dp2xpp2 compress powersgd": (Plan(dp=2, pp=2, zero=0, compress="powersgd:1",
+                                       micro_batches=2), False, False),
 }
 
 
@@ -111,7 +117,7 @@ def _resume_families(rank, world_size, names, root):
 
             lost = _build(plan, moe)
             load_per_rank(directory, *rank_state(lost))
-            lost.module.compressor = make_compressor(plan.compress)  # as fresh
+            lost.compressing.compressor = make_compressor(plan.compress)  # as fresh
             _steps(lost, SAVED, STEPS, varlen)
             found[name]["without compressor state"] = _state(lost)
     return found

@@ -626,8 +626,8 @@ def test_engine_train_runs_expert_by_data_parallelism_and_reports_load_and_drops
     (["--ep", "2", "--tp", "2", "--model", "tiny-moe"],
      "--ep 2 must divide dp x cp = 1 x 1: expert parallelism borrows its ranks from "
      "data/context parallelism; give --dp 2"),
-    (["--ep", "2", "--dp", "2", "--model", "tiny-moe", "--compress", "fp16"],
-     "--compress fp16 compresses DDP's all-reduce over dp x cp: it needs --ep 1, got --ep 2"),
+    (["--ep", "2", "--dp", "2", "--model", "tiny-moe", "--compress", "fp16", "--zero", "2"],
+     "--compress fp16 compresses the gradients' all-reduce over dp x cp: it needs --zero 0"),
     (["--ep", "0", "--model", "tiny-moe"], "--ep must be a positive int, got 0"),
     (["--world-size", "4", "--ep", "2", "--dp", "2", "--model", "tiny-moe"],
      "dp x cp x tp x pp = 2 x 1 x 1 x 1 = 2 does not match the world size 4"),

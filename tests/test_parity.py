@@ -99,7 +99,8 @@ def test_a_balancing_loss_of_each_ranks_tokens_misses_one_process(monkeypatch):
 
 
 COMPRESSED = ["dp2 fp16", "dp2 bf16", "dp2xtp2 fp16", "dp2xcp2 ring-zigzag bf16",
-              "dp2 powersgd:1", "dp2 topk:0.1"]
+              "dp2 powersgd:1", "dp2 topk:0.1", "dp2xpp2 1f1b powersgd:1",
+              "moe dp2xep2xpp2 zb_h1 bf16"]
 
 
 def test_no_compressed_row_is_missing():

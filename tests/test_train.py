@@ -166,8 +166,10 @@ def test_compression_side_by_side_with_pytorchs_fp16_hook(capsys):
                                                "(choose from 'tiny', 'small', 'medium', "
                                                "'tiny-moe')"),
     (["--world-size", "2", "--dp", "2", "--compress", "fp16"], "--compress fp16 compresses "
-                                                               "DDP's all-reduce over dp x cp: "
-                                                               "it needs --zero 0, got --zero 1"),
+                                                               "the gradients' all-reduce over "
+                                                               "dp x cp: it needs --zero 0 "
+                                                               "(ZeRO-1 to 3 reduce-scatter), "
+                                                               "got --zero 1"),
     (["--world-size", "2", "--dp", "2", "--zero", "0", "--compress", "zip"],
      "unknown compressor spec 'zip'"),
     (["--world-size", "2", "--dp", "2", "--zero", "0", "--compress", "topk:0.01", "--impl",

@@ -79,13 +79,10 @@ def test_every_layout_has_the_loss_of_one_process(name, capsys):
                                                        "2 does not match the world size 4"),
     # --save covers every composed layout now (tests/test_compose_resume.py), and --reshard
     # every layout change (tests/test_compose_reshard.py; --compress: test_compose_resume.py)
-    (["--cp", "2", "--pp", "2", "--compress", "fp16", "--zero", "0"],
-     "--compress fp16 compresses DDP's all-reduce over dp x cp: it needs --pp 1, got --pp 2"),
+    (["--cp", "2", "--compress", "fp16", "--zero", "1"],
+     "--compress fp16 compresses the gradients' all-reduce over dp x cp: it needs --zero 0 "
+     "(ZeRO-1 to 3 reduce-scatter), got --zero 1"),
     (["--cp", "2", "--compress", "zip", "--zero", "0"], "unknown compressor spec 'zip'"),
-    # ZeRO-3 runs in a pipeline (ACCEPTANCE), under W actions too, but not with the V
-    # placement's tied embedding (engine train's models are tied)
-    (["--varlen", "--dp", "2", "--pp", "2", "--zero", "3", "--schedule", "zb_v"],
-     "zero = 3 with schedule 'zb_v' and a tied embedding"),
     (["--varlen", "--pp", "2", "--microbatches", "1"], "at least 2 micro-batches"),
 ])
 def test_what_the_composed_engine_cannot_carry_is_refused_naming_the_flags(args, message,

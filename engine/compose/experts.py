@@ -79,21 +79,6 @@ def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if id(p) not in experts]
 
 
-def reduce_gradients(model: nn.Module, mesh: Mesh) -> None:
-    """The rule without a wrapper: dense gradients summed over ``dp_cp_group``, experts'
-    over ``expert_dp_group``, both divided by dp x cp; one all-reduce per group."""
-    for group, params in ((mesh.dp_cp_group, dense_parameters(model)),
-                          (mesh.expert_dp_group, expert_parameters(model))):
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        if not grads:
-            continue
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        ops.all_reduce(flat, group=group)
-        flat /= mesh.dp_cp_size
-        for p, g in zip(params, flat.split([p.numel() for p in params]), strict=True):
-            p.grad = g.view_as(p).clone()
-
-
 class Optimizers:
     """Two optimizers stepped as one: the dense parameters' and the experts' (each a
     :class:`engine.zero.ZeroOptimizer` over its own group)."""

@@ -305,9 +305,11 @@ def layout_formulas(par, micro_rows: int, steps: int = 1,
     n = mesh.dp_cp_size
     index = ring_index(mesh) if n > 1 else 0
     if plan.compress is not None and n > 1:
-        c = compressed_dp_formula(par.module, n)
-        out["dp"] = Formula(steps * (c.bytes + loss_all_reduce(n, index)),
-                            f"{counted(steps)} x ({c.text} + the loss 2(N-1)/N x 4 B)")
+        c = compressed_dp_formula(par.compressing, n)
+        out["dp"] = Formula(steps * (c.bytes + loss_all_reduce(n, index))
+                            + balance_bytes(gpt, mesh, plan.micro_batches, steps),
+                            f"{counted(steps)} x ({c.text} + the loss 2(N-1)/N x 4 B; MoE: + "
+                            "the balancing statistics, experts.balance_bytes)")
     else:
         out["dp"] = Formula(dp_formula(size, n, plan.zero, steps, plan.micro_batches, root,
                                        tied, chunks_per_rank(plan.schedule) if plan.pp > 1
@@ -325,13 +327,14 @@ def layout_formulas(par, micro_rows: int, steps: int = 1,
 
 
 def compressed_dp_formula(model, n: int) -> Formula:
-    """The data-parallel bytes of :class:`engine.dp.DataParallel` with its compressor, one
-    reduction per step (gradients accumulate under ``no_sync``)."""
+    """The data-parallel bytes of ``model`` (:class:`engine.dp.DataParallel`, or a stage-0
+    :class:`engine.zero.ZeroOptimizer`) with its compressor, one reduction per step (DDP's
+    gradients accumulate under ``no_sync``; the optimizer reduces at the step)."""
     from engine.compress.cast import BF16, FP16
     from engine.compress.powersgd import PowerSGD
     from engine.compress.topk import TopK
 
-    c, sizes = model.compressor, [b.buffer.numel() for b in model.buckets]
+    c, sizes = model.compressor, [b.padded for b in model.buckets]
     psi = sum(sizes)
     if c is None:
         return Formula(theory.ring_all_reduce_bytes(psi * 4, n),

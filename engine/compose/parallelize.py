@@ -41,8 +41,8 @@ compile, then FSDP): each step changes modules the next one wraps, never the oth
    buckets keep theirs, and each W adds its ``dW = dY^T X`` and reduce-scatters them
    (:func:`engine.compose.pipeline.sharded_weight_grads`; W needs no weight, so nothing is
    gathered for it); ZeRO-0 and 1 find W's gradients in ``.grad`` at the step. With
-   experts spread (ep > 1): ZeRO-0 reduces after backward by the experts' rule, ZeRO-1/2 run
-   one sharded optimizer per group (experts' over ``mesh.expert_dp_group``), ZeRO-3 shards
+   experts spread (ep > 1): ZeRO-0 to 2 run one :class:`engine.zero.ZeroOptimizer` of the
+   stage per group (the experts' over ``mesh.expert_dp_group``), ZeRO-3 shards
    the dense parameters over ``mesh.dp_cp_group`` (the experts are its ``ignored_params``, as
    FSDP's) and gives the experts a ZeRO-1 optimizer over ``mesh.expert_dp_group``: their
    ``1/ep`` of the expert weights is already what expert parallelism divides, and that group is
@@ -63,7 +63,7 @@ import torch
 from torch import nn
 
 from engine.compose.experts import (Optimizers, apply_expert_parallel, balance_globally,
-                                    dense_parameters, expert_parameters, reduce_gradients)
+                                    dense_parameters, expert_parameters)
 from engine.compose.model import GPT
 from engine.compose.pipeline import apply_pipeline, sum_tied_embedding, tied_across_ranks
 from engine.compose.plan import Plan, usp_degrees
@@ -105,6 +105,17 @@ class Parallel:
     finish_gradients: Callable[[], None] = lambda: None
     pipeline_run: Any = None
     late_gradients: list = field(default_factory=list)
+
+    @property
+    def compressing(self):
+        """What reduces the dense gradients through ``plan.compress``'s compressor (its
+        ``.compressor`` and ``.buckets``): the DDP wrapper, or the dense ZeroOptimizer at
+        stage 0 (a pipeline, expert parallelism); ``None`` without one."""
+        if self.plan.compress is None:
+            return None
+        if isinstance(self.module, DataParallel):
+            return self.module
+        return getattr(self.optimizer, "optimizers", (self.optimizer,))[0]
 
 
 def qkv_heads_slice(whole: torch.Tensor, sizes: list[int], t: int, rank: int) -> torch.Tensor:
@@ -178,24 +189,20 @@ def apply_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls, compre
                         **kwargs) -> tuple[nn.Module, Any, Callable[[], Any]]:
     """Step 5: ``(module, optimizer, no_sync)`` for ZeRO stage ``zero`` over
     ``mesh.dp_cp_group``; ``compress``: a spec of :func:`engine.compress.experiment.
-    make_compressor` for DDP's all-reduce (zero = 0, pp = 1)."""
+    make_compressor` for the gradients' all-reduce (zero = 0: DDP's, or in a pipeline the
+    step's)."""
     group = mesh.dp_cp_group
-    if compress is not None:
-        if zero or mesh.pp > 1:
-            raise ValueError(f"compress={compress!r} compresses DDP's all-reduce: it needs "
-                             f"zero = 0 and pp = 1, got zero = {zero}, pp = {mesh.pp}")
-        module = DataParallel(model, group=group, compressor=make_compressor(compress))
-        return module, optimizer_cls(model.parameters(), **kwargs), module.no_sync
+    compressor = compressor_for(compress, zero)
     if mesh.pp > 1 and zero == 3:  # gathered per micro-batch, no prefetch (module docstring)
         module = ZeroDataParallel(model, optimizer_cls, group=group, backward_prefetch=False,
                                   **kwargs)
         return module, module.optimizer, contextlib.nullcontext
     if mesh.pp > 1:
         optimizer = ZeroOptimizer(list(model.parameters()), optimizer_cls, stage=zero,
-                                  group=group, **kwargs)
+                                  group=group, compressor=compressor, **kwargs)
         return model, optimizer, contextlib.nullcontext
     if zero == 0:
-        module = DataParallel(model, group=group)
+        module = DataParallel(model, group=group, compressor=compressor)
         return module, optimizer_cls(model.parameters(), **kwargs), module.no_sync
     if zero in (1, 2):
         optimizer = ZeroOptimizer(list(model.parameters()), optimizer_cls, stage=zero,
@@ -208,18 +215,24 @@ def apply_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls, compre
     return module, module.optimizer, contextlib.nullcontext
 
 
+def compressor_for(compress: str | None, zero: int):
+    """The compressor of ``compress`` (a spec of :func:`engine.compress.experiment.
+    make_compressor`; ``None``: none), which compresses an all-reduce: ZeRO-0 only."""
+    if compress is not None and zero:
+        raise ValueError(f"compress={compress!r} compresses the gradients' all-reduce: it "
+                         f"needs zero = 0 (ZeRO-1 to 3 reduce-scatter), got zero = {zero}")
+    return None if compress is None else make_compressor(compress)
+
+
 def apply_expert_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls,
-                               across: bool = True, **kwargs
+                               across: bool = True, compress: str | None = None, **kwargs
                                ) -> tuple[nn.Module, Any, Callable[[], None]]:
     """Step 5 with experts spread over ``mesh.ep_group``: ``(module, optimizer,
-    finish_gradients)``; the dense parameters over ``mesh.dp_cp_group``, the experts' over
-    ``mesh.expert_dp_group`` (:mod:`engine.compose.experts`)."""
-    if zero == 0:
-        def finish():
-            reduce_gradients(model, mesh)
-            sum_tied_embedding(model, mesh, across_ranks=across)
-
-        return model, optimizer_cls(model.parameters(), **kwargs), finish
+    finish_gradients)``; the dense parameters over ``mesh.dp_cp_group`` (through the
+    ``compress`` compressor at ZeRO-0), the experts' over ``mesh.expert_dp_group``
+    (:mod:`engine.compose.experts`), each by a :class:`engine.zero.ZeroOptimizer` of the
+    stage (ZeRO-0: one all-reduce of each at the step)."""
+    compressor = compressor_for(compress, zero)
     # the experts' gradients: summed over the R / ep ranks holding a copy, divided by R
     experts = dict(group=mesh.expert_dp_group, divide_by=mesh.dp_cp_size, **kwargs)
     if zero == 3:  # dense: ZeRO-3 over dp x cp; experts: ZeRO-1 over expert_dp (docstring)
@@ -231,7 +244,7 @@ def apply_expert_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls,
         return module, optimizers, lambda: sum_tied_embedding(model, mesh, module, across)
     optimizers = Optimizers(
         ZeroOptimizer(dense_parameters(model), optimizer_cls, stage=zero,
-                      group=mesh.dp_cp_group, **kwargs),
+                      group=mesh.dp_cp_group, compressor=compressor, **kwargs),
         ZeroOptimizer(expert_parameters(model), optimizer_cls, stage=zero, **experts))
     return model, optimizers, lambda: sum_tied_embedding(model, mesh, optimizers.optimizers[0],
                                                          across)
@@ -264,9 +277,6 @@ def parallelize(model: GPT, mesh: Mesh, plan: Plan, optimizer_cls=torch.optim.Ad
                 **optimizer_kwargs) -> Parallel:
     """This rank's :class:`Parallel` of ``model`` (built whole, from the same seed, on every
     rank; changed in place) for ``plan`` on ``mesh``, with ``optimizer_cls(**kwargs)``."""
-    if plan.compress is not None and plan.ep > 1:
-        raise ValueError(f"compress={plan.compress!r} with ep = {plan.ep}: the experts' "
-                         "gradients are reduced without DDP; use ep = 1")
     if (mesh.dp, mesh.cp, mesh.tp, mesh.pp, mesh.ep) != (plan.dp, plan.cp, plan.tp, plan.pp,
                                                          plan.ep):
         raise ValueError(f"the plan {plan.name!r} does not match {mesh!r}")
@@ -283,7 +293,7 @@ def parallelize(model: GPT, mesh: Mesh, plan: Plan, optimizer_cls=torch.optim.Ad
     across = plan.pp == 1 or tied_across_ranks(plan.schedule)
     if plan.ep > 1:
         module, optimizer, finish = apply_expert_data_parallel(
-            model, mesh, plan.zero, optimizer_cls, across, **optimizer_kwargs)
+            model, mesh, plan.zero, optimizer_cls, across, plan.compress, **optimizer_kwargs)
         return Parallel(model, module, optimizer, mesh, plan, contextlib.nullcontext, tp_group,
                         mesh.dp_cp_size, finish,
                         late_gradients=defer_linear_gradients(module, optimizer, plan))

@@ -122,7 +122,10 @@ ROWS_PHASE_1 = [Row(plan, varlen) for varlen in (False, True) for plan in PHASE_
 # one process, by at most drift_bound / loss_bound (below)
 COMPRESSED_ROWS = [Row(_p(dp=2, compress="fp16")), Row(_p(dp=2, compress="bf16")),
                    Row(_p(dp=2, tp=2, compress="fp16")), Row(_p(dp=2, cp=2, compress="bf16")),
-                   Row(_p(dp=2, compress="powersgd:1")), Row(_p(dp=2, compress="topk:0.1"))]
+                   Row(_p(dp=2, compress="powersgd:1")), Row(_p(dp=2, compress="topk:0.1")),
+                   # the step's all-reduce of a pipeline stage, and the dense part under ep
+                   Row(_p(dp=2, pp=2, compress="powersgd:1")),
+                   Row(_p(dp=2, ep=2, pp=2, schedule="zb_h1", compress="bf16"), moe=True)]
 # Every layout without varlen once more with SGD (see OPTIMIZERS): the gradients themselves
 SGD_ROWS = [replace(row, optimizer="sgd") for row in ROWS_PHASE_1 if not row.varlen]
 # MoE with balancing over the global micro-batch (MOE and BALANCE below)

@@ -76,10 +76,10 @@ class Plan:
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel=True splits the sequence over the tensor-"
                              "parallel ranks: it needs tp > 1, got tp = 1")
-        if self.compress is not None and (self.zero or self.pp > 1 or self.ep > 1):
-            raise ValueError(f"compress={self.compress!r} compresses DDP's all-reduce: it needs "
-                             f"zero = 0, pp = 1 and ep = 1, got zero = {self.zero}, "
-                             f"pp = {self.pp}, ep = {self.ep}")
+        if self.compress is not None and self.zero:
+            raise ValueError(f"compress={self.compress!r} compresses the gradients' all-reduce: "
+                             f"it needs zero = 0 (ZeRO-1 to 3 reduce-scatter), got zero = "
+                             f"{self.zero}")
 
     @property
     def world(self) -> int:

@@ -123,7 +123,7 @@ class RankOptimizerState:
 
     def __init__(self, par: Parallel):
         self.par = par
-        self.compressor = getattr(par.module, "compressor", None)
+        self.compressor = par.compressing.compressor if par.compressing else None
 
     def state_dict(self) -> dict:
         return {"optimizers": [inner.state_dict() for inner in inner_optimizers(self.par)],

@@ -55,6 +55,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         divide_by: what the gradients summed over ``group`` are divided by (default: the
             group's size, an average). Expert parallelism passes dp x cp, the ranks whose
             tokens an expert's gradient already sums (:mod:`engine.compose.experts`).
+        compressor: stage 0 only: the step's all-reduce through a compressor of
+            :mod:`engine.compress` (``compressor(bucket, group) -> work``, which leaves the
+            average in ``bucket.buffer``), as :class:`engine.dp.DataParallel`'s; used where
+            the gradients are reduced once a step (a pipeline's stage).
 
     Use it as any optimizer: ``loss.backward(); opt.step(); opt.zero_grad()``. In stages 0
     and 1 ``backward`` is the plain one (no DataParallel wrapper: the optimizer averages).
@@ -62,14 +66,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, optimizer_cls, stage: int = 1, group=None,
                  bucket_cap_mb: float = 25, offload: bool = False,
-                 divide_by: int | None = None, **kwargs):
+                 divide_by: int | None = None, compressor=None, **kwargs):
         if stage == 3:
             raise ValueError("stage 3 shards the parameters themselves, so it wraps the model: "
                              "use ZeroDataParallel(module, optimizer_cls, ...)")
         if stage not in (0, 1, 2):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+        if compressor is not None and (stage != 0 or divide_by is not None):
+            raise ValueError(f"a compressor averages an all-reduce: it needs stage 0 and the "
+                             f"group's own average, got stage {stage!r}, divide_by "
+                             f"{divide_by!r}")
         params = check_params(params)
         super().__init__(params, {})
+        self.compressor = compressor
         self.stage, self.group = stage, group
         self.world_size = dist.get_world_size(group)
         self.divide_by = self.world_size if divide_by is None else \
@@ -113,7 +122,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         shards = []
         for b in self.buckets:
             full = b.flatten_grads()
-            if self.stage == 0:
+            if self.compressor is not None:  # stage 0: it leaves the average in the buffer
+                b.buffer = full
+                self.compressor(b, self.group).wait()
+                shards.append(b.buffer)
+                b.buffer = None
+            elif self.stage == 0:
                 ops.all_reduce(full, group=self.group)
                 shards.append(full.div_(self.divide_by))
             else:
@@ -164,8 +178,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.grad_sharding is not None:  # stage 2: the shards of the gradients
             grads += self.grad_sharding.shard_grads()
         state = optimizer_tensors(self.inner) + (self.masters if self.separate_masters else [])
+        kept = list(self.compressor.state_tensors()) if self.compressor is not None else []
         return StateTensors(params=[b.flat for b in self.buckets], grads=grads,
-                            optimizer=[] if self.offload else state,
+                            optimizer=[] if self.offload else state, buffers=kept,
                             offloaded=state if self.offload else [])
 
     def state_bytes(self) -> StateBytes:
