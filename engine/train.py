@@ -93,6 +93,7 @@ class TrainConfig:
     kill_at_step: int | None = None
     kill_rank: int | None = None
     cp_method: str = "ring-zigzag"
+    sequence_parallel: bool = False
     varlen: bool = False
     composed: bool = False
 

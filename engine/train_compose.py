@@ -103,7 +103,8 @@ def plan_of(cfg) -> Plan:
     """The :class:`engine.compose.plan.Plan` of the flags (a ValueError naming a bad one)."""
     return Plan(dp=cfg.dp, cp=cfg.cp, ep=cfg.ep, tp=cfg.tp, pp=cfg.pp,
                 cp_method=cfg.cp_method, schedule=cfg.schedule, zero=cfg.zero,
-                compress=cfg.compress, micro_batches=cfg.microbatches)
+                compress=cfg.compress, micro_batches=cfg.microbatches,
+                sequence_parallel=cfg.sequence_parallel)
 
 
 def add_composed_arguments(p, defaults) -> None:
@@ -119,6 +120,11 @@ def add_composed_arguments(p, defaults) -> None:
                                "contiguous tokens), Ulysses, all-gather, or usp:UxR (Ulysses "
                                "over U ranks inside, ring over R groups across; U x R = --cp) "
                                "(default: %(default)s)")
+    composed.add_argument("--sequence-parallel", action="store_true",
+                          help="sequence parallelism inside tensor parallelism (--tp > 1): "
+                               "LayerNorms and MoE layers between the tensor-parallel layers "
+                               "on s/t tokens each, all-gathered and reduce-scattered "
+                               "(Korthikanti et al. 2023) (default: %(default)s)")
     composed.add_argument("--varlen", action="store_true",
                           help="documents of random length packed with padding and a loss "
                                "mask (engine.compose.data) (default: %(default)s)")

@@ -49,8 +49,10 @@ SAME_TRAINING = ("model", "seed", "lr", "precision")
 SAME_LAYOUT = ("dp", "ep", "tp", "pp", "zero", "schedule", "microbatches", "micro_batch")
 # the composed engine's (engine.train_compose) besides: a checkpoint written before they
 # existed has their defaults
-COMPOSED_LAYOUT = {"cp": 1, "cp_method": "ring-zigzag", "varlen": False, "engine": "per-layout"}
-RESHARDED_COMPOSED = ("cp", "cp_method")  # --reshard re-cuts them too (engine.compose.reshard)
+COMPOSED_LAYOUT = {"cp": 1, "cp_method": "ring-zigzag", "sequence_parallel": False,
+                   "varlen": False, "engine": "per-layout"}
+RESHARDED_COMPOSED = ("cp", "cp_method", "sequence_parallel")  # --reshard re-cuts them too
+# (engine.compose.reshard)
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,8 @@ def resume_point(cfg) -> ResumePoint | None:
 
 def composed_record(cfg) -> dict:
     """What a checkpoint records of the composed engine's layout (:data:`COMPOSED_LAYOUT`)."""
-    return {"cp": cfg.cp, "cp_method": cfg.cp_method, "varlen": cfg.varlen,
+    return {"cp": cfg.cp, "cp_method": cfg.cp_method,
+            "sequence_parallel": cfg.sequence_parallel, "varlen": cfg.varlen,
             "engine": "composed"}
 
 

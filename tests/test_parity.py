@@ -25,7 +25,8 @@ EXPECTED = [
     "dp2xtp2xpp2 1f1b zero1", "dp2xtp2xpp2 1f1b zero2", "dp2xpp2 1f1b zero3",
 ]
 MOE = ["moe dp2", "moe dp2xep2", "moe dp2xep2 zero1", "moe dp2xep2 zero2",
-       "moe cp2xep2 ring-zigzag", "moe dp2xep2xtp2", "moe dp2xep2xpp2 1f1b", "moe dp2xep2 zero3"]
+       "moe cp2xep2 ring-zigzag", "moe dp2xep2xtp2", "moe dp2xep2xtp2 sp",
+       "moe dp2xep2xpp2 1f1b", "moe dp2xep2 zero3"]
 EXPECTED += ["pp2 interleaved", "pp2 zb_v", "pp2 dualpipe_v",  # 4 layers: 2 chunks a rank
              "dp2xpp2 interleaved zero3"]
 EXPECTED = [*EXPECTED, *(f"{name} varlen" for name in EXPECTED), "dp2xtp2 untied",

@@ -51,6 +51,13 @@ ACCEPTANCE = {
                             "--pp", "2", "--microbatches", "2", "--micro-batch", "2"],
                            ["--composed", "--model", "tiny-moe", "--world-size", "1",
                             "--microbatches", "2", "--micro-batch", "4"]),
+    # Megatron-Core's MoE layout: experts spread over the data-parallel ranks, the dense parts
+    # tensor-parallel with sequence parallelism (MoE layers on the gathered sequence)
+    "tiny-moe ep2 x tp2 sp": (["--model", "tiny-moe", "--dp", "2", "--ep", "2", "--tp", "2",
+                               "--sequence-parallel", "--microbatches", "2",
+                               "--micro-batch", "2"],
+                              ["--model", "tiny-moe", "--world-size", "1",
+                               "--microbatches", "2", "--micro-batch", "4"]),
 }
 
 

@@ -44,9 +44,10 @@ Each micro-batch's losses weigh ``1 / m`` (:mod:`engine.compose.loop`; Megatron-
 ``MoEAuxLossAutoScaler``). The aux-loss-free bias (DeepSeek-V3; :mod:`engine.moe.balance`):
 :func:`update_expert_biases`, after the optimizer step, sums each layer's loads of the step over
 ``mesh.dp_cp_group``, so every rank moves its bias as one process does. Their bytes:
-:func:`balance_bytes`. Tensor-parallel ranks route the same tokens, so nothing is reduced over
-tp (the plan refuses sequence parallelism with MoE layers). Qwen's global-batch balancing loss
-(Qiu et al., "Demons in the detail", 2025) also reduces the statistics over data parallelism.
+:func:`balance_bytes`. Tensor-parallel ranks route the same tokens, so nothing is reduced
+over tp (under sequence parallelism too: :func:`sequence_parallel_experts`). Qwen's
+global-batch balancing loss (Qiu et al., "Demons in the detail", 2025) also reduces the
+statistics over data parallelism.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from engine.comm import ops
 from engine.comm.autograd import all_reduce
 from engine.moe.layer import MoE
 from engine.topology import Mesh
+from engine.tp.mappings import gather_sequence_for_replicated, scatter_to_sequence_parallel
 
 
 def apply_expert_parallel(model: nn.Module, mesh: Mesh) -> None:
@@ -67,6 +69,23 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh) -> None:
     for block in model.blocks:
         if block.moe is not None:
             block.moe = MoE.from_dense(block.moe, mesh.ep_group)
+
+
+def sequence_parallel_experts(model: nn.Module, group) -> None:
+    """In place, under sequence parallelism over ``group`` (the tensor-parallel ranks, each
+    holding ``s/t`` of the tokens between sublayers): every MoE layer runs on the whole
+    sequence, all-gathered on the way in, and gives back this rank's ``s/t`` on the way out
+    (Megatron-Core's all-gather token dispatcher with sequence parallelism). The experts are
+    whole on every tensor-parallel rank, so each computes the same layer on the same tokens
+    (as without sequence parallelism): the gradient of its output is all-gathered, that of its
+    input sliced (:func:`engine.tp.mappings.gather_sequence_for_replicated`), and the
+    experts' and the router's gradients are the same on every rank, with nothing to reduce
+    over tp. Per MoE layer and micro-batch: two all-gathers of ``bsh``, ``2 bsh (t-1)/t``."""
+    for moe in moe_layers(model):
+        moe.register_forward_pre_hook(
+            lambda layer, args: (gather_sequence_for_replicated(args[0], group), *args[1:]))
+        moe.register_forward_hook(
+            lambda layer, args, out: scatter_to_sequence_parallel(out, group))
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:

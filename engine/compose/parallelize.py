@@ -63,7 +63,8 @@ import torch
 from torch import nn
 
 from engine.compose.experts import (Optimizers, apply_expert_parallel, balance_globally,
-                                    dense_parameters, expert_parameters)
+                                    dense_parameters, expert_parameters,
+                                    sequence_parallel_experts)
 from engine.compose.model import GPT
 from engine.compose.pipeline import apply_pipeline, sum_tied_embedding, tied_across_ranks
 from engine.compose.plan import Plan, usp_degrees
@@ -287,6 +288,8 @@ def parallelize(model: GPT, mesh: Mesh, plan: Plan, optimizer_cls=torch.optim.Ad
     tp_group = mesh.tp_group if plan.tp > 1 else None
     if plan.ep > 1:
         apply_expert_parallel(model, mesh)
+    if plan.sequence_parallel:  # MoE layers on the whole sequence (engine.compose.experts)
+        sequence_parallel_experts(model, mesh.tp_group)
     balance_globally(model, mesh)  # router losses over dp x cp (engine.compose.experts)
     if plan.pp > 1:
         apply_pipeline(model, mesh, plan.schedule)

@@ -99,7 +99,8 @@ PHASE_1 = [_p(dp=2), _p(tp=2), _p(tp=2, sequence_parallel=True), _p(dp=2, tp=2),
            _p(dp=2, tp=2, pp=2, zero=1), _p(dp=2, tp=2, pp=2, zero=2),
            _p(dp=2, pp=2, zero=3)]
 MOE_LAYOUTS = [_p(dp=2), _p(dp=2, ep=2), _p(dp=2, ep=2, zero=1), _p(dp=2, ep=2, zero=2),
-               _p(cp=2, ep=2), _p(dp=2, ep=2, tp=2), _p(dp=2, ep=2, pp=2),
+               _p(cp=2, ep=2), _p(dp=2, ep=2, tp=2), _p(dp=2, ep=2, tp=2, sequence_parallel=True),
+               _p(dp=2, ep=2, pp=2),
                _p(dp=2, ep=2, zero=3)]
 MULTI_CHUNK = [Plan(pp=2, schedule=name, micro_batches=4)
                for name in ("interleaved", "zb_v", "dualpipe_v")] + \

@@ -143,10 +143,6 @@ class Plan:
                           "the tokens per context-parallel rank", cfg.seq_len // self.cp)
         if cfg.num_experts:
             check_divides("ep", self.ep, "num_experts", cfg.num_experts)
-            if self.sequence_parallel:
-                raise ValueError("sequence_parallel=True with MoE layers: each tensor-parallel "
-                                 "rank would route other tokens through replicated experts "
-                                 "(not composed yet); use sequence_parallel=False")
         elif self.ep > 1:
             raise ValueError(f"ep = {self.ep} spreads experts, but the model is dense "
                              "(num_experts = 0)")

@@ -188,6 +188,17 @@ class _GatherFromSequence(torch.autograd.Function):
         return _reduce_scatter_sequence(grad, ctx.group), None
 
 
+class _GatherSequenceForReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # every rank computed the same gradient of the whole sequence
+        return _split_sequence(grad, ctx.group), None
+
+
 class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -230,6 +241,14 @@ def scatter_to_sequence_parallel(x: torch.Tensor, group=None, dim: int = 1) -> t
 def gather_from_sequence_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
     """All-gather the sequence forward, reduce-scatter the gradient backward."""
     return _GatherFromSequence.apply(x, group)
+
+
+def gather_sequence_for_replicated(x: torch.Tensor, group=None) -> torch.Tensor:
+    """All-gather the sequence forward, for a computation every rank repeats whole on it
+    (weights replicated over the group, e.g. an MoE layer's whole experts); backward keeps
+    this rank's slice of the gradient, which every rank computed the same (Megatron-LM's
+    ``gather_from_sequence_parallel_region(tensor_parallel_output_grad=False)``)."""
+    return _GatherSequenceForReplicated.apply(x, group)
 
 
 def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
