@@ -180,8 +180,9 @@ def parser() -> argparse.ArgumentParser:
                    help="auto: bf16 autocast on a GPU, fp32 on the CPU; MFU uses this "
                         "precision's peak (default: %(default)s)")
     p.add_argument("--compress", default=d.compress, metavar="SPEC",
-                   help="gradient compression of DDP's all-reduce over dp x cp (--zero 0, "
-                        "--pp 1, --ep 1), one of fp16, bf16, topk:RATIO, randomk:RATIO, "
+                   help="gradient compression of the dense gradients' all-reduce over dp x "
+                        "cp (--zero 0: DDP's, or a pipeline stage's at the step, also beside "
+                        "spread experts), one of fp16, bf16, topk:RATIO, randomk:RATIO, "
                         "powersgd:RANK (default: none)")
     p.add_argument("--trace", default=d.trace, metavar="PATH",
                    help="write a Chrome trace of the last step there (default: none)")

@@ -226,7 +226,8 @@ def check_composed_compress(cfg) -> None:
 
 class ComputeTimer:
     """A loop hook: one ``FB`` compute event per step, from the step's start to the end of
-    its backward (gradients reduced), on this rank's :class:`engine.clock.Clock`."""
+    its backward (with DDP and ZeRO-2/3 the gradients reduced; a ZeRO-0/1 optimizer reduces
+    at the step, after it), on this rank's :class:`engine.clock.Clock`."""
 
     def __init__(self, device, rank: int):
         self.clock, self.rank, self.start, self.events = Clock(device), rank, None, []

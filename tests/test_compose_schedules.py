@@ -185,3 +185,48 @@ def test_engine_train_runs_zero3_under_zb_h1(capsys):
     assert max(abs(a - b) for a, b in zip(alone, zero3)) <= TOLERANCE, (alone, zero3)
     dp = re.findall(r"dp ([\d,]+) B = ([\d,]+) B", out)
     assert len(dp) == 4 and all(a == b for a, b in dp), dp
+
+
+def _zero2_small_buckets_under_w(rank, world_size):
+    from engine.comm.meter import CommMeter
+    from engine.compose.formulas import layout_formulas
+    from engine.compose.state import dense_state
+    from engine.compose.traffic import bytes_by_kind
+    from engine.topology import Mesh
+
+    found = {}
+    for name in ("zb_h1", "zb_v"):
+        plan = Plan(dp=2, pp=2, zero=2, schedule=name, micro_batches=MICRO_BATCHES)
+        plan.check(MODEL, ZERO3_ROWS)
+        mesh = Mesh(dp=2, pp=2)
+        par = parallelize(GPT(MODEL, seed=SEED), mesh, plan, torch.optim.AdamW, lr=LR,
+                          bucket_cap_mb=0.004)  # ~4 KB: a stage's parameters in many buckets
+        late = par.optimizer.grad_sharding.late_buckets
+        with CommMeter(count="wire") as meter:
+            losses = train(par, STEPS, ZERO3_ROWS, seed=SEED + 1)
+        rows = ZERO3_ROWS // (plan.dp * plan.micro_batches)
+        found[name] = {"losses": losses, "state": dense_state(par),
+                       "buckets": (len(late), len(par.optimizer.buckets)),
+                       "dp": bytes_by_kind(meter.events, mesh, False)["dp"],
+                       "formula": layout_formulas(par, rows, STEPS)["dp"].bytes}
+    return found
+
+
+def test_zero2_with_many_buckets_under_w_actions_sends_its_formula():
+    """ZeRO-2 under ZB-H1 and ZB-V with buckets of ~4 KB (many a stage, some holding one
+    chunk's parameters, some another's): the buckets holding linear weights wait for W, and
+    each W reduce-scatters every one of them (engine.zero.late), as each backward pass does
+    every bucket, so the dp bytes counted equal the formula's m x chunks reduce-scatters of
+    every bucket whatever the buckets hold; losses and parameters within 1e-6 of one process
+    (a different order of sums, not exact)."""
+    ranks = run_ranks(_zero2_small_buckets_under_w, 4, timeout=240)
+    losses, state = _one_process(MODEL, STEPS, ZERO3_ROWS)
+    for rank in ranks:
+        for name, run in rank.items():
+            late, buckets = run["buckets"]
+            assert buckets > 4 and 0 < late <= buckets, (name, run["buckets"])
+            assert max(abs(a - b) for a, b in zip(run["losses"], losses, strict=True)) \
+                <= TOLERANCE, (name, run["losses"], losses)
+            diff = max((t - state[n]).abs().max().item() for n, t in run["state"].items())
+            assert run["state"] and diff <= TOLERANCE, (name, diff)
+            assert run["dp"] == run["formula"], (name, run["dp"], run["formula"])

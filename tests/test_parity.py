@@ -33,7 +33,8 @@ EXPECTED = [*EXPECTED, *(f"{name} varlen" for name in EXPECTED), "dp2xtp2 untied
             "tp2 sp untied varlen", *MOE, *(f"{name} varlen" for name in MOE),
             "dp2xpp2 zb_h1 zero3 varlen",  # ZeRO-3 under W actions: one row (4 s)
             "dp2xpp2 zb_h1 zero2", "dp2xpp2 zb_v zero3", "moe dp2xep2xpp2 zb_h1 zero1",
-            "moe cp2xep2xpp2 ring-zigzag dualpipe_v zero1"]  # W actions (parity.W_ROWS)
+            "moe cp2xep2xpp2 ring-zigzag dualpipe_v zero1",  # W actions (parity.W_ROWS)
+            "cp2xtp2xpp2 ring-zigzag zb_v zero3 varlen"]
 
 
 def test_no_row_is_missing():

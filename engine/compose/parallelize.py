@@ -24,7 +24,8 @@ compile, then FSDP): each step changes modules the next one wraps, never the oth
    dense parameters and saw other tokens), :func:`apply_data_parallel`: ZeRO-0 is
    :class:`engine.dp.DataParallel`, ZeRO-1/2 :class:`engine.zero.ZeroOptimizer`, ZeRO-3
    :class:`engine.zero.ZeroDataParallel` (FSDP; over a tensor-parallel model: the 2D layout);
-   ``plan.compress``: DDP's all-reduce through a compressor (:mod:`engine.compress`).
+   ``plan.compress``: the all-reduce of ZeRO-0 through a compressor (:mod:`engine.compress`):
+   DDP's, or the stage-0 optimizer's (a pipeline; expert parallelism).
    Each averages over the group; :mod:`engine.compose.loss` scales the loss to match. In a
    pipeline ZeRO-0 is :class:`engine.zero.ZeroOptimizer` at stage 0 (one all-reduce at the
    step: the schedule runs many backward passes, some of weights only); ZeRO-3 is

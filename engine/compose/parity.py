@@ -112,6 +112,10 @@ W_ROWS = [Row(_p(dp=2, pp=2, schedule="zb_h1", zero=2)),
           Row(_p(dp=2, pp=2, schedule="zb_v", zero=3), layers=4),
           Row(_p(dp=2, ep=2, pp=2, schedule="zb_h1", zero=1), moe=True),
           Row(Plan(cp=2, ep=2, pp=2, schedule="dualpipe_v", zero=1, micro_batches=4), moe=True,
+              layers=4),
+          # a row-parallel bias's gradient comes in B, its weight's in W: each W reduces only
+          # the units it filled (a chunk-0 W reducing a chunk-1 unit early sent 63 KB more)
+          Row(Plan(cp=2, tp=2, pp=2, schedule="zb_v", zero=3, micro_batches=4), varlen=True,
               layers=4)]
 ROWS_PHASE_1 = [Row(plan, varlen) for varlen in (False, True) for plan in PHASE_1] + \
     [Row(plan, varlen, layers=4) for varlen in (False, True) for plan in MULTI_CHUNK] + \

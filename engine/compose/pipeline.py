@@ -148,8 +148,9 @@ def sharded_weight_grads(holders: list):
     :class:`engine.zero.ZeroDataParallel`, ZeRO-2's :class:`engine.zero.stage2.
     GradientSharding`; :func:`engine.compose.parallelize.defer_linear_gradients`). Each stashed
     layer's ``dW = dY^T X`` and ``db = sum dY`` go into its holder's gradient buffer (ZeRO-3:
-    no weight needed, the unit stays freed), then every holder reduce-scatters what it holds,
-    one per chunk and micro-batch, as a B action does under 1F1B; a layer no holder owns (an
+    no weight needed, the unit stays freed), then every holder reduce-scatters
+    (:meth:`engine.zero.late.LateGradients.reduce_late_grads`: ZeRO-2 every late bucket, as
+    each B does under 1F1B, ZeRO-3 the units this W filled); a layer no holder owns (an
     expert under a ZeRO-1 optimizer) gets its ``.grad`` as without sharding."""
     if not holders:
         return apply_weight_grads
@@ -198,7 +199,7 @@ def pipeline_backward(par, micro: list, global_tokens: int) -> torch.Tensor:
                                         loss_fn, stage=mesh.coords.pp, group=mesh.pp_group,
                                         placement=spec.placement,
                                         weight_grads=sharded_weight_grads(par.late_gradients))
-    for holder in par.late_gradients:  # a backward not split into B and W (none in ZB-H1's
-        holder.reduce_late_grads()  # pattern) leaves its gradients in a late buffer
+    for holder in par.late_gradients:  # a backward not split into B and W leaves its
+        holder.flush_late_grads()  # gradients in a late buffer
     local = torch.stack(sums).sum() if sums else torch.zeros(())
     return local.to(micro[0].mask.device)

@@ -89,9 +89,14 @@ def store_in_a_process(timeout_s: float, start_timeout_s: float = 30.0, context=
                              args=(timeout_s, port, port_ready))
     server.start()
     try:
-        if not port_ready.wait(start_timeout_s):
-            raise TimeoutError(f"the store process did not serve within {start_timeout_s:g} s "
-                               f"(exit code {server.exitcode})")
+        deadline = time.monotonic() + start_timeout_s
+        while not port_ready.wait(0.05):  # a store process that dies is reported at once
+            if not server.is_alive():
+                raise RuntimeError(f"the store process exited (code {server.exitcode}) "
+                                   "before serving")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the store process did not serve within "
+                                   f"{start_timeout_s:g} s")
         yield dist.TCPStore(HOST, port.value, is_master=False,
                             timeout=datetime.timedelta(seconds=timeout_s))
     finally:

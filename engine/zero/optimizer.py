@@ -117,7 +117,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _average_gradients(self) -> list[torch.Tensor]:
         """This rank's shard of the averaged gradient, per bucket."""
         if self.grad_sharding is not None:  # stage 2: reduced during backward already
-            self.grad_sharding.reduce_late_grads()  # (a full backward left in a late bucket)
+            self.grad_sharding.flush_late_grads()  # (a full backward left in a late bucket)
             return self.grad_sharding.shard_grads()
         shards = []
         for b in self.buckets:
@@ -175,10 +175,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         inner optimizer's, and fp32 master weights in mixed precision). With ``offload`` the
         optimizer state and the masters are in host memory: ``offloaded``."""
         grads = [p.grad for b in self.buckets for p in b.params if p.grad is not None]
-        if self.grad_sharding is not None:  # stage 2: the shards of the gradients
-            grads += self.grad_sharding.shard_grads()
+        if self.grad_sharding is not None:  # stage 2: the shards of the gradients (and the
+            grads += self.grad_sharding.shard_grads() + self.grad_sharding.late_buffers()  # W)
         state = optimizer_tensors(self.inner) + (self.masters if self.separate_masters else [])
-        kept = list(self.compressor.state_tensors()) if self.compressor is not None else []
+        kept = list(getattr(self.compressor, "state_tensors", list)())  # a function: none
         return StateTensors(params=[b.flat for b in self.buckets], grads=grads,
                             optimizer=[] if self.offload else state, buffers=kept,
                             offloaded=state if self.offload else [])

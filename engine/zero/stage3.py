@@ -21,10 +21,10 @@ Parameters that are not in any unit, or that two units share (tied embeddings), 
 *root* unit: gathered when the forward starts and freed when the backward ends.
 
 In a zero-bubble pipeline (Qi et al. 2024) B gives a linear layer's input gradient only and
-W its weight gradient later, outside autograd: :meth:`ZeroDataParallel.defer_gradients` names
-those units; B frees them as soon as it has used their weights, W adds ``dW = dY^T X`` to their
-buffers (:meth:`~ZeroDataParallel.add_late_grad`, no gather: W needs no weight) and
-:meth:`~ZeroDataParallel.reduce_late_grads` reduce-scatters them.
+W its weight gradient later, outside autograd: those units wait for W
+(:class:`engine.zero.late.LateGradients`); B frees them as soon as it has used their weights,
+W adds ``dW = dY^T X`` to their buffers (no gather: W needs no weight), and each W
+reduce-scatters the units it filled.
 
 Under bf16 autocast the bf16 casts of a unit's weights are not kept from forward to backward
 (:mod:`engine.zero.recast`): backward casts again from the re-gathered unit, so what is
@@ -46,6 +46,7 @@ from engine.memory import (StateBytes, StateTensors, count_state_bytes, mark_hel
                            optimizer_tensors)
 from engine.validation import boolean
 from engine.zero.flat import ShardedBucket, check_params
+from engine.zero.late import LateGradients
 from engine.zero.recast import drop_autocast_cache, recast_in_backward
 
 _EMPTY = torch.empty(0)
@@ -92,7 +93,7 @@ class _Unit(ShardedBucket):
             p.data = _EMPTY.to(dtype=p.dtype, device=p.device)
 
 
-class ZeroDataParallel(nn.Module):
+class ZeroDataParallel(LateGradients, nn.Module):
     """ZeRO stage 3: ``model = ZeroDataParallel(module, torch.optim.AdamW, lr=1e-3)``; then
     ``loss = model(x)...; loss.backward(); model.optimizer.step(); model.optimizer.zero_grad()``.
 
@@ -144,7 +145,6 @@ class ZeroDataParallel(nn.Module):
         # units launch their reduce-scatter as soon as their gradients are complete (the
         # reverse of the forward's order, the same on every rank); unused ones and the root
         # at the end of backward
-        self.late_units: list[_Unit] = []  # gradients outside autograd: defer_gradients
         self._through: dict[_Unit, set] = {}  # a late unit's parameters through a backward
         self.launcher = BucketLauncher(self.all_units, ordered=False, launch=self._launch,
                                        finish=self._finish_unit)
@@ -235,12 +235,15 @@ class ZeroDataParallel(nn.Module):
         self._root_held = True
         try:
             yield
+        except BaseException:  # a failed step: nothing of it is kept
+            root.buffer = None
+            raise
         finally:
             self._root_held = False
-        if root.buffer is not None:
-            root.start_reduce_scatter(self.group).wait()
-            root.add_reduced_grad()
-        self._free(root, "end of pipeline step")
+            if root.buffer is not None:  # the step's gradients of the root, once
+                root.start_reduce_scatter(self.group).wait()
+                root.add_reduced_grad()
+            self._free(root, "end of pipeline step")
 
     def _before_forward(self, unit: _Unit) -> None:
         if not torch.is_grad_enabled() and unit.full is not None:
@@ -312,35 +315,20 @@ class ZeroDataParallel(nn.Module):
             unit.finish_gather()
         self._free(unit, "end of backward")
 
-    # -- gradients that arrive outside autograd (a zero-bubble pipeline's W actions) ---------
+    # -- gradients that arrive outside autograd (engine.zero.late) --------------------------
 
-    def defer_gradients(self, params) -> None:
-        """The units holding ``params`` get (some of) their gradients outside autograd, through
-        :meth:`add_late_grad` (the W actions of Qi et al., "Zero Bubble Pipeline Parallelism",
-        2024: ``dW = dY^T X``, which needs no weight). The end of a backward frees such a unit
-        as any other but keeps its gradient buffer; :meth:`reduce_late_grads` reduce-scatters
-        it once the late gradients are in."""
-        late = {self.launcher.bucket_of[p] for p in params if p in self.launcher.bucket_of}
-        self.late_units = [u for u in self.all_units if u in late]  # one order on every rank
+    reduce_every_late_bucket = False  # after a W: the units it filled (one chunk's)
 
-    def add_late_grad(self, p: nn.Parameter, grad: torch.Tensor) -> None:
-        """Add ``grad`` (``p``'s shape) to ``p``'s place in its unit's gradient buffer."""
-        unit = self.launcher.bucket_of.get(p)
-        if unit not in self.late_units:
-            raise ValueError(f"a gradient of shape {tuple(grad.shape)} came outside autograd "
-                             "for a parameter not declared with defer_gradients (its unit "
-                             f"{getattr(unit, 'name', None)!r} was reduce-scattered already)")
-        if unit.buffer is None:
-            unit.buffer = unit.new_flat()
-        unit.view_of(p, unit.buffer).add_(grad)
+    @property
+    def late_units(self) -> list[_Unit]:
+        """The units whose gradients (some of them) come in W actions (defer_gradients)."""
+        return self.late_buckets
 
-    def reduce_late_grads(self) -> None:
-        """Reduce-scatter every late unit holding gradients, in the units' order (the same on
-        every rank of the group), into its shard; the full gradients are dropped."""
-        for unit in self.late_units:
-            if unit.buffer is not None and not self._held(unit):
-                unit.start_reduce_scatter(self.group).wait()
-                unit.add_reduced_grad()
+    def late_order(self) -> list[_Unit]:
+        return self.all_units
+
+    def may_reduce(self, unit: _Unit) -> bool:
+        return not self._held(unit)  # a held root: reduce-scattered at root_gathered's end
 
     # -- measuring ------------------------------------------------------------------------------
 
@@ -352,13 +340,12 @@ class ZeroDataParallel(nn.Module):
             [u.full for u in self.all_units if u.full is not None]
         optim = optimizer_tensors(self.optimizer.inner) + \
             [u.master for u in self.all_units if u.master.dtype != u.shard.dtype]
-        return StateTensors(params=params, grads=[u.shard_grad for u in self.all_units],
-                            optimizer=optim)
+        return StateTensors(params=params, grads=[u.shard_grad for u in self.all_units] +
+                            self.late_buffers(), optimizer=optim)
 
     def state_bytes(self) -> StateBytes:
         """Bytes this rank holds, each storage counted once."""
         return count_state_bytes(self.state_tensors())
-
 
 
 class _ShardOptimizer:
@@ -380,6 +367,7 @@ class _ShardOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         for unit in self.model.all_units:
             unit.shard_grad.zero_()
+        self.model.drop_late_grads()  # what a step that failed part-way left for W
 
     @property
     def param_groups(self):
