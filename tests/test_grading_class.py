@@ -8,6 +8,7 @@ Fast on purpose: a few exercises (``--only``) and a time limit of a few seconds.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -143,12 +144,20 @@ def test_a_stopped_run_leaves_a_parseable_junit_and_no_process(tmp_path, stop):
     xml = tmp_path / "dave.xml"
     env = {**os.environ, "DRILL_SCORES": str(tmp_path / "learner" / "drill.json")}
     proc = _grading(root, "--timeout", "300", "--junit", str(xml), env=env)
-    _wait_for(xml, proc)
-    time.sleep(0.5)  # the looping exercise's process is started
-    started = descendants(proc.pid)
-    assert started
-    proc.send_signal(stop)
-    out, _ = proc.communicate(timeout=60)
+    started = []
+    try:
+        _wait_for(xml, proc)
+        time.sleep(0.5)  # the looping exercise's process is started
+        started = descendants(proc.pid)
+        assert started
+        proc.send_signal(stop)
+        out, _ = proc.communicate(timeout=60)
+    finally:  # a failure here must not leave the run behind for the next tests to find
+        if proc.poll() is None:
+            for pid in [proc.pid, *descendants(proc.pid)]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            proc.communicate()
     cases = ET.parse(xml).getroot().findall("./testsuite/testcase")
     assert {c.get("classname") for c in cases} == {"ch09.online_softmax"}
     assert len(cases) == 3 and all(c.find("failure") is None for c in cases)

@@ -147,6 +147,11 @@ def _replica_tensor(replica: int, case: int) -> torch.Tensor:
     return torch.arange(6, dtype=torch.float32) * (replica + 1) + 10 * replica + case
 
 
+# how Gloo says a peer is gone: closed or reset while this rank reads, or never came
+PEER_GONE = ("Connection closed", "Read error", "Connection reset", "Broken pipe", "imed out",
+             "Timeout")
+
+
 def _quorum_on_rank(rank, world_size, port, impl, timeout_s):
     store = dist.TCPStore("127.0.0.1", port, is_master=False,
                           timeout=datetime.timedelta(seconds=timeout_s + 5))
@@ -165,7 +170,7 @@ def _quorum_on_rank(rank, world_size, port, impl, timeout_s):
         except NotImplementedError:
             raise
         except RuntimeError as e:  # a peer gone: the group waited on, or paired with, an absent one
-            if not any(w in str(e) for w in ("Connection closed", "imed out", "Timeout")):
+            if not any(w in str(e) for w in PEER_GONE):
                 raise
             out.append(dict(error=str(e).splitlines()[0][:160]))
             continue
