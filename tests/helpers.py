@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from multiprocessing import resource_tracker
 from pathlib import Path
 
@@ -94,3 +95,11 @@ def is_running(pid: int) -> bool:
     except OSError:
         return False
     return fields[0] != "Z"
+
+
+def default_sigint() -> None:
+    """``preexec_fn`` for a child a test stops with SIGINT: SIGINT's default action, whatever
+    this process inherited (a job started in the background by a non-interactive shell, as
+    ``cmd &`` in a script, ignores SIGINT, and its children inherit that: a bash script cannot
+    even trap it then, and Python raises no KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

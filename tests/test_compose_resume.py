@@ -45,7 +45,19 @@ FAMILIES = {  # name: (plan, moe, varlen)
     # the compressor of a pipeline stage's step all-reduce (its PowerSGD warm start)
     "dp2xpp2 compress powersgd": (Plan(dp=2, pp=2, zero=0, compress="powersgd:1",
                                        micro_batches=2), False, False),
+    "tp2 sp": (Plan(tp=2, sequence_parallel=True, micro_batches=2), False, False),
+    # two chunks a rank (4 layers), the tied embedding a ZeRO-3 root held through the step
+    "dp2xpp2 zb_v zero3": (Plan(dp=2, pp=2, zero=3, schedule="zb_v", micro_batches=2), False,
+                           False),
 }
+
+
+def model_config(plan: Plan, moe: bool):
+    """The parity matrix's model (MoE: its experts), with 4 layers under a schedule holding
+    two chunks a rank."""
+    cfg = replace(MODEL, **MOE) if moe else MODEL
+    two_chunks = plan.pp > 1 and plan.schedule in ("interleaved", "zb_v", "dualpipe_v")
+    return replace(cfg, layers=4) if two_chunks else cfg
 
 
 def _build(plan: Plan, moe: bool):
@@ -55,7 +67,7 @@ def _build(plan: Plan, moe: bool):
     from engine.topology import Mesh
 
     mesh = Mesh(dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp, ep=plan.ep)
-    cfg = replace(MODEL, **MOE) if moe else MODEL
+    cfg = model_config(plan, moe)
     gpt = GPT(cfg, seed=0, expert_group=single_rank_group() if moe else None)
     return parallelize(gpt, mesh, plan, torch.optim.AdamW, lr=1e-3)
 
@@ -181,7 +193,7 @@ def _check_join(family, directory):
     from engine.compose.reshard import universal_state
 
     plan, moe, _ = family
-    cfg = replace(MODEL, **MOE) if moe else MODEL
+    cfg = model_config(plan, moe)
     if plan.compress:
         with pytest.raises(CheckpointError, match=f"--compress {plan.compress}"):
             universal_state(directory, cfg)

@@ -132,7 +132,9 @@ def test_an_interrupted_check_still_ends_in_a_summary(tmp_path):
     env = dict(os.environ, GPU_CHECK_PYTHON=str(python), GPU_CHECK_BUDGET_S="290",
                GPU_CHECK_LOGS=str(tmp_path / "logs"))
     proc = subprocess.Popen(["bash", str(SCRIPT)], stdout=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+                            start_new_session=True,  # SIGINT's default action, even if
+                            # this run inherited it ignored (tests.helpers.default_sigint)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not _sleeping_under(proc.pid):

@@ -27,6 +27,7 @@ from engine.grading import run_checks
 from engine.grading.__main__ import main as grade_main
 from engine.grading.isolated import DEFAULT_TIMEOUT_S, SLOWEST_SOLUTION_S, run_isolated
 from engine.grading.progress import Attempts, attempts_path, root_scores_path
+from tests.helpers import default_sigint
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOP = "def merge(out_1, lse_1, out_2, lse_2):\n    while True:  # lines 2 and 3\n        pass\n"
@@ -115,7 +116,7 @@ def _grading(root: Path, *extra: str, env: dict) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "engine.grading", "--root", str(root),
                              "--only", "ch09.online_softmax,ch09.zigzag_indices", *extra],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=default_sigint)
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, seconds: float = 120) -> None:
