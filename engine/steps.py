@@ -45,7 +45,6 @@ PRECISIONS = ("fp32", "bf16")
 TRAINER_SCHEDULES = ("1f1b", "gpipe")
 SCHEDULES = {name: PIPELINE_SCHEDULES[name].make for name in TRAINER_SCHEDULES}
 GROUP_KINDS = ("dp", "tp", "pp", "embedding")  # what traffic_by_group always reports
-MESH_DIMENSIONS = ("dp", "cp", "ep", "tp", "pp")  # engine.topology.Mesh's degrees
 
 
 def trainer_schedule(name: str, p: int, m: int):
@@ -75,10 +74,7 @@ def global_batch(cfg: GPTConfig, mesh: Mesh, microbatches: int, micro_batch: int
 
 def traffic_by_group(events, mesh: Mesh, more: dict | None = None) -> dict[str, int]:
     """The default :attr:`Strategy.traffic`: bytes sent, by the kind of mesh group each op
-    went through. An event sent for a said purpose (:class:`engine.comm.comm_purpose`:
-    Ulysses', ring and all-gather attention's ``cp``, the MoE dispatch's ``ep``) counts under
-    it when :func:`purpose_names_kind`, as :func:`engine.compose.traffic.kind_of` reads it
-    first. Otherwise point-to-point traffic is the pipeline's (``pp``); a collective is ``dp``,
+    went through. Point-to-point traffic is the pipeline's (``pp``); a collective is ``dp``,
     ``tp`` or ``embedding`` by its group's ranks (the pp and embedding groups can hold the
     same two ranks: collectives there are the tied embedding's), or one of the strategy's
     ``more`` groups (kind -> group: expert parallelism's ``ep`` and ``expert-dp``), ``other``
@@ -88,26 +84,14 @@ def traffic_by_group(events, mesh: Mesh, more: dict | None = None) -> dict[str, 
     kinds = {ops.group_ranks(g): kind for kind, g in groups.items() if g is not None}
     traffic = dict.fromkeys(GROUP_KINDS, 0)
     for event in events:
-        if purpose_names_kind(event.purpose, groups, mesh):
-            kind = event.purpose
-        elif event.op in ("send", "recv", "isend", "irecv"):  # the older paths send point
-            kind = "pp"  # to point for the pipeline only
-        elif event.op == "all_to_all" and "ep" in groups:  # dispatch and combine, even when
+        point_to_point = event.op in ("send", "recv", "isend", "irecv")
+        kind = kinds.get(event.group, "other")
+        if point_to_point:  # the older paths send point to point for the pipeline only
+            kind = "pp"
+        if event.op == "all_to_all" and "ep" in groups:  # dispatch and combine, even when
             kind = "ep"  # the expert-parallel group is every rank
-        else:
-            kind = kinds.get(event.group, "other")
         traffic[kind] = traffic.get(kind, 0) + event.bytes_sent
     return traffic
-
-
-def purpose_names_kind(purpose: str, groups: dict, mesh: Mesh) -> bool:
-    """Whether an event's ``purpose`` names the kind :func:`traffic_by_group` counts it
-    under: one of the kinds of ``groups`` (the strategy's and the mesh's), or a dimension of
-    ``mesh`` with more than one rank (``cp``: the older paths name no cp group); ``""``, not
-    said, names none."""
-    if not purpose:
-        return False
-    return purpose in groups or (purpose in MESH_DIMENSIONS and getattr(mesh, purpose) > 1)
 
 
 @dataclass

@@ -314,9 +314,10 @@ def test_join_puts_back_together_what_the_table_cuts():
 
 def test_the_composed_engine_reads_the_same_table_and_grouped_query_heads_join_back():
     from engine.compose import state
-    from engine.tp.layout import TP_SPLIT, heads_slice, join, qkv_sizes
+    from engine.tp import layout
+    from engine.tp.layout import heads_slice, join, qkv_sizes
 
-    assert state.TP_SPLIT is TP_SPLIT and state.QKV == TP_SPLIT["attn.qkv.weight"]
+    assert state.split_dim is layout.split_dim and state.heads_joined is layout.heads_joined
     sizes = qkv_sizes(heads=4, kv_heads=2, head_dim=3)  # q 12 rows, k 6, v 6
     whole = torch.arange(24.0).unsqueeze(1).repeat(1, 5)
     slices = [heads_slice(whole, 2, r, sizes) for r in range(2)]

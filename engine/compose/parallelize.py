@@ -80,6 +80,7 @@ from engine.pp.registry import build_schedule
 from engine.topology import Mesh
 from engine.tp.layers import (ColumnParallelLinear, RowParallelLinear,
                               SequenceParallelLayerNorm, VocabParallelEmbedding)
+from engine.tp.layout import heads_slice
 from engine.zero import ZeroDataParallel, ZeroOptimizer
 
 
@@ -123,8 +124,6 @@ class Parallel:
 def qkv_heads_slice(whole: torch.Tensor, sizes: list[int], t: int, rank: int) -> torch.Tensor:
     """Rank ``rank``'s rows of a fused ``[q | k | v]`` weight or bias (``sizes``: the rows of
     q, k and v): :func:`engine.tp.layout.heads_slice`, the one cut, with ``sizes`` first."""
-    from engine.tp.layout import heads_slice
-
     return heads_slice(whole, t, rank, sizes)
 
 

@@ -154,10 +154,10 @@ def sharded_weight_grads(holders: list):
     expert under a ZeRO-1 optimizer) gets its ``.grad`` as without sharding."""
     if not holders:
         return apply_weight_grads
+    owner = {p: h for h in holders for p in h.launcher.bucket_of}
 
     @torch.no_grad()  # X may require grad (a stage's input): dW must not enter a graph
     def weight_grads(stash: list) -> None:
-        owner = {p: h for h in holders for p in h.launcher.bucket_of}
         apply_weight_grads([s for s in stash if s[2] not in owner])
         for x, grad_out, weight, bias in stash:
             if weight not in owner:

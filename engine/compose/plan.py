@@ -153,7 +153,7 @@ class Plan:
         if self.pp > 1:
             one_of("schedule", self.schedule, tuple(SCHEDULES))
             try:  # the schedule's own demands (DualPipeV: m >= 2p; interleaved: p divides m)
-                schedule = build_schedule(self.schedule, self.pp, self.micro_batches)[0]
+                build_schedule(self.schedule, self.pp, self.micro_batches)
             except ValueError as e:
                 raise ValueError(f"schedule {self.schedule!r} on pp = {self.pp} with "
                                  f"micro_batches = {self.micro_batches}: {e}") from None

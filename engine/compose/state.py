@@ -17,11 +17,9 @@ import torch
 from engine.comm import ops
 from engine.compose.parallelize import Parallel
 from engine.tp.blocks import gather_dim
-from engine.tp.layout import HEADS, TP_SPLIT, heads_joined, qkv_sizes, split_dim
+from engine.tp.layout import HEADS, heads_joined, qkv_sizes, split_dim
 from engine.zero import ZeroDataParallel
 
-QKV = HEADS  # its name here before the one table: the fused [q | k | v], cut by heads
-__all__ = ["QKV", "TP_SPLIT", "local_tensors", "join_tp", "global_expert_name", "dense_state"]
 _EXPERT = re.compile(r"blocks\.(\d+)\.moe\.experts\.(\d+)\.(.*)")
 
 

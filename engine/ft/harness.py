@@ -1,12 +1,12 @@
 """Three replica groups, one killed and restarted: the fault-tolerance experiment, and its
 reference.
 
-:func:`run_with_failure` serves a ``TCPStore`` from a process of its own (the launcher's
-:func:`engine.launch.rank.store_main`: not this process, whose store thread a forked rank could
-inherit mid-lock), forks ``replicas`` replica groups of ``group_size`` ranks each, and lets every rank of group ``kill[0]`` SIGKILL itself
-at step ``kill[1]``,
-after it joined the quorum and computed its gradient and just before the all-reduce: the
-worst moment for the others, whose all-reduce fails mid-step. The survivors are not restarted:
+:func:`run_with_failure` serves a ``TCPStore`` from a process of its own
+(:func:`store_in_a_process`: not this process, whose store thread a forked rank could inherit
+mid-lock), forks ``replicas`` replica groups of ``group_size`` ranks each, and lets every rank
+of group ``kill[0]`` SIGKILL itself at step ``kill[1]``, after it joined the quorum and
+computed its gradient and just before the all-reduce: the worst moment for the others, whose
+all-reduce fails mid-step. The survivors are not restarted:
 they abort that round and redo the step without it. Once they have committed
 ``restart_after`` more steps, the killed replica is started again (incarnation 1); it joins a
 later round and receives the state from a live peer. Every process is killed in a ``finally``

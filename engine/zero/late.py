@@ -33,7 +33,8 @@ class LateGradients:
     (its buckets in one order on every rank) and may refuse to reduce a bucket yet
     (:meth:`may_reduce`)."""
 
-    late_buckets: tuple | list = ()  # a list once defer_gradients names some
+    late_buckets: tuple | list = ()  # a list once defer_gradients names some, in order
+    _late: frozenset | set = frozenset()  # the same, for membership tests in backward hooks
     _filled: tuple | list = ()  # the late buckets the current W has added to
     reduce_every_late_bucket = True  # ZeRO-2: after each W; False (ZeRO-3): those W filled
 
@@ -48,12 +49,20 @@ class LateGradients:
         through :meth:`add_late_grad`."""
         late = {self.launcher.bucket_of[p] for p in params if p in self.launcher.bucket_of}
         self.late_buckets = [b for b in self.late_order() if b in late]
-        self._filled: list = []
+        self._late, self._filled = late, []
+
+    def is_late(self, bucket) -> bool:
+        return bucket in self._late
+
+    def waits(self, bucket) -> bool:
+        """Whether the end of a backward pass leaves ``bucket``'s gradients in its buffer
+        rather than reduce-scattering them: late (W reduces it) or not to be reduced yet."""
+        return bucket in self._late or not self.may_reduce(bucket)
 
     def add_late_grad(self, p: nn.Parameter, grad: torch.Tensor) -> None:
         """Add ``grad`` (``p``'s shape) to ``p``'s place in its bucket's gradient buffer."""
         bucket = self.launcher.bucket_of.get(p)
-        if bucket not in self.late_buckets:
+        if not self.is_late(bucket):
             raise ValueError(f"a gradient of shape {tuple(grad.shape)} came outside autograd "
                              "for a parameter not declared with defer_gradients (its bucket "
                              f"{getattr(bucket, 'name', '')!r} was reduce-scattered already)")

@@ -47,12 +47,12 @@ class GradientSharding(LateGradients):
         self.launcher.grad_ready(p)
 
     def _launch(self, bucket: FlatBucket):
-        if bucket in self.late_buckets:  # W reduce-scatters it (reduce_late_grads)
+        if self.waits(bucket):  # W reduce-scatters it (reduce_late_grads)
             return NOTHING_LAUNCHED
         return bucket.start_reduce_scatter(self.group)
 
     def _finish(self, bucket: FlatBucket) -> None:
-        if bucket not in self.late_buckets:  # a late bucket keeps its buffer for W
+        if not self.waits(bucket):  # a late bucket keeps its buffer for W
             bucket.add_reduced_grad()
 
     def shard_grads(self) -> list[torch.Tensor]:

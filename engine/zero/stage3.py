@@ -282,17 +282,17 @@ class ZeroDataParallel(LateGradients, nn.Module):
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         unit = self.launcher.bucket_of[p]
-        if unit in self.late_units:
+        if self.is_late(unit):
             self._through_backward(unit, p)
             return
-        unit.accumulate_grad(p)  # the root waits for the end; a late unit for its late grads
-        self.launcher.grad_ready(p, launch=unit is not self.root and unit not in self.late_units)
+        unit.accumulate_grad(p)
+        self.launcher.grad_ready(p, launch=unit is not self.root)  # the root waits for the end
         if unit.work is not None:  # its gradients are on their way: its parameters can go
             self._free(unit, "after backward")
 
     def _launch(self, unit: _Unit):
-        if unit in self.late_units or self._held(unit):  # reduced once its late gradients
-            return NOTHING_LAUNCHED  # are in (defer_gradients), or at root_gathered's end
+        if self.waits(unit):  # reduced once its late gradients are in (engine.zero.late), or
+            return NOTHING_LAUNCHED  # at root_gathered's end
         return unit.start_reduce_scatter(self.group)
 
     def _through_backward(self, unit: _Unit, p: nn.Parameter) -> None:
@@ -309,7 +309,7 @@ class ZeroDataParallel(LateGradients, nn.Module):
 
     def _finish_unit(self, unit: _Unit) -> None:
         self._through.pop(unit, None)
-        if unit not in self.late_units and not self._held(unit):  # else it keeps its buffer
+        if not self.waits(unit):  # else it keeps its buffer
             unit.add_reduced_grad()
         if unit.pending is not None:  # prefetched, but its backward never came
             unit.finish_gather()
