@@ -86,15 +86,19 @@ def _learner_is_calling() -> bool:
     return False
 
 
-def _stand_in(original: Callable, path: str, exercise: Exercise) -> Callable:
+def _stand_in(original: Callable, path: str, exercise: Exercise, hard: bool = False) -> Callable:
     message = (f"{exercise.name} is being graded: {path} is the engine's own answer to it and "
                f"is switched off; write it yourself (check(\"{exercise.name}\", hint=2) names "
                "the tools to use)")
 
-    def blocked(*args, **kwargs):
-        if _learner_is_calling():
+    if hard:  # the worker's: nobody calls the original, and the stand-in does not hold it
+        def blocked(*args, **kwargs):
             raise EngineAnswerBlocked(message)
-        return original(*args, **kwargs)
+    else:
+        def blocked(*args, **kwargs):
+            if _learner_is_calling():
+                raise EngineAnswerBlocked(message)
+            return original(*args, **kwargs)
 
     blocked.engine_answer = path  # what it stands in for (see borrowed_answers)
     blocked.__name__ = getattr(original, "__name__", path.rsplit(".", 1)[-1])
@@ -143,11 +147,16 @@ def borrowed_answers(impl: Any) -> list[str]:
 
 
 @contextlib.contextmanager
-def blocking(exercise: Exercise):
+def blocking(exercise: Exercise, hard: bool = False):
     """Switch off ``exercise.blocks`` for the learner's code until the block ends.
 
     On exit every original is put back: where it was replaced, and wherever a module imported
     meanwhile (the learner's file, an engine module loaded late) picked up a stand-in.
+
+    ``hard=True`` is the grading worker's (:mod:`engine.grading.worker`), whose checks compare
+    in the grader's process and so never need the original: every caller gets the error, and
+    nothing here keeps the original (no closure, no list to put it back from), so the
+    learner's code cannot reach it through the stand-in. The block is then never left.
     """
     methods: list[tuple[type, str, Any]] = []  # (class, name, what it held)
     functions: list[tuple[Callable, Any]] = []  # (stand-in, original)
@@ -156,14 +165,17 @@ def blocking(exercise: Exercise):
             owner, name, raw = resolve(path)
             if isinstance(owner, type):
                 wrapped = isinstance(raw, (staticmethod, classmethod))
-                stand_in = _stand_in(raw.__func__ if wrapped else raw, path, exercise)
-                methods.append((owner, name, raw))
+                stand_in = _stand_in(raw.__func__ if wrapped else raw, path, exercise, hard)
+                if not hard:
+                    methods.append((owner, name, raw))
                 setattr(owner, name, type(raw)(stand_in) if wrapped else stand_in)
             else:
-                stand_in = _stand_in(raw, path, exercise)
-                functions.append((stand_in, raw))
+                stand_in = _stand_in(raw, path, exercise, hard)
+                if not hard:
+                    functions.append((stand_in, raw))
                 for mapping, key, make in list(_holders(raw)):
                     mapping[key] = make(stand_in)
+            del owner, raw
         yield
     finally:
         for owner, name, raw in reversed(methods):

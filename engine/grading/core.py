@@ -15,6 +15,7 @@ import io
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
+from engine.grading import wire
 from engine.launch import launch
 
 OUTPUT_TAIL_LINES = 12  # the last lines of the ranks' output a failure shows
@@ -91,9 +92,9 @@ class Frame(NamedTuple):
 
 
 # What went wrong, from the learner's point of view.
-PASSED, NOT_IMPLEMENTED, WRONG, ERROR, NOT_LOADED, STUCK, BLOCKED = (
+PASSED, NOT_IMPLEMENTED, WRONG, ERROR, NOT_LOADED, STUCK, BLOCKED, TAMPERED = (
     "passed", "not implemented", "wrong", "error", "not loaded", "stuck",
-    "uses the engine's answer")
+    "uses the engine's answer", "tampered")
 NOT_STARTED = (NOT_IMPLEMENTED, NOT_LOADED)  # no hint for these: the code does not run yet
 
 
@@ -119,6 +120,7 @@ class Report:
     exercise: Exercise
     source: str
     results: list[CheckResult]
+    output: str = ""  # what the grading worker printed (cleaned, capped); "" when run here
 
     @property
     def passed(self) -> bool:
@@ -134,19 +136,81 @@ _rank_output: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
     "rank_output", default=None)
 
 
+def _remote(args: tuple, kwargs: dict | None = None):
+    """The grading worker, if the learner's function is among ``args`` as a
+    :class:`engine.grading.remote.RemoteImpl` (the check runs in the grader); else None."""
+    from engine.grading.remote import RemoteImpl
+
+    found = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, RemoteImpl)]
+    return found[0]._worker if found else None
+
+
+def _slots(args: tuple) -> tuple:
+    from engine.grading.remote import RemoteImpl
+
+    return tuple(a.slot() if isinstance(a, RemoteImpl) else a for a in args)
+
+
+def _local(args: tuple) -> tuple:
+    """``args`` with the learner's function itself in place of its
+    :class:`engine.grading.runner.LocalImpl` (a driver runs it directly)."""
+    from engine.grading.runner import LocalImpl
+
+    return tuple((getattr(a.impl, a.attr) if a.attr else a.impl)
+                 if isinstance(a, LocalImpl) else a for a in args)
+
+
+def _keep_output(lines: list[str]) -> None:
+    kept = _rank_output.get()
+    if kept is not None:
+        kept[:] = lines[-OUTPUT_TAIL_LINES:]
+
+
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 20) -> list[Any]:
     """``engine.launch(fn, world_size, *args)`` on Gloo, keeping the ranks' output for the report.
 
     The output is neither lost nor printed: the runner shows its last lines if the check fails.
+    ``fn`` is a driver (a module-level function of the check's chapter): what it returns comes
+    back as plain data (:func:`engine.grading.wire.roundtrip`), so compare it in the check,
+    never inside ``fn``. When the learner's function is among ``args`` and the check runs in
+    the grader (:mod:`engine.grading.remote`), the ranks are started in the grading worker and
+    only their return values come back.
     """
+    worker = _remote(args)
+    if worker is not None:
+        try:
+            values, output = worker.request("ranks", fn=fn, world_size=world_size,
+                                            args=_slots(args), timeout=timeout)
+        except Exception as e:
+            _keep_output(getattr(e, "output_tail", []))
+            raise
+        _keep_output(output)
+        return values
+    args = _local(args)
     buffer = io.StringIO()
     try:
         with contextlib.redirect_stdout(buffer):  # launch prints each rank's output at the end
-            return launch(fn, world_size, *args, backend="gloo", timeout=timeout)
+            return wire.roundtrip(launch(fn, world_size, *args, backend="gloo",
+                                         timeout=timeout))
     finally:
-        kept = _rank_output.get()
-        if kept is not None:
-            kept[:] = buffer.getvalue().splitlines()[-OUTPUT_TAIL_LINES:]
+        _keep_output(buffer.getvalue().splitlines())
+
+
+def run_here(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` where the learner's code lives: in the grading worker when the
+    learner's function is among the arguments as a :class:`engine.grading.remote.RemoteImpl`,
+    else here. ``fn`` is a driver (a module-level function of the check's chapter) that builds
+    what the learner's function needs (a model, hooks, state) and returns what it observed, as
+    plain data (:mod:`engine.grading.wire`): compare it in the check, never inside ``fn``."""
+    worker = _remote(args, kwargs)
+    if worker is not None:
+        from engine.grading.remote import RemoteImpl
+
+        value, _ = worker.request("run", fn=fn, args=_slots(args), kwargs={
+            k: v.slot() if isinstance(v, RemoteImpl) else v for k, v in kwargs.items()})
+        return value
+    local = _local((*args, *kwargs.values()))
+    return wire.roundtrip(fn(*local[:len(args)], **dict(zip(kwargs, local[len(args):]))))
 
 
 @contextlib.contextmanager

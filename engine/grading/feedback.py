@@ -68,12 +68,28 @@ def frames_from_syntax_error(e: SyntaxError) -> tuple[Frame, ...]:
 
 
 def _short(file: str) -> str:
-    """A path relative to the working directory's folder or its parent, as the learner sees it."""
+    """A path as an editor or a terminal opens it from here: relative to the working directory
+    when the file is under it, else absolute."""
     path = Path(file)
-    for base in (Path.cwd(), Path.cwd().parent):
-        if path.is_absolute() and path.is_relative_to(base):
-            return str(path.relative_to(base))
+    if path.is_absolute() and path.is_relative_to(Path.cwd()):
+        return str(path.relative_to(Path.cwd()))
     return file
+
+
+# Every control character but newline and tab (terminal escapes, a bell, a window title), and
+# what XML 1.0 cannot hold (lone surrogates, U+FFFE/U+FFFF).
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff\ufffe\uffff]")
+
+
+def clean_text(text: str, limit: int | None = None) -> str:
+    """``text`` safe for a terminal and an XML file: control characters (an escape sequence's
+    ESC, a carriage return) shown as ``\\xNN``; cut at ``limit`` characters with a note of
+    how many were dropped."""
+    text = _UNPRINTABLE.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
+                            else f"\\u{ord(m.group()):04x}", str(text))
+    if limit is not None and len(text) > limit:
+        text = text[:limit] + f" [... {len(text) - limit} more characters dropped]"
+    return text
 
 
 _GREEN, _RED, _DIM, _RESET = "\033[32m", "\033[31m", "\033[2m", "\033[0m"
@@ -101,22 +117,46 @@ def format_report(report: Report, color: bool = True, hint_level: int = 0,
             key = (res.kind, _ADDRESS.sub("[address]", res.message), res.frames,
                    tuple((k, repr(v)) for k, v in res.inputs.items()))
             groups.setdefault(key, []).append(res)
+    c = clean_text
     for (_, message, frames, _), members in groups.items():
         ranks = {rank for res in members for rank in res.ranks}
         names = ", ".join(res.name for res in members)
-        lines.append(f"  {r}✗{x} {names}: {_ranks(ranks) if ranks else ''}{message}")
+        lines.append(f"  {r}✗{x} {names}: {_ranks(ranks) if ranks else ''}"
+                     f"{c(message, MESSAGE_CHARS)}")
         for frame in frames:
-            lines.append(f"      {_short(frame.file)}, line {frame.line}, in {frame.function}")
+            lines.append(f"      {c(_short(frame.file))}, line {frame.line}, in "
+                         f"{c(frame.function)}")
             if frame.code:
-                lines.append(f"        {frame.code}")
+                lines.append(f"        {c(frame.code, MESSAGE_CHARS)}")
         for key, value in members[0].inputs.items():
-            lines.append(f"      {d}{key} = {value!r}{x}")
+            lines.append(f"      {d}{c(key)} = {c(repr(value), MESSAGE_CHARS)}{x}")
         output = next((res.output for res in members if res.output), "")
         if output:
             lines.append(f"      {d}the ranks printed (last lines):{x}")
-            lines += [f"      {d}| {line}{x}" for line in output.splitlines()]
+            lines += [f"      {d}| {c(line, MESSAGE_CHARS)}{x}" for line in output.splitlines()]
+    printed = printed_lines(report.output)
+    if printed and not report.passed:
+        lines.append(f"  {d}your code printed (last lines):{x}")
+        lines += [f"  {d}| {line}{x}" for line in printed]
     lines += hint_lines(report, hint_level, hint_command)
     return "\n".join(lines)
+
+
+MESSAGE_CHARS = 2000  # one failure's message, a line of code or an input, as shown
+PRINTED_LINES = 20
+
+
+def printed_lines(output: str) -> list[str]:
+    """The last lines a grading worker printed, cleaned, without faulthandler's dump of where
+    it was when its time ran out (the report shows those lines already)."""
+    if "Timeout (" in output:
+        output = output[:output.rfind("Timeout (")]
+    lines = [clean_text(line, 300) for line in output.splitlines() if line.strip()]
+    dropped = next((line for line in lines if line.startswith("[... ")), None)
+    tail = lines[-PRINTED_LINES:]
+    if dropped and dropped not in tail:
+        tail.append(dropped)
+    return tail
 
 
 def hint_lines(report: Report, level: int, hint_command: str = HINT_IN_NOTEBOOK) -> list[str]:

@@ -19,12 +19,14 @@ from collections import defaultdict
 from pathlib import Path
 
 from engine.grading.core import Report
+from engine.grading.feedback import MESSAGE_CHARS, clean_text, printed_lines
 
 
 def junit_xml(reports: list[Report], seconds: dict[str, float], student: str = "",
               timestamp: str = "", properties: dict[str, str] | None = None) -> ET.ElementTree:
     """The junit tree of ``reports`` (``seconds``: each exercise's wall time, shared among its
     checks), for ``student`` graded at ``timestamp`` (ISO 8601)."""
+    student = clean_text(student, 200)
     suites = ET.Element("testsuites", name=f"grade: {student}" if student else "grade")
     by_chapter: dict[str, list[Report]] = defaultdict(list)
     for report in reports:
@@ -40,15 +42,19 @@ def junit_xml(reports: list[Report], seconds: dict[str, float], student: str = "
                               time=f"{sum(seconds[r.exercise.name] for r in chapter_reports):.3f}")
         listed = ET.SubElement(suite, "properties")
         for key, value in shared.items():
-            ET.SubElement(listed, "property", name=key, value=str(value))
+            ET.SubElement(listed, "property", name=key, value=clean_text(str(value)))
         for rep, res in results:
             case = ET.SubElement(suite, "testcase", classname=rep.exercise.name, name=res.name,
                                  time=f"{seconds[rep.exercise.name] / len(rep.results):.3f}")
             if not res.passed:
-                failure = ET.SubElement(case, "failure", message=res.message, type=res.kind)
-                failure.text = "\n".join(
+                failure = ET.SubElement(case, "failure", message=clean_text(
+                    res.message, MESSAGE_CHARS), type=res.kind)
+                failure.text = clean_text("\n".join(
                     [*(f"{f.file}, line {f.line}, in {f.function}" for f in res.frames),
-                     *(f"{k} = {v!r}" for k, v in res.inputs.items())])
+                     *(f"{k} = {v!r}" for k, v in res.inputs.items())]), 4 * MESSAGE_CHARS)
+        printed = "\n".join(printed_lines("\n".join(rep.output for rep in chapter_reports)))
+        if printed:
+            ET.SubElement(suite, "system-out").text = printed
     return ET.ElementTree(suites)
 
 

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import inspect
+import pickle
 import re
 import types
 from pathlib import Path
 from typing import Callable, Iterator
 
+from engine.grading import wire
 from engine.grading.blocking import EngineAnswerBlocked, blocking, borrowed_answers
 from engine.grading.chapters import get_exercise, registry
-from engine.grading.core import (BLOCKED, ERROR, NOT_IMPLEMENTED, NOT_LOADED, STUCK, WRONG,
+from engine.grading.core import (BLOCKED, ERROR, NOT_IMPLEMENTED, NOT_LOADED, STUCK, TAMPERED,
+                                 WRONG,
                                  CheckFailed, CheckResult, Frame, Report,
                                  keeping_rank_output)
 from engine.grading.feedback import (frames_from_syntax_error, frames_from_text,
@@ -38,8 +41,12 @@ def run_checks(name: str, impl: Callable | None = None, source: str = "exercises
 
 def check_results(name: str, impl: Callable | None = None, source: str = "exercises",
                   root: str | Path | None = None) -> Iterator[CheckResult]:
-    """:func:`run_checks`, one :class:`CheckResult` at a time, each as soon as its check ends
-    (:mod:`engine.grading.isolated` sends them on while the next one runs)."""
+    """:func:`run_checks`, one :class:`CheckResult` at a time, each as soon as its check ends.
+
+    This runs the learner's code in this process, through :class:`LocalImpl`, which passes
+    arguments and results as a grading worker would (copied in, plain data out): the tests
+    use it. The grader and the notebooks' ``check`` run it in a worker instead
+    (:mod:`engine.grading.isolated`)."""
     exercise = get_exercise(name)
     check_impl(exercise, impl)
     with blocking(exercise):
@@ -51,14 +58,40 @@ def check_results(name: str, impl: Callable | None = None, source: str = "exerci
                 return
         borrowed = borrowed_answers(impl)
         if borrowed:
-            message = (f"{exercise.name} is being graded, and what it grades is the engine's "
-                       f"own answer ({', '.join(borrowed)}), imported instead of written; "
-                       "write it yourself")
-            yield from (CheckResult(_name(check_fn), False, message, kind=BLOCKED)
-                        for check_fn in exercise.checks)
+            yield from borrowed_results(exercise, borrowed)
             return
+        local = LocalImpl(impl)
         for check_fn in exercise.checks:
-            yield _run_one(check_fn, impl)
+            yield run_one(check_fn, local, lambda message: _written_where(impl, message))
+
+
+def borrowed_results(exercise, borrowed: list[str]) -> list[CheckResult]:
+    message = (f"{exercise.name} is being graded, and what it grades is the engine's "
+               f"own answer ({', '.join(borrowed)}), imported instead of written; "
+               "write it yourself")
+    return [CheckResult(_name(check_fn), False, message, kind=BLOCKED)
+            for check_fn in exercise.checks]
+
+
+class LocalImpl:
+    """The learner's function called in this process as a grading worker would call it: the
+    arguments copied in (a pickle round trip: changes made to them are not seen), the result
+    sent back as plain data (:func:`engine.grading.wire.roundtrip`). For an exercise graded
+    as a module, its attributes are the module's functions, called the same way. The drivers
+    of :func:`engine.grading.core.run_ranks` and ``run_here`` get the function itself."""
+
+    def __init__(self, impl, attr: str = ""):
+        self.impl, self.attr = impl, attr
+
+    def __call__(self, *args, **kwargs):
+        target = getattr(self.impl, self.attr) if self.attr else self.impl
+        args, kwargs = pickle.loads(pickle.dumps((args, kwargs)))
+        return wire.roundtrip(target(*args, **kwargs))
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or self.attr or callable(self.impl):
+            raise AttributeError(name)
+        return LocalImpl(self.impl, name)
 
 
 def check_impl(exercise, impl) -> None:
@@ -108,21 +141,36 @@ def _written_where(impl, message: str) -> tuple[Frame, ...]:
     return tuple(frames)
 
 
-def _run_one(check_fn: Callable, impl: Callable) -> CheckResult:
+def run_one(check_fn: Callable, impl, written_where: Callable[[str], tuple]) -> CheckResult:
+    """Run one check on ``impl`` (:class:`LocalImpl` or
+    :class:`engine.grading.remote.RemoteImpl`) and turn whatever happens into its result.
+    ``written_where(message)``: the learner's definitions a wrong answer points at. A worker
+    that died or ran out of time (:class:`engine.grading.remote.WorkerGone`) is raised on:
+    the exercise ends there."""
+    from engine.grading.remote import RemoteError, Tampered, Unsendable, WorkerGone
+
     name = _name(check_fn)
     with keeping_rank_output() as output:
         try:
             note = check_fn(impl)  # a passing check may return passed(...)'s line
             return CheckResult(name, True, note=note if isinstance(note, str) else "")
+        except WorkerGone:
+            raise
         except CheckFailed as e:
             result = CheckResult(name, False, e.message, e.inputs, kind=WRONG,
-                                 frames=_written_where(impl, e.message))
+                                 frames=written_where(e.message))
+        except Tampered as e:
+            result = CheckResult(name, False, f"your code changed the grader's world: {e} "
+                                 "(leave torch, the meter and the grader as they are)",
+                                 kind=TAMPERED)
+        except Unsendable as e:
+            result = CheckResult(name, False, f"what your code returned cannot be graded: {e}",
+                                 kind=ERROR)
         except NotImplementedError as e:  # the learner's function, called in this process
             result = CheckResult(name, False, "not implemented yet", kind=NOT_IMPLEMENTED,
-                                 frames=frames_from_traceback(e.__traceback__))
+                                 frames=_frames(e))
         except EngineAnswerBlocked as e:
-            result = CheckResult(name, False, str(e), kind=BLOCKED,
-                                 frames=frames_from_traceback(e.__traceback__))
+            result = CheckResult(name, False, str(e), kind=BLOCKED, frames=_frames(e))
         except RankError as e:
             frames = frames_from_text(e.traceback)
             if e.exc_type == "NotImplementedError":
@@ -142,9 +190,19 @@ def _run_one(check_fn: Callable, impl: Callable) -> CheckResult:
         except LaunchError as e:
             result = CheckResult(name, False, _first_line_after(str(e), f"rank {e.rank} "),
                                  kind=ERROR, ranks=tuple(e.ranks))
+        except RemoteError as e:
+            result = CheckResult(name, False, f"{e.types[0] if e.types else 'Exception'}: "
+                                 f"{e.message}", kind=ERROR, frames=_frames(e))
         except Exception as e:  # noqa: BLE001 - the learner's code raised in this process
             result = CheckResult(name, False, f"{type(e).__name__}: {e}", kind=ERROR,
-                                 frames=frames_from_traceback(e.__traceback__))
+                                 frames=_frames(e))
     result.output = "\n".join(output)
     return result
 
+
+def _frames(e: BaseException) -> tuple[Frame, ...]:
+    """The learner's lines in ``e``'s traceback: as text when it was raised in the grading
+    worker, else from the live traceback."""
+    remote = getattr(e, "remote_traceback", None)
+    return frames_from_text(remote) if remote is not None else \
+        frames_from_traceback(e.__traceback__)
