@@ -45,13 +45,15 @@ from engine.launch import resolve_backend
 from engine.moe.gpt import MOE_MODELS
 from engine.presets import MODELS
 from engine.steps import resolve_precision
-from engine.train_checks import check_checkpointing, check_torch
+from engine.train_checks import MAX_TIMEOUT_S, MIN_TIMEOUT_S, check_batch, \
+    check_checkpointing, check_paths, check_torch, check_world
 from engine.train_compose import COMPOSED_SCHEDULES, add_composed_arguments, check_composed, \
     composed_world
 from engine.train_endings import INTERRUPTED_EXIT, interrupted, lost_peer, read_step, \
-    tell_torchrun
+    stopped, tell_torchrun
 from engine.train_report import report
-from engine.train_run import resume_point, total_steps, train_on_rank
+from engine.train_resume import resume_point, total_steps
+from engine.train_run import train_on_rank
 from engine.validation import one_of, positive_int, positive_number
 from engine.zero.checkpoint import CheckpointError
 
@@ -88,6 +90,7 @@ class TrainConfig:
     keep: int = 2
     async_save: bool = False
     resume: bool = False
+    resume_fallback: bool = False
     reshard: bool = False
     timeout: float = 300.0
     kill_at_step: int | None = None
@@ -96,6 +99,7 @@ class TrainConfig:
     sequence_parallel: bool = False
     varlen: bool = False
     composed: bool = False
+    allow_oversubscribe: bool = False
 
     @property
     def world_size(self) -> int:
@@ -119,6 +123,7 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
                           ("schedule", COMPOSED_SCHEDULES), ("impl", IMPLS),
                           ("precision", ("auto", "fp32", "bf16"))):
         one_of(f"--{name}", getattr(cfg, name), choices)
+    check_batch(cfg)
     if cfg.ep > 1 and cfg.model not in MOE_MODELS:
         raise ValueError(f"--ep {cfg.ep} spreads experts, and --model {cfg.model} has none; "
                          f"use --model {' or '.join(MOE_MODELS)}")
@@ -158,9 +163,11 @@ def parser() -> argparse.ArgumentParser:
                         "engine.pp's registry (default: %(default)s)")
     add_composed_arguments(p, d)
     p.add_argument("--microbatches", type=int, default=d.microbatches,
-                   help="micro-batches per step, m (default: %(default)s)")
+                   help="micro-batches per step, m; the global batch, dp x m x b sequences, "
+                        "holds at most 2**24 tokens (default: %(default)s)")
     p.add_argument("--micro-batch", type=int, default=d.micro_batch,
-                   help="sequences per micro-batch, b (default: %(default)s)")
+                   help="sequences per micro-batch, b; at most 2**20 tokens "
+                        "(default: %(default)s)")
     p.add_argument("--model", default=d.model, choices=tuple(MODELS),
                    help="GPT size: " + "; ".join(f"{k} {m.layers} layers, hidden {m.hidden}, "
                                                  f"sequence {m.seq_len}"
@@ -185,7 +192,8 @@ def parser() -> argparse.ArgumentParser:
                         "spread experts), one of fp16, bf16, topk:RATIO, randomk:RATIO, "
                         "powersgd:RANK (default: none)")
     p.add_argument("--trace", default=d.trace, metavar="PATH",
-                   help="write a Chrome trace of the last step there (default: none)")
+                   help="write a Chrome trace of the last step there; its folder must exist "
+                        "and be writable, checked before any rank starts (default: none)")
     p.add_argument("--peak-tflops", type=float, default=d.peak_tflops,
                    help="peak TFLOP/s of one device for MFU (default: from the GPU's name "
                         "and the precision; none on a CPU)")
@@ -193,15 +201,23 @@ def parser() -> argparse.ArgumentParser:
                    help="auto: NCCL when this machine has a GPU for each of its ranks, else "
                         "Gloo on the CPU (default: %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed,
-                   help="seed of the model's initial weights; the data's is seed + 1 "
-                        "(default: %(default)s)")
+                   help="seed of the model's initial weights, 0 to 2**32 - 1; the data's is "
+                        "seed + 1 (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=d.timeout, metavar="SECONDS",
                    help="process-group timeout: a collective waiting longer for a lost peer "
-                        "fails, naming it (default: %(default)s)")
+                        f"fails, naming it; {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g} (a day) "
+                        "(default: %(default)s)")
+    p.add_argument("--allow-oversubscribe", action="store_true",
+                   help="launch more Gloo ranks than this machine runs by default (4 per "
+                        "core, at least 8: engine.train_checks.rank_limit); each rank is a "
+                        "process of its own. NCCL needs a GPU per rank whatever this says, "
+                        "and torchrun's world is never limited (default: %(default)s)")
     checkpointing = p.add_argument_group("checkpoints (engine.checkpoints)")
     checkpointing.add_argument("--save", default=d.save, metavar="DIR",
                                help="write sharded checkpoints under DIR/step-NNNNNNNN, each "
-                                    "atomically, one after the last step (default: none)")
+                                    "atomically, one after the last step; DIR is made at the "
+                                    "first save, and where it will be must be writable, "
+                                    "checked before any rank starts (default: none)")
     checkpointing.add_argument("--save-every", type=int, default=d.save_every, metavar="K",
                                help="also write one every K steps (default: only after the "
                                     "last)")
@@ -216,6 +232,13 @@ def parser() -> argparse.ArgumentParser:
                                help="continue from the newest complete checkpoint in --save "
                                     "(none yet: start at step 0, so a torchrun restart can "
                                     "use the same command) (default: %(default)s)")
+    checkpointing.add_argument("--resume-fallback", action="store_true",
+                               help="with --resume: when the newest checkpoint is damaged (its "
+                                    "trainer.json or manifest malformed, a rank file missing or "
+                                    "failing its SHA-256), resume from the newest complete one "
+                                    "before it that loads, and say which; without it such a "
+                                    "checkpoint stops the run with one line naming the file "
+                                    "(default: %(default)s)")
     checkpointing.add_argument("--reshard", action="store_true",
                                help="with --resume: re-cut a checkpoint saved at another dp / "
                                     "cp / tp / pp / ZeRO layout for this one "
@@ -279,6 +302,8 @@ def main(argv=None) -> int:
         here, named = (env.local_world_size, "LOCAL_WORLD_SIZE") if env.under_torchrun else \
             (world, "world_size")
         backend = resolve_backend(args.backend, here, named, prefer_nccl=True)
+        check_world(cfg, world, backend, env.under_torchrun)
+        check_paths(cfg, trace=is_global_rank_zero())  # only global rank 0 writes the trace
         if env.under_torchrun:
             from engine.elastic import check_restartable, die_with_agent
 
@@ -319,6 +344,8 @@ def main(argv=None) -> int:
         if progress_fd is not None:
             os.close(progress_fd)
         os.unlink(step_file)
+    if "stopped" in results[0]:  # a non-finite loss, a checkpoint that would not load
+        return stopped(cfg, results[0], is_global_rank_zero())
     if is_global_rank_zero():
         decided = {"backend": backend, "precision": results[0]["precision"]}
         report(cfg, results, resolved(cfg, args, given, world, decided))

@@ -15,6 +15,12 @@ says what happened and what to do next, instead of a traceback.
 * **A refused start** (``--save DIR`` already holds checkpoints, a bad flag) and **nothing to
   do** (``--resume`` from a checkpoint that holds every step): one line on the console, and
   under torchrun in the agent's failure summary too (:func:`tell_torchrun`).
+* **A run that stopped itself** (:func:`stopped`): a loss that is not finite
+  (:mod:`engine.train_nonfinite`: the step, the first rank and layer with a non-finite output,
+  the newest checkpoint), exit code 1 (:data:`NONFINITE_EXIT`); a checkpoint ``--resume``
+  could not load (a rank file missing or failing its SHA-256, named with its rank), exit code
+  2 (:data:`REFUSED_EXIT`, a refused start's). Every rank stops at the same point, so no
+  rank is left waiting; the line, not a traceback.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from engine.launch import LaunchEnv
 
 INTERRUPTED_EXIT = 130  # what a shell reports for a process ended by SIGINT
 KILLED_EXIT = 137  # what a shell reports for a process ended by SIGKILL (128 + 9)
+NONFINITE_EXIT = 1  # the loss stopped being finite
+REFUSED_EXIT = 2  # a refused start: a bad flag, a checkpoint that cannot be resumed
 # what engine.elastic.kill_point prints on the rank it is about to kill
 KILL_SAID = "killed by --kill-at-step"
 # flags a resumed run drops: the lab's kill would strike again outside torchrun
@@ -143,3 +151,19 @@ def tell_torchrun(line: str) -> None:
             json.dump({"message": message}, f)
     except OSError:
         pass  # the summary then shows torchrun's own text; the console has the line
+
+
+def stopped(cfg, result: dict, rank_zero: bool) -> int:
+    """A run whose ranks stopped together (``result``: this process's first rank's, with
+    ``"stopped"``, the line, and ``"exit"``, the exit code): global rank 0 prints the line
+    on stderr, with the newest complete checkpoint after a non-finite loss; under torchrun
+    the agent's summary shows it too. Returns the exit code."""
+    line = f"error: {result['stopped']}"
+    if result["exit"] == NONFINITE_EXIT and cfg.save is not None:
+        newest = checkpoints.latest(cfg.save)
+        line += (f"; the newest complete checkpoint: {newest}" if newest is not None else
+                 f"; no complete checkpoint in {cfg.save}")
+    if rank_zero:
+        print(line, file=sys.stderr, flush=True)
+    tell_torchrun(line)
+    return result["exit"]

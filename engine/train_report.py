@@ -57,6 +57,11 @@ def report(cfg, results: list[dict], chosen: dict[str, str]) -> dict:
           f"sequences; {cfg.microbatches} micro-batches per step; global batch dp {cfg.dp} x "
           f"{cfg.microbatches} x {cfg.micro_batch} = {sequences} sequences = {tokens:,} tokens "
           "per step" + (" (counted in the loss: the non-padding ones)" if cfg.varlen else ""))
+    engine = first.get("engine", {})
+    if engine.get("resumed_from"):  # which checkpoint, and (--resume-fallback) which not
+        skipped = engine.get("resume_skipped") or []
+        print(f"resumed from: {engine['resumed_from']}" + (
+            f" (--resume-fallback passed over {'; '.join(skipped)})" if skipped else ""))
     summary = {"tokens_per_step": tokens}
     for impl in ("engine", "torch"):
         if impl in first:

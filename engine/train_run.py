@@ -4,7 +4,9 @@ strategy (:func:`engine.strategy.build`), works out the formulas the report prin
 steps (:func:`engine.timed_steps.run_steps`), with what a real run does after each step:
 
 * the loss of the step, the mean over every counted token of its global batch (the step
-  returns it on every rank), and a progress bar printed by global rank 0;
+  returns it on every rank), and a progress bar printed by global rank 0; a loss that is not
+  finite stops every rank at that step, before it is saved, naming the first rank and layer
+  where a non-finite value appeared (:mod:`engine.train_nonfinite`);
 * a checkpoint every ``--save-every`` steps and after the last (:mod:`engine.checkpoints`);
 * for labs and tests only, the kill of one rank at a chosen step (:func:`engine.elastic.
   kill_point`).
@@ -17,9 +19,10 @@ step's global batch, so it computes exactly what the uninterrupted run computes 
 ``k`` on: the loss curve and the final parameters are bit-identical on the CPU.
 
 Which checkpoint to resume from, and whether it fits this run, is decided before any rank
-starts (:func:`resume_point`); a checkpoint of another layout loads only with ``--reshard``,
-which re-cuts it through the whole model (:mod:`engine.compose.reshard`). A checkpoint
-written by the per-layout trainers this engine replaced is refused by name.
+starts, and loaded by every rank (:mod:`engine.train_resume`, whose names this module
+re-exports). A run that stops itself (a non-finite loss, a checkpoint that would not load)
+returns ``{"stopped": line, "exit": code}`` from every rank instead of raising, so that the
+command prints one line, not a rank's traceback (:func:`engine.train_endings.stopped`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ import itertools
 import os
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -39,110 +41,21 @@ from engine.elastic import Peers, kill_point, tell_how_nccl_loses_peers
 from engine.steps import resolve_precision
 from engine.strategy import build
 from engine.timed_steps import StepsRun, run_steps
-from engine.train_compose import check_composed_reshard, reshard_composed
 from engine.topology import Mesh
 from engine.trace import clock_offset, on_clock
+from engine.train_endings import NONFINITE_EXIT, REFUSED_EXIT
 from engine.train_formulas import composed_traffic_formulas, memory_formula
+from engine.train_nonfinite import NonFiniteLoss, NonFiniteWatch
+# the resume side, moved to engine.train_resume; importable from here as before
+from engine.train_resume import (COMPOSED_LAYOUT, RESHARDED_COMPOSED, SAME_LAYOUT,
+                                 SAME_TRAINING, ResumeFailed, ResumePoint, checked_trainer,
+                                 composed_record, resume_point, start, total_steps,
+                                 trainer_record)
 
-# what a checkpoint must agree with the run on: always, and (without --reshard) the layout
-SAME_TRAINING = ("model", "seed", "lr", "precision")
-SAME_LAYOUT = ("dp", "ep", "tp", "pp", "zero", "schedule", "microbatches", "micro_batch")
-# the composed engine's (engine.train_compose) besides: a checkpoint written before they
-# existed has their defaults
-COMPOSED_LAYOUT = {"cp": 1, "cp_method": "ring-zigzag", "sequence_parallel": False,
-                   "varlen": False, "engine": "per-layout"}
-RESHARDED_COMPOSED = ("cp", "cp_method", "sequence_parallel")  # --reshard re-cuts them too
-# (engine.compose.reshard)
-
-
-@dataclass(frozen=True)
-class ResumePoint:
-    """A checkpoint to start from: its directory, the steps it holds, the loss of each, and
-    whether it must be re-cut for this layout."""
-
-    path: str
-    step: int
-    losses: list[float]
-    reshard: bool = False
-
-
-def total_steps(cfg) -> int:
-    """The optimizer steps of the whole run: ``--steps``, the warm-up among them."""
-    return cfg.steps
-
-
-def resume_point(cfg) -> ResumePoint | None:
-    """The checkpoint this run starts from (None: step 0), or a ValueError saying why the
-    newest one in ``--save`` does not fit. Reads files only: call before any rank starts."""
-    if cfg.save is None:
-        return None
-    path = checkpoints.latest(cfg.save)
-    if not cfg.resume:
-        if path is not None:
-            raise ValueError(f"--save {cfg.save} already holds checkpoints (the newest: "
-                             f"{path.name}); pass --resume to continue that run, or --save "
-                             "an empty directory")
-        return None
-    if path is None:
-        return None  # nothing saved yet: --resume on a first start (torchrun restarts alike)
-    saved = checkpoints.read_trainer(path)
-    config = saved["config"]
-    for name in SAME_TRAINING:
-        if config.get(name) != getattr(cfg, name):
-            raise ValueError(f"--resume: {path} was saved by a run with --{_flag(name)} "
-                             f"{config.get(name)}, this run has --{_flag(name)} "
-                             f"{getattr(cfg, name)}; a resumed run keeps --model, --seed, "
-                             "--lr and --precision (or --save a new directory)")
-    if saved["step"] > total_steps(cfg):
-        raise ValueError(f"--resume: {path} holds {saved['step']} steps, more than this run's "
-                         f"{total_steps(cfg)} (--steps {cfg.steps})")
-    changed = [name for name in SAME_LAYOUT if config.get(name) != getattr(cfg, name, None)]
-    ours = composed_record(cfg)
-    composed = [name for name, default in COMPOSED_LAYOUT.items()
-                if config.get(name, default) != ours[name]]
-    if cfg.reshard and config.get("engine") == ours["engine"] == "composed":
-        changed += [name for name in composed if name in RESHARDED_COMPOSED]
-        composed = [name for name in composed if name not in RESHARDED_COMPOSED]
-    if composed:
-        raise ValueError(f"--resume: {path} was saved with " + ", ".join(
-            f"{name} {config.get(name, COMPOSED_LAYOUT[name])}" for name in composed) +
-            ", this run has " + ", ".join(f"{name} {ours[name]}" for name in composed) +
-            "; the composed engine resumes its own checkpoints on their own layout only")
-    if changed and cfg.reshard:
-        check_composed_reshard(config, cfg, path)  # refuses --compress, naming it
-    if changed and not cfg.reshard:
-        raise ValueError(f"--resume: {path} was saved at {_layout(config)}, this run asks for "
-                         f"{_layout(vars(cfg))}; a sharded checkpoint fits only its own "
-                         "layout: pass --reshard to re-cut it for this one (through the "
-                         "whole model), or run with the saved layout")
-    if changed and _global_batch(config) != _global_batch(vars(cfg)):
-        raise ValueError(f"--resume --reshard: {path} trained on global batches of "
-                         f"{_global_batch(config)} sequences (dp x microbatches x micro-batch),"
-                         f" this run's are {_global_batch(vars(cfg))}; keep the global batch "
-                         "(e.g. double --microbatches when you halve --dp)")
-    return ResumePoint(str(path), saved["step"], saved["losses"], reshard=bool(changed))
-
-
-def composed_record(cfg) -> dict:
-    """What a checkpoint records of the composed engine's layout (:data:`COMPOSED_LAYOUT`)."""
-    return {"cp": cfg.cp, "cp_method": cfg.cp_method,
-            "sequence_parallel": cfg.sequence_parallel, "varlen": cfg.varlen,
-            "engine": "composed"}
-
-
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
-
-
-def _layout(config: dict) -> str:
-    return (f"dp {config['dp']} x tp {config['tp']} x pp {config['pp']}"
-            + (f" x ep {config['ep']}" if config.get("ep", 1) > 1 else "")
-            + f", ZeRO-{config['zero']}, {config['microbatches']} micro-batches of "
-            f"{config['micro_batch']}" + (f", {config['schedule']}" if config["pp"] > 1 else ""))
-
-
-def _global_batch(config: dict) -> int:
-    return config["dp"] * config["microbatches"] * config["micro_batch"]
+__all__ = ["train_on_rank", "run_implementations", "train", "Progress", "COMPOSED_LAYOUT",
+           "RESHARDED_COMPOSED", "SAME_LAYOUT", "SAME_TRAINING", "ResumeFailed",
+           "ResumePoint", "checked_trainer", "composed_record", "resume_point", "start",
+           "total_steps", "trainer_record"]
 
 
 # -- on every rank ------------------------------------------------------------------------------
@@ -185,8 +98,16 @@ def run_implementations(cfg, resume_from: ResumePoint | None, progress_fd: int |
     for impl in cfg.implementations:
         strategy = build(cfg, None, impl, mesh, device, precision)
         formulas = composed_traffic_formulas(strategy, cfg) if impl == "engine" else {}
-        run, first_step, losses, blocked_s = train(
-            strategy, cfg, resume_from if impl == "engine" else None, progress_fd, step_file)
+        resumed: dict = {}
+        try:
+            run, first_step, losses, blocked_s = train(
+                strategy, cfg, resume_from if impl == "engine" else None, progress_fd,
+                step_file, resumed)
+        except NonFiniteLoss as e:  # every rank, at the same step: one line, exit code 1
+            return {**out, "stopped": f"--impl {impl}: {e}" if len(cfg.implementations) > 1
+                    else str(e), "exit": NONFINITE_EXIT}
+        except ResumeFailed as e:
+            return {**out, "stopped": str(e), "exit": REFUSED_EXIT}
         moe = strategy.moe_stats() if hasattr(strategy, "moe_stats") else None
         if impl == "engine" and cfg.ep > 1 and moe and moe["crossing_rows"]:
             # the experts' all-to-alls: their formula from the rows the router sent out in the
@@ -203,37 +124,28 @@ def run_implementations(cfg, resume_from: ResumePoint | None, progress_fd: int |
             "activations": run.last.peak_activation_bytes,
             "events": on_clock(run.last.events, offset),
             "cuda_allocated": run.cuda_allocated, "cuda_peak": run.cuda_peak,
-            "moe": moe,
+            "moe": moe, "resumed_from": resumed.get("path"),
+            "resume_skipped": resumed.get("skipped", []),
             "composed": True}
     return out
 
 
-def start(strategy, cfg, point: ResumePoint | None) -> tuple[int, list[float]]:
-    """Load ``point`` into ``strategy`` (re-cut if it must be); the steps done and their
-    losses. Every rank checks it got the same point as the others."""
-    chosen = [None] * dist.get_world_size()
-    dist.all_gather_object(chosen, None if point is None else (point.path, point.step))
-    if len(set(chosen)) > 1:
-        raise RuntimeError(f"the ranks found different checkpoints to resume from: {chosen} "
-                           "(a save still in progress when they started?)")
-    if point is None:
-        return 0, []
-    if point.reshard:
-        reshard_composed(point.path, strategy)
-    else:
-        checkpoints.load(point.path, strategy)
-    return point.step, list(point.losses)
-
-
 def train(strategy, cfg, point: ResumePoint | None = None, progress_fd: int | None = None,
-          step_file: str | None = None) -> tuple[StepsRun, int, list[float], list[float]]:
+          step_file: str | None = None, resumed: dict | None = None
+          ) -> tuple[StepsRun, int, list[float], list[float]]:
     """Run ``strategy`` to the last step; return the timed run, the step it started from,
     the loss of every step of the run (those before it from the checkpoint) and, per save,
-    the seconds the step was blocked by it (``--async-save``: the host snapshot only)."""
+    the seconds the step was blocked by it (``--async-save``: the host snapshot only).
+    ``resumed`` (a dict, filled in): the checkpoint it started from (``path``, None: step 0)
+    and the newer ones ``--resume-fallback`` passed over (``skipped``). A loss that is not
+    finite raises :class:`engine.train_nonfinite.NonFiniteLoss` on every rank, before that
+    step is saved."""
+    resumed = {} if resumed is None else resumed
     if cfg.save is not None and not strategy.checkpointable:
         raise ValueError(f"--save: {strategy.name} has no sharded checkpoint here")
     loading = time.perf_counter()
-    first, losses = start(strategy, cfg, point)
+    point, skipped = start(strategy, cfg, point)
+    first, losses = (0, []) if point is None else (point.step, list(point.losses))
     loaded_s = time.perf_counter() - loading
     total = total_steps(cfg)
     remaining = total - first
@@ -243,12 +155,22 @@ def train(strategy, cfg, point: ResumePoint | None = None, progress_fd: int | No
         bar.note(f"resumed from {point.path} after step {first}"
                  + (" (re-cut for this layout)" if point.reshard else "")
                  + f", loaded in {loaded_s:.2f} s")
+    if bar and skipped:
+        bar.note("--resume-fallback passed over " + "; ".join(skipped))
+    resumed.update(path=None if point is None else point.path, skipped=skipped)
 
     saver = checkpoints.AsyncSaver() if getattr(cfg, "async_save", False) else None
 
+    watch = NonFiniteWatch(strategy.model)
+
     def after_step(step: int, run) -> None:
         done = step + 1
-        losses.append(run.loss)  # the global loss, the same on every rank
+        # the global loss, the same on every rank: every rank stops here alike
+        # on a non-finite loss only, every rank runs this step again with its hooks armed
+        watch.check(done, run.loss, total, advice=f"the run stopped before saving step "
+                    f"{done}; lower --lr (now {cfg.lr:g}) or look at that layer",
+                    replay=lambda: strategy.step(iter([step]), None))
+        losses.append(run.loss)
         save = cfg.save is not None and (done == total or (cfg.save_every is not None and
                                                            done % cfg.save_every == 0))
         if save:
@@ -264,21 +186,22 @@ def train(strategy, cfg, point: ResumePoint | None = None, progress_fd: int | No
 
     blocked_s: list[float] = []  # per save: the seconds the step waited for it
     # each step draws step k's global batch itself: the "inputs" are the step indices
-    run = run_steps(strategy, itertools.count(first), None, remaining - warmup, warmup,
-                    first_step=first, after_step=after_step)
+    try:
+        run = run_steps(strategy, itertools.count(first), None, remaining - warmup, warmup,
+                        first_step=first, after_step=after_step)
+    except NonFiniteLoss:
+        if bar:
+            bar.close()
+        if saver is not None:
+            saver.wait()  # a healthy step's checkpoint in flight is completed
+        raise
+    finally:
+        watch.remove()
     if saver is not None:
         saver.wait()  # the last checkpoint is complete before the run reports
     if bar:
         bar.close()
     return run, first, losses, blocked_s
-
-
-def trainer_record(cfg, losses: list[float]) -> dict:
-    """What ``trainer.json`` keeps besides the step: the configuration that shapes the
-    training and the loss of every step so far."""
-    return {"config": {**{name: getattr(cfg, name, None) for name in SAME_TRAINING +
-                          SAME_LAYOUT}, **composed_record(cfg)},
-            "losses": list(losses)}
 
 
 class Progress:

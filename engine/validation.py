@@ -52,6 +52,27 @@ def non_negative_number(name: str, value) -> float:
     return value
 
 
+def at_most(name: str, value, maximum, why: str = ""):
+    """``value`` if it is <= ``maximum`` (checked for its type by one of the checks above
+    first), else a ValueError naming ``name``, the maximum and ``why`` it is one."""
+    if value > maximum:
+        raise ValueError(f"{name} must be at most {_shown(maximum)}{why}, got {value!r}")
+    return value
+
+
+def at_least(name: str, value, minimum, why: str = ""):
+    """``value`` if it is >= ``minimum``, else a ValueError naming ``name``, the minimum and
+    ``why`` it is one."""
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {_shown(minimum)}{why}, got {value!r}")
+    return value
+
+
+def _shown(bound) -> str:
+    """A bound as a message writes it: 4,294,967,295; 86,400 (not 86,400.0); 0.5."""
+    return f"{bound:,}" if _is_int(bound) else f"{bound:,g}"
+
+
 def fraction(name: str, value, *, open_low: bool = True) -> float:
     """``value`` if it lies in (0, 1] (or [0, 1] with ``open_low=False``)."""
     low_ok = (value > 0) if open_low else (value >= 0)

@@ -175,18 +175,29 @@ def _corrupt(path) -> None:
     path.write_bytes(bytes(data))
 
 
+def _one_line(capsys) -> str:
+    """What a run that stopped together printed on stderr: one line, no traceback."""
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert "\n" not in err and "Traceback" not in captured.out + captured.err, err
+    return err
+
+
 def test_a_missing_or_corrupted_shard_is_named(tmp_path, capsys):
+    """Every rank stops together; one line names the rank and its file (exit code 2), no
+    rank traceback (tests/test_train_hardening.py: --resume-fallback)."""
     directory = str(tmp_path)
     assert train("--dp", "2", "--save", directory, "--steps", "2") == 0
+    capsys.readouterr()
     shard = step_dir(tmp_path, 2) / "rank1-of2.pt"
     _corrupt(shard)
-    with pytest.raises(LaunchError, match=r"rank \d raised CheckpointError: .*rank1-of2.pt is "
-                                          "corrupted: its SHA-256 does not match the manifest"):
-        train("--dp", "2", "--save", directory, "--resume")
+    assert train("--dp", "2", "--save", directory, "--resume") == 2
+    assert f"rank 1 could not load {step_dir(tmp_path, 2)}: {shard} is corrupted: its SHA-256 " \
+           "does not match the manifest" in _one_line(capsys)
     shard.unlink()
-    with pytest.raises(LaunchError, match=r"rank1-of2.pt is missing: the manifest lists 2 "
-                                          r"rank files"):
-        train("--dp", "2", "--save", directory, "--resume")
+    assert train("--dp", "2", "--save", directory, "--resume") == 2
+    assert f"rank 1 could not load {step_dir(tmp_path, 2)}: {shard} is missing: the manifest " \
+           "lists 2 rank files" in _one_line(capsys)
     assert descendants() == []
 
 
@@ -220,15 +231,16 @@ def test_moe_killed_and_resumed_equals_uninterrupted(tmp_path, capsys):
 def test_a_missing_or_corrupted_moe_rank_file_is_named(tmp_path, capsys):
     directory = str(tmp_path)
     assert train(*MOE, "--save", directory, "--steps", "2") == 0
+    capsys.readouterr()
     rank_file = step_dir(tmp_path, 2) / "rank2-of4.pt"
     _corrupt(rank_file)
-    with pytest.raises(LaunchError, match=r"CheckpointError: .*rank2-of4.pt is corrupted: its "
-                                          "SHA-256 does not match the manifest"):
-        train(*MOE, "--save", directory, "--resume")
+    assert train(*MOE, "--save", directory, "--resume") == 2
+    assert f"rank 2 could not load {step_dir(tmp_path, 2)}: {rank_file} is corrupted: its " \
+           "SHA-256 does not match the manifest" in _one_line(capsys)
     rank_file.unlink()
-    with pytest.raises(LaunchError, match=r"rank2-of4.pt is missing: the manifest lists 4 "
-                                          "rank files"):
-        train(*MOE, "--save", directory, "--resume")
+    assert train(*MOE, "--save", directory, "--resume") == 2
+    assert f"rank 2 could not load {step_dir(tmp_path, 2)}: {rank_file} is missing: the " \
+           "manifest lists 4 rank files" in _one_line(capsys)
     assert descendants() == []
 
 

@@ -163,6 +163,7 @@ LAYERS = (
     ("training", ("engine.steps", "engine.timed_steps", "engine.train_formulas", "engine.hybrid",
                   "engine.strategy", "engine.compose", "engine.train_report",
                   "engine.train_compose", "engine.train_checks", "engine.train_run",
+                  "engine.train_resume", "engine.train_nonfinite",
                   "engine.train_endings", "engine.train", "engine.parity",
                   "engine.checkpoint_timing",
                   "engine.__main__")),

@@ -205,8 +205,9 @@ def test_help_gives_every_flag_its_text_choices_and_default(capsys):
     assert exit_.value.code == 0
     entries = _help_entries(capsys.readouterr().out)
     options = [a for a in parser()._actions if "--help" not in a.option_strings]
-    # 27 + --cp, --composed, --cp-method, --sequence-parallel, --varlen, --async-save
-    assert len(options) == len(entries) == 33
+    # 27 + --cp, --composed, --cp-method, --sequence-parallel, --varlen, --async-save,
+    # --allow-oversubscribe, --resume-fallback
+    assert len(options) == len(entries) == 35
     for action in options:
         flag = action.option_strings[0]
         entry = entries[flag]

@@ -54,3 +54,16 @@ def test_the_trainer_refuses_a_bool_degree_before_any_rank_starts():
 
     with pytest.raises(ValueError, match="--dp must be a positive int, got True"):
         check_config(TrainConfig(dp=True))
+
+
+def test_bounds_name_the_argument_the_bound_and_why():
+    from engine.validation import at_least, at_most
+
+    assert at_most("x", 3, 4) == 3 and at_least("x", 1.0, 1.0) == 1.0
+    with pytest.raises(ValueError, match=r"^x must be at most 4,294,967,295 \(why\), got "
+                                         "1099511627776$"):
+        at_most("x", 2**40, 2**32 - 1, " (why)")
+    with pytest.raises(ValueError, match=r"^x must be at most 86,400 seconds, got 1e\+20$"):
+        at_most("x", 1e20, 86_400.0, " seconds")
+    with pytest.raises(ValueError, match=r"^x must be at least 0.5, got 0.1$"):
+        at_least("x", 0.1, 0.5)
