@@ -41,6 +41,16 @@ $(STAMP): pyproject.toml
 	else \
 	    echo "setup: torchft not installed beside torch $$v (it needs torch >= 2.7 on Linux); its comparison test is skipped"; \
 	fi
+	@# bubblewrap: the grader's sandbox for a class's submissions (engine/grading/sandbox.py).
+	@# Installed with Debian's apt where this runs as root; elsewhere the grader says it runs
+	@# with limits only (README's "Grading a class" says what each mode stops).
+	@if command -v bwrap >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    ( apt-get install -y -q bubblewrap >/dev/null 2>&1 || \
+	      { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1; } ) \
+	    && echo "setup: bubblewrap installed (the grader's sandbox)" \
+	    || echo "setup: bubblewrap could not be installed; the grader will grade with limits only"; \
+	else echo "setup: no bubblewrap (apt-get install bubblewrap, as root): the grader will grade with limits only"; fi
 	@touch $(STAMP)
 
 course: setup

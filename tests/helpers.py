@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import launch
-from engine.grading.isolated import descendants as engine_descendants
+from engine.grading.processes import descendants as engine_descendants
 
 RANK_TIMEOUT_S = 30  # per launch; each test also has pytest-timeout's limit around it
 CUDA_TIMEOUT_S = 180  # spawned ranks initialise CUDA first
@@ -78,7 +78,7 @@ def _under_nccl_rules(rank, world_size, fn, *args):
 
 def descendants(pid: int | None = None) -> list[int]:
     """Pids of every process below ``pid`` (default: this one), zombies included, from /proc
-    (:func:`engine.grading.isolated.descendants`).
+    (:func:`engine.grading.processes.descendants`).
 
     Python's own multiprocessing resource tracker (started once by any spawn) is not counted:
     it is a helper of this process that lives as long as it does, not a leftover rank.

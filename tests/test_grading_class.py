@@ -138,7 +138,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGKILL])
 def test_a_stopped_run_leaves_a_parseable_junit_and_no_process(tmp_path, stop):
     """The second exercise loops with a long limit; the run is stopped while it loops."""
-    from engine.grading.isolated import descendants
+    from engine.grading.processes import descendants
 
     root = _submission(tmp_path / "dave", {"ch09_online_softmax": "solution",
                                            "ch09_zigzag_indices": ZIGZAG_LOOP})

@@ -372,8 +372,7 @@ def _fastest_ignoring_memory(model, cluster, global_batch, mfu=0.5):
 
 def _least_memory(model, cluster, global_batch, mfu=0.5):
     """Picks the leanest layout that fits, not the fastest."""
-    import solutions.ch07_planner as good
-    from engine.planner import memory_per_gpu
+    import solutions.ch07_planner as good  # its memory_per_gpu: the engine's is switched off
 
     best, best_memory = None, None
     for tp in (1, 2, 4, 8):
@@ -385,8 +384,10 @@ def _least_memory(model, cluster, global_batch, mfu=0.5):
                 if global_batch % (dp * mb):
                     continue
                 for zero in good.ZERO_STAGES:
-                    memory = memory_per_gpu(model, dp, tp, pp, zero, mb,
-                                            global_batch // (dp * mb))["total"]
+                    memory = good.memory_per_gpu(model, dp, tp, pp, zero, mb,
+                                                 global_batch // (dp * mb))
+                    if memory > (1 - good.RESERVE) * cluster.memory_gb * 1e9:
+                        continue  # the leanest layout that fits
                     if best is None or memory < best_memory:
                         best, best_memory = (dp, tp, pp, zero, mb), memory
     return best

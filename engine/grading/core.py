@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import io
+import pickle
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
@@ -136,28 +137,51 @@ _rank_output: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
     "rank_output", default=None)
 
 
-def _remote(args: tuple, kwargs: dict | None = None):
-    """The grading worker, if the learner's function is among ``args`` as a
-    :class:`engine.grading.remote.RemoteImpl` (the check runs in the grader); else None."""
-    from engine.grading.remote import RemoteImpl
+class ImplProxy:
+    """What a check gets as ``impl``: the learner's function behind a proxy that passes
+    arguments and results as a grading worker does. :meth:`worker` is the worker it lives in
+    (:class:`engine.grading.remote.RemoteImpl`), or None when it lives here
+    (:class:`LocalImpl`); :meth:`slot` is what a driver's arguments carry in its place."""
 
-    found = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, RemoteImpl)]
-    return found[0]._worker if found else None
+    def worker(self):
+        return None
+
+    def slot(self):
+        raise NotImplementedError
+
+
+class LocalImpl(ImplProxy):
+    """The learner's function called in this process as a grading worker would call it: the
+    arguments copied in (a pickle round trip: changes made to them are not seen), the result
+    sent back as plain data (:func:`engine.grading.wire.roundtrip`). For an exercise graded
+    as a module, its attributes are the module's functions, called the same way. The drivers
+    of :func:`run_ranks` and :func:`run_here` get the function itself."""
+
+    def __init__(self, impl, attr: str = ""):
+        self.impl, self.attr = impl, attr
+
+    def __call__(self, *args, **kwargs):
+        args, kwargs = pickle.loads(pickle.dumps((args, kwargs)))
+        return wire.roundtrip(self.slot()(*args, **kwargs))
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or self.attr or callable(self.impl):
+            raise AttributeError(name)
+        return LocalImpl(self.impl, name)
+
+    def slot(self):
+        return getattr(self.impl, self.attr) if self.attr else self.impl
+
+
+def _remote(args: tuple):
+    """The grading worker the learner's function lives in, if it is among ``args`` and not
+    here; else None."""
+    return next((a.worker() for a in args if isinstance(a, ImplProxy) and a.worker()), None)
 
 
 def _slots(args: tuple) -> tuple:
-    from engine.grading.remote import RemoteImpl
-
-    return tuple(a.slot() if isinstance(a, RemoteImpl) else a for a in args)
-
-
-def _local(args: tuple) -> tuple:
-    """``args`` with the learner's function itself in place of its
-    :class:`engine.grading.runner.LocalImpl` (a driver runs it directly)."""
-    from engine.grading.runner import LocalImpl
-
-    return tuple((getattr(a.impl, a.attr) if a.attr else a.impl)
-                 if isinstance(a, LocalImpl) else a for a in args)
+    """``args`` with each proxy replaced by what a driver gets in its place."""
+    return tuple(a.slot() if isinstance(a, ImplProxy) else a for a in args)
 
 
 def _keep_output(lines: list[str]) -> None:
@@ -186,7 +210,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 20) ->
             raise
         _keep_output(output)
         return values
-    args = _local(args)
+    args = _slots(args)
     buffer = io.StringIO()
     try:
         with contextlib.redirect_stdout(buffer):  # launch prints each rank's output at the end
@@ -202,15 +226,12 @@ def run_here(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     else here. ``fn`` is a driver (a module-level function of the check's chapter) that builds
     what the learner's function needs (a model, hooks, state) and returns what it observed, as
     plain data (:mod:`engine.grading.wire`): compare it in the check, never inside ``fn``."""
-    worker = _remote(args, kwargs)
+    worker = _remote((*args, *kwargs.values()))
+    kwargs = dict(zip(kwargs, _slots(tuple(kwargs.values()))))
     if worker is not None:
-        from engine.grading.remote import RemoteImpl
-
-        value, _ = worker.request("run", fn=fn, args=_slots(args), kwargs={
-            k: v.slot() if isinstance(v, RemoteImpl) else v for k, v in kwargs.items()})
+        value, _ = worker.request("run", fn=fn, args=_slots(args), kwargs=kwargs)
         return value
-    local = _local((*args, *kwargs.values()))
-    return wire.roundtrip(fn(*local[:len(args)], **dict(zip(kwargs, local[len(args):]))))
+    return wire.roundtrip(fn(*_slots(args), **kwargs))
 
 
 @contextlib.contextmanager

@@ -28,12 +28,13 @@ from pathlib import Path
 from typing import Callable
 
 from engine.grading.chapters import get_exercise
-from engine.grading.core import ERROR, STUCK, CheckResult, Frame, Report
+from engine.grading.core import ERROR, NOT_LOADED, STUCK, CheckResult, Frame, Report
 from engine.grading.feedback import clean_text, format_report, frames_from_text, is_learner_file
 from engine.grading.learner import course_root, exercise_path
 from engine.grading.progress import Attempts, check_hint_level
-from engine.grading.remote import (DUMPED_FRAME, RemoteImpl, Subreaper, WorkerGone,
-                                   start_forked, start_sandboxed)
+from engine.grading.processes import Subreaper
+from engine.grading.remote import (DUMPED_FRAME, RemoteImpl, WorkerGone, start_forked,
+                                   start_sandboxed)
 from engine.grading.runner import borrowed_results, check_impl, run_one
 from engine.grading.wire import WireError
 

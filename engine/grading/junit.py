@@ -58,6 +58,19 @@ def junit_xml(reports: list[Report], seconds: dict[str, float], student: str = "
     return ET.ElementTree(suites)
 
 
+def class_junit_xml(graded: list[tuple[str, list[Report], dict[str, float]]], timestamp: str,
+                    properties: dict[str, str] | None = None) -> ET.ElementTree:
+    """One junit tree for several students (``(student, reports, seconds)`` each): every
+    student's chapters are ``testsuite`` elements named ``"<student>: <chapter>"``."""
+    if len(graded) == 1:
+        student, reports, seconds = graded[0]
+        return junit_xml(reports, seconds, student, timestamp, properties)
+    root = ET.Element("testsuites", name="grade: class")
+    for student, reports, seconds in graded:
+        root.extend(junit_xml(reports, seconds, student, timestamp, properties).getroot())
+    return ET.ElementTree(root)
+
+
 def write_atomically(tree: ET.ElementTree, path: str | Path) -> None:
     """Write ``tree`` to ``path`` through a temporary file renamed over it: a reader (or a run
     stopped midway) only ever sees a whole file."""

@@ -1,7 +1,8 @@
 """Finding and loading the learner's code: ``exercises/<module>.py`` in the course's folder.
 
 The grader reads the files the learner edits, by path, from the course checkout: the folder
-that holds ``course/``, ``exercises/`` and ``solutions/``, found from the working directory
+that holds ``course/`` and ``exercises/`` (and ``solutions/``, except in a student's release),
+found from the working directory
 upwards (a notebook runs in ``course/``, ``make grade`` at the top), else beside the engine.
 A root given explicitly (``--root students/alice``) needs only ``exercises/``: what else it
 lacks (the reference ``solutions/``, the notebooks' titles) comes from the installed course,
@@ -26,7 +27,7 @@ from typing import Callable
 from engine.grading.core import Exercise
 
 SOURCES = ("exercises", "solutions")
-_MARKERS = ("course", "exercises", "solutions")
+_MARKERS = ("course", "exercises")  # a student's release has no solutions/
 
 
 class ExerciseLoadError(Exception):
@@ -51,7 +52,7 @@ def installed_course() -> Path | None:
 def course_root(root: str | Path | None = None) -> Path:
     """The course checkout: ``root`` if given (a folder holding ``exercises/`` is enough: a
     student's submission), else the first folder from the working directory upwards that holds
-    ``course/``, ``exercises/`` and ``solutions/``, else the engine's own."""
+    ``course/`` and ``exercises/``, else the engine's own."""
     if root is not None:
         folder = Path(root).resolve()
         if not (folder / "exercises").is_dir():
@@ -91,6 +92,9 @@ def load_impl(exercise: Exercise, source: str = "exercises",
     """
     path = exercise_path(exercise, source, root)
     shown = f"{source}/{path.name}"
+    if source == "solutions" and not path.parent.is_dir():
+        raise ExerciseLoadError(f"this course has no solutions/ (a student's release): "
+                                f"{shown} cannot be graded", path)
     if not path.is_file():
         raise ExerciseLoadError(f"{shown} does not exist (looked in {path.parent})", path)
     name = f"_course_{source}.{exercise.module}"  # private: never shadows a real package

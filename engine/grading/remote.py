@@ -12,31 +12,29 @@ A worker is started either forked from this process (:func:`start_forked`: a not
 ``check``, where a function defined in a cell is graded) or as a fresh
 ``python -m engine.grading.worker`` inside the sandbox (:func:`start_sandboxed`, see
 :mod:`engine.grading.sandbox`). Either way it leads a process group of its own, and when it is
-ended every process it started is killed by PID, found by walking ``/proc`` from it and among
-this process's children (this process is a child subreaper while it grades: a daemon that
-detached itself with ``setsid`` and a double fork is re-parented here, and found). The
-grader's own process group is never signalled.
+ended every process it started is killed by PID (:mod:`engine.grading.processes`: the grader
+is a child subreaper while it grades, so a daemon that detached itself with ``setsid`` and a
+double fork is re-parented here, and found). The grader's own process group is never
+signalled.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import pickle
 import re
 import select
-import signal
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from engine.grading import wire
+from engine.grading.core import ImplProxy
+from engine.grading.processes import kill_processes, my_children
 from engine.grading.worker import HEADER, ImplSlot, send_message
 
-PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37
 OUTPUT_KEEP_BYTES = 16 * 1024  # what a worker printed, kept per exercise (the rest is counted)
 
 
@@ -89,95 +87,6 @@ def as_local_exception(raised: dict) -> BaseException:
     error.remote_traceback = tb  # type: ignore[attr-defined]
     error.remote_types = types  # type: ignore[attr-defined]
     return error
-
-
-# ------------------------------------------------------------------ owning the processes
-
-def _prctl(option: int, value: int = 0) -> int:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:
-        return -1
-    if option == PR_GET_CHILD_SUBREAPER:
-        out = ctypes.c_int(0)
-        return out.value if libc.prctl(option, ctypes.byref(out)) == 0 else -1
-    return libc.prctl(option, value)
-
-
-class Subreaper:
-    """While open, this process adopts the orphans of its descendants (Linux's child subreaper),
-    so a daemon a submission detached is still found among this process's children."""
-
-    def __enter__(self):
-        self.was = _prctl(PR_GET_CHILD_SUBREAPER)
-        if self.was == 0:
-            _prctl(PR_SET_CHILD_SUBREAPER, 1)
-        return self
-
-    def __exit__(self, *exc):
-        if self.was == 0:
-            _prctl(PR_SET_CHILD_SUBREAPER, 0)
-
-
-def _parents() -> dict[int, int]:
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            found[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    return found
-
-
-def descendants(pid: int, parents: dict[int, int] | None = None) -> list[int]:
-    """Every live process started, directly or not, by ``pid`` (read from /proc)."""
-    parents = _parents() if parents is None else parents
-    children: dict[int, list[int]] = {}
-    for child, parent in parents.items():
-        children.setdefault(parent, []).append(child)
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def kill_processes(root: int, adopted_since: set[int] | None = None) -> None:
-    """SIGKILL ``root`` and every process under it, by PID, until none is left; with
-    ``adopted_since`` (this process's children before ``root`` started), also every newer
-    child of this process and what is under it (orphans it adopted as a subreaper). Never a
-    process group, so never this process's own."""
-    me = os.getpid()
-    for _ in range(50):
-        parents = _parents()
-        targets = {root} | set(descendants(root, parents)) if root in parents else set()
-        if adopted_since is not None:
-            for child, parent in parents.items():
-                if parent == me and child not in adopted_since and child != root:
-                    targets |= {child, *descendants(child, parents)}
-        targets.discard(me)
-        if not targets:
-            return
-        for pid in targets:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        for pid in targets:  # reap our own (the worker, adopted orphans): no zombie left
-            if parents.get(pid) == me:
-                try:
-                    os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    pass
-        time.sleep(0.02)
-
-
-def my_children() -> set[int]:
-    me = os.getpid()
-    return {child for child, parent in _parents().items() if parent == me}
 
 
 # ------------------------------------------------------------------ what a worker printed
@@ -341,7 +250,7 @@ def rank_error(info: dict, output: list[str]):
     return error
 
 
-class RemoteImpl:
+class RemoteImpl(ImplProxy):
     """The learner's function, in a check running in the grader: calling it asks the worker.
     For an exercise graded as a module, its attributes are the module's functions."""
 
@@ -359,6 +268,9 @@ class RemoteImpl:
 
     def slot(self) -> ImplSlot:
         return ImplSlot(self._attr)
+
+    def worker(self) -> Worker:
+        return self._worker
 
     def __repr__(self) -> str:
         return f"<the learner's {self._attr or 'function'}, in the grading worker>"

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import inspect
-import pickle
 import re
 import types
 from pathlib import Path
 from typing import Callable, Iterator
 
-from engine.grading import wire
 from engine.grading.blocking import EngineAnswerBlocked, blocking, borrowed_answers
 from engine.grading.chapters import get_exercise, registry
 from engine.grading.core import (BLOCKED, ERROR, NOT_IMPLEMENTED, NOT_LOADED, STUCK, TAMPERED,
                                  WRONG,
                                  CheckFailed, CheckResult, Frame, Report,
-                                 keeping_rank_output)
+                                 LocalImpl, keeping_rank_output)
 from engine.grading.feedback import (frames_from_syntax_error, frames_from_text,
                                      frames_from_traceback, is_learner_file)
 from engine.grading.learner import ExerciseLoadError, load_impl
@@ -71,27 +69,6 @@ def borrowed_results(exercise, borrowed: list[str]) -> list[CheckResult]:
                "write it yourself")
     return [CheckResult(_name(check_fn), False, message, kind=BLOCKED)
             for check_fn in exercise.checks]
-
-
-class LocalImpl:
-    """The learner's function called in this process as a grading worker would call it: the
-    arguments copied in (a pickle round trip: changes made to them are not seen), the result
-    sent back as plain data (:func:`engine.grading.wire.roundtrip`). For an exercise graded
-    as a module, its attributes are the module's functions, called the same way. The drivers
-    of :func:`engine.grading.core.run_ranks` and ``run_here`` get the function itself."""
-
-    def __init__(self, impl, attr: str = ""):
-        self.impl, self.attr = impl, attr
-
-    def __call__(self, *args, **kwargs):
-        target = getattr(self.impl, self.attr) if self.attr else self.impl
-        args, kwargs = pickle.loads(pickle.dumps((args, kwargs)))
-        return wire.roundtrip(target(*args, **kwargs))
-
-    def __getattr__(self, name: str):
-        if name.startswith("__") or self.attr or callable(self.impl):
-            raise AttributeError(name)
-        return LocalImpl(self.impl, name)
 
 
 def check_impl(exercise, impl) -> None:

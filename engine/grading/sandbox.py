@@ -14,13 +14,15 @@ exercise's worker (:mod:`engine.grading.worker`) runs in a throwaway view of the
   terminal to write escape sequences to), no capabilities, user ``nobody`` inside.
 * no network: a network namespace with loopback only (Gloo's ranks talk over it).
 * limits (also without bubblewrap): address space per process (``memory_bytes``), CPU seconds,
-  the size of a file written, no core dumps, and a cap on processes.
+  the size of a file written, no core dumps; and where the grader may make a cgroup
+  (:class:`ControlGroup`), a cap on the processes and on the memory of all of them together.
 
 Without bubblewrap the worker still runs under those limits, in a process group of its own,
 killed by PID with every process it started (the grader is a child subreaper,
 :mod:`engine.grading.remote`), with its results read as plain data; and Python's audit hooks
 in the worker refuse to open the course's ``solutions/``, ``.git`` and ``tests/`` and other
-students' folders, and to write outside the student's own folder and the temporary folder.
+students' folders, and to write outside the student's own folder and a scratch folder of its
+own (its ``TMPDIR``).
 Audit hooks are a Python-level check: code that goes through ``ctypes`` or starts another
 program gets around them. :meth:`Sandbox.protections` says which mode is on, in the report.
 
@@ -37,6 +39,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from functools import lru_cache
 from pathlib import Path
 
@@ -69,6 +72,94 @@ def bwrap_works() -> str:
         return ("bubblewrap cannot create namespaces here: "
                 + done.stderr.decode(errors="replace").strip()[:200])
     return ""
+
+
+class ControlGroup:
+    """A cgroup for one worker and everything it starts, where this machine lets the grader make
+    one (cgroup v1's ``pids`` and ``memory`` hierarchies, or v2 with those controllers): a cap on
+    the number of processes (``RLIMIT_NPROC`` does not bind a worker whose user outside the
+    sandbox is root) and on the memory of all of them together. Empty where it cannot."""
+
+    def __init__(self, processes: int, memory_bytes: int):
+        self.dirs: list[Path] = []
+        self.controllers: set[str] = set()
+        name = f"engine-grading-{os.getpid()}-{os.urandom(4).hex()}"
+        for controller, limits in (("pids", {"pids.max": processes}),
+                                   ("memory", {"memory.limit_in_bytes": memory_bytes,
+                                               "memory.max": memory_bytes})):
+            folder = self._make(controller, name)
+            if folder is None:
+                continue
+            wrote = False
+            for file, value in limits.items():
+                try:
+                    (folder / file).write_text(str(value))
+                    wrote = True
+                except OSError:
+                    pass
+            if wrote:
+                self.dirs.append(folder)
+                self.controllers.add(controller)
+            else:
+                self._remove(folder)
+
+    @staticmethod
+    def _make(controller: str, name: str) -> Path | None:
+        try:
+            lines = Path("/proc/self/cgroup").read_text().splitlines()
+        except OSError:
+            return None
+        for line in lines:
+            _, controllers, path = line.split(":", 2)
+            if controller in controllers.split(","):
+                base = Path("/sys/fs/cgroup") / controller / path.lstrip("/")
+                break
+        else:  # cgroup v2: one hierarchy, controllers enabled for the children
+            v2 = [line.split(":", 2)[2] for line in lines if line.startswith("0::")]
+            if not v2:
+                return None
+            base = Path("/sys/fs/cgroup") / v2[0].lstrip("/")
+            try:
+                if controller not in (base / "cgroup.controllers").read_text().split():
+                    return None
+                (base / "cgroup.subtree_control").write_text(f"+{controller}")
+            except OSError:
+                return None
+        try:
+            folder = base / name
+            folder.mkdir()
+            return folder
+        except OSError:
+            return None
+
+    def join(self) -> None:
+        """In the worker, before exec: enter every group made."""
+        for folder in self.dirs:
+            (folder / "cgroup.procs").write_text(str(os.getpid()))
+
+    @property
+    def limits_processes(self) -> bool:
+        return "pids" in self.controllers
+
+    @property
+    def limits_memory(self) -> bool:
+        return "memory" in self.controllers
+
+    @staticmethod
+    def _remove(folder: Path) -> None:
+        for _ in range(50):
+            try:
+                folder.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:  # processes still leaving
+                time.sleep(0.02)
+
+    def remove(self) -> None:
+        for folder in self.dirs:
+            self._remove(folder)
+        self.dirs = []
 
 
 def _user_processes() -> int:
@@ -104,11 +195,19 @@ class Sandbox:
         self.memory_bytes, self.cpu_seconds = memory_bytes, cpu_seconds
         self.processes = processes
         self.scratch: Path | None = None
+        probe = ControlGroup(processes, memory_bytes)  # what this machine lets us limit
+        self.cgroup_processes, self.cgroup_memory = probe.limits_processes, probe.limits_memory
+        probe.remove()
+        self.group: ControlGroup | None = None
 
     # -- what the report says
     def protections(self) -> str:
-        limits = (f"{self.memory_bytes / 2**30:g} GiB of address space per process, "
-                  f"{self.cpu_seconds} CPU seconds, {self.processes} more processes")
+        gib = f"{self.memory_bytes / 2**30:g} GiB"
+        limits = (f"{gib} of address space per process"
+                  + (f" and {gib} for all together" if self.cgroup_memory else "")
+                  + f", {self.cpu_seconds} CPU seconds, "
+                  + (f"at most {self.processes} processes" if self.cgroup_processes else
+                     "processes not counted (no writable pids cgroup)"))
         if self.mode == "bwrap":
             return ("sandbox: bubblewrap (no network, own PID namespace, user nobody inside; "
                     "sees its own copy of exercises/, the engine and Python read-only; no "
@@ -127,15 +226,19 @@ class Sandbox:
         resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_BYTES, FILE_SIZE_BYTES))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         nproc = self._nproc
-        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))  # binds a user other than root
+        if self.group is not None:
+            self.group.join()
 
     def environment(self) -> dict[str, str]:
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp",
                "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1",
                "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo"}
         if self.mode == "limits":
+            env["TMPDIR"] = str(self.scratch)
             env[FORBID_ENV] = os.pathsep.join(str(p) for p in self._forbidden())
-            env[WRITABLE_ENV] = os.pathsep.join([str(self.student), "/tmp", "/dev/shm"])
+            env[WRITABLE_ENV] = os.pathsep.join([str(self.student), str(self.scratch),
+                                                 "/dev/shm"])
             if "PYTHONPATH" in os.environ:
                 env["PYTHONPATH"] = os.environ["PYTHONPATH"]
         return env
@@ -150,9 +253,10 @@ class Sandbox:
     def command(self, argv: list[str], pass_fds: tuple[int, ...] = ()) -> list[str]:
         """``argv`` wrapped in the sandbox (unchanged in "limits" mode)."""
         self._nproc = _user_processes() + self.processes
+        self.group = ControlGroup(self.processes, self.memory_bytes)
+        self.scratch = Path(tempfile.mkdtemp(prefix="grade-scratch-"))
         if self.mode != "bwrap":
             return argv
-        self.scratch = Path(tempfile.mkdtemp(prefix="grade-scratch-"))
         copy = self.scratch / "exercises"
         shutil.copytree(self.student / "exercises", copy, symlinks=False,
                         ignore=shutil.ignore_patterns("__pycache__"))
@@ -195,6 +299,9 @@ class Sandbox:
         return found
 
     def cleanup(self) -> None:
+        if self.group is not None:
+            self.group.remove()
+            self.group = None
         if self.scratch is not None:
             shutil.rmtree(self.scratch, ignore_errors=True)
             self.scratch = None

@@ -11,39 +11,67 @@ from engine.grading.core import CheckFailed, Exercise, passed, run_ranks
 from engine.grading.drill import Drill
 
 
-def _mlp_on_rank(rank, world_size, module):
+def _mlp_layers():
+    """The dense MLP and its input, from seed 0 (the global RNG: call it where that is free)."""
     torch.manual_seed(0)
     fc, out = nn.Linear(12, 24), nn.Linear(24, 12)
     x = torch.randn(5, 12, requires_grad=True)
-    dense = out(F.gelu(fc(x)))
-    dense.square().sum().backward()
-    dense_x_grad, x.grad = x.grad.clone(), None
+    return fc, out, x
+
+
+def _grad(t: torch.Tensor):
+    return None if t.grad is None else t.grad.detach().clone()
+
+
+def _mlp_on_rank(rank, world_size, module):
+    """A driver (runs where the learner's code does): the learner's layers built from the dense
+    ones, run forward and backward; what they gave and what the meter saw. The check compares
+    it with the dense MLP computed in the grader."""
+    fc, out, x = _mlp_layers()
     col, row = module.ColumnParallel(fc), module.RowParallel(out)
     with CommMeter() as forward:
         y = row(F.gelu(col(x)))
     with CommMeter() as backward:
         y.square().sum().backward()
-    t = world_size
-    wrong = [name for name, ok in (
-        ("the output", torch.allclose(y, dense, atol=1e-5)),
-        ("the input's gradient", x.grad is not None and
-         torch.allclose(x.grad, dense_x_grad, atol=1e-5)),
-        ("the column layer's weight gradient",
-         torch.allclose(col.weight.grad, fc.weight.grad.chunk(t, 0)[rank], atol=1e-5)),
-        ("the column layer's bias gradient",
-         torch.allclose(col.bias.grad, fc.bias.grad.chunk(t, 0)[rank], atol=1e-5)),
-        ("the row layer's weight gradient",
-         torch.allclose(row.weight.grad, out.weight.grad.chunk(t, 1)[rank], atol=1e-5)),
-        ("the row layer's bias gradient", torch.allclose(row.bias.grad, out.bias.grad,
-                                                         atol=1e-5)),
-    ) if not ok]
-    return wrong, [e.op for e in forward.events], [e.op for e in backward.events]
+    return dict(y=y.detach().clone(), x_grad=_grad(x), col_weight=_grad(col.weight),
+                col_bias=_grad(col.bias), row_weight=_grad(row.weight), row_bias=_grad(row.bias),
+                forward=[e.op for e in forward.events], backward=[e.op for e in backward.events])
+
+
+def _dense_mlp() -> dict:
+    """The dense MLP's output and gradients, computed in the grader (its RNG left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        fc, out, x = _mlp_layers()
+    dense = out(F.gelu(fc(x)))
+    dense.square().sum().backward()
+    return dict(y=dense.detach(), x_grad=x.grad, col_weight=fc.weight.grad,
+                col_bias=fc.bias.grad, row_weight=out.weight.grad, row_bias=out.bias.grad)
+
+
+def _close(got, expected) -> bool:
+    return got is not None and torch.allclose(got, expected, atol=1e-5)
+
+
+def _mlp_results(module, world_size):
+    return run_ranks(_mlp_on_rank, world_size, module, timeout=20)
 
 
 def check_matches_the_dense_mlp(module):
+    dense = _dense_mlp()
     for world_size in (2, 3):
-        for rank, (wrong, _, _) in enumerate(run_ranks(_mlp_on_rank, world_size, module,
-                                                    timeout=20)):
+        t = world_size
+        for rank, res in enumerate(_mlp_results(module, world_size)):
+            wrong = [name for name, ok in (
+                ("the output", torch.allclose(res["y"], dense["y"], atol=1e-5)),
+                ("the input's gradient", _close(res["x_grad"], dense["x_grad"])),
+                ("the column layer's weight gradient",
+                 _close(res["col_weight"], dense["col_weight"].chunk(t, 0)[rank])),
+                ("the column layer's bias gradient",
+                 _close(res["col_bias"], dense["col_bias"].chunk(t, 0)[rank])),
+                ("the row layer's weight gradient",
+                 _close(res["row_weight"], dense["row_weight"].chunk(t, 1)[rank])),
+                ("the row layer's bias gradient", _close(res["row_bias"], dense["row_bias"])),
+            ) if not ok]
             if wrong:
                 raise CheckFailed(
                     f"rank {rank}: {', '.join(wrong)} differ from the dense MLP. Column keeps "
@@ -54,8 +82,8 @@ def check_matches_the_dense_mlp(module):
 
 def check_one_all_reduce_each_way(module):
     for world_size in (2, 3):
-        for rank, (_, fwd, bwd) in enumerate(run_ranks(_mlp_on_rank, world_size, module,
-                                                    timeout=20)):
+        for rank, res in enumerate(_mlp_results(module, world_size)):
+            fwd, bwd = res["forward"], res["backward"]
             if fwd != ["all_reduce"] or bwd != ["all_reduce"]:
                 raise CheckFailed(
                     f"rank {rank}: the meter saw {fwd} forward and {bwd} backward; a column "
@@ -104,43 +132,65 @@ VOCAB, TOKENS_SHAPE = 96, (3, 5)
 LARGE = 90.0  # exp(90) overflows fp32 (largest ~3.4e38): the max must be subtracted first
 
 
-def _vocab_ce_on_rank(rank, world_size, module):
+def _vocab_ce_data():
+    """The dense logits (row 0 near LARGE), the targets and a weight per token's loss."""
     gen = torch.Generator().manual_seed(7)
     dense = torch.randn(*TOKENS_SHAPE, VOCAB, generator=gen) * 3
     dense[0] += LARGE  # one row of tokens with huge logits
     targets = torch.randint(0, VOCAB, TOKENS_SHAPE, generator=gen)
     weights = torch.rand(*TOKENS_SHAPE, generator=gen)  # a different gradient per token
-    reference = dense.clone().requires_grad_()
-    expected = F.cross_entropy(reference.view(-1, VOCAB), targets.view(-1),
-                               reduction="none").view(TOKENS_SHAPE)
-    (expected * weights).sum().backward()
+    return dense, targets, weights
+
+
+def _vocab_ce_on_rank(rank, world_size, module):
+    """A driver (runs where the learner's code does): the learner's loss on this rank's slice
+    of the logits, that slice's gradient, and what the meter saw; compared in the grader."""
+    dense, targets, weights = _vocab_ce_data()
     logits = dense.chunk(world_size, dim=-1)[rank].clone().requires_grad_()
     with CommMeter() as meter:
         loss = module.vocab_parallel_cross_entropy(logits, targets)
         (loss * weights).sum().backward()
-    wrong = []
-    if not (isinstance(loss, torch.Tensor) and loss.shape == expected.shape
-            and torch.allclose(loss, expected, rtol=1e-5, atol=1e-5)):
-        wrong.append("the loss")
-    expected_grad = reference.grad.chunk(world_size, dim=-1)[rank]
-    if logits.grad is None or not torch.allclose(logits.grad, expected_grad, atol=1e-6):
-        wrong.append("the gradient of this rank's logits")
-    return dict(wrong=wrong, events=[(e.op, e.payload_bytes) for e in meter.events],
-                loss=loss.detach()[0, :2].tolist() if isinstance(loss, torch.Tensor) else loss,
-                expected=expected.detach()[0, :2].tolist())
+    return dict(loss=loss.detach().clone() if isinstance(loss, torch.Tensor) else repr(loss),
+                grad=None if logits.grad is None else logits.grad.detach().clone(),
+                events=[(e.op, e.payload_bytes) for e in meter.events])
+
+
+def _dense_cross_entropy():
+    """F.cross_entropy per token and its gradient (weighted per token), in the grader."""
+    dense, targets, weights = _vocab_ce_data()
+    reference = dense.clone().requires_grad_()
+    expected = F.cross_entropy(reference.view(-1, VOCAB), targets.view(-1),
+                               reduction="none").view(TOKENS_SHAPE)
+    (expected * weights).sum().backward()
+    return expected.detach(), reference.grad
+
+
+def _first_two(loss):
+    if not isinstance(loss, torch.Tensor):
+        return loss
+    return (loss[0, :2] if loss.dim() == 2 else loss.flatten()[:2]).tolist()
 
 
 def check_matches_dense_cross_entropy(module):
+    expected, expected_grad = _dense_cross_entropy()
     for world_size in (2, 3):
         for rank, res in enumerate(run_ranks(_vocab_ce_on_rank, world_size, module,
                                              timeout=20)):
-            if res["wrong"]:
+            loss, grad = res["loss"], res["grad"]
+            wrong = []
+            if not (isinstance(loss, torch.Tensor) and loss.shape == expected.shape
+                    and torch.allclose(loss, expected, rtol=1e-5, atol=1e-5)):
+                wrong.append("the loss")
+            if grad is None or not torch.allclose(
+                    grad, expected_grad.chunk(world_size, dim=-1)[rank], atol=1e-6):
+                wrong.append("the gradient of this rank's logits")
+            if wrong:
                 raise CheckFailed(
-                    f"rank {rank}: {' and '.join(res['wrong'])} differ from the dense "
+                    f"rank {rank}: {' and '.join(wrong)} differ from the dense "
                     f"F.cross_entropy (tokens of row 0, logits near {LARGE:.0f}: got "
-                    f"{res['loss']}, expected {res['expected']}). Subtract the global max "
-                    "before exp(); the target's logit comes from the rank that holds it; "
-                    "the gradient is softmax minus one-hot", world_size=world_size,
+                    f"{_first_two(loss)}, expected {expected[0, :2].tolist()}). Subtract the "
+                    "global max before exp(); the target's logit comes from the rank that "
+                    "holds it; the gradient is softmax minus one-hot", world_size=world_size,
                     vocab=VOCAB, tokens=TOKENS_SHAPE)
 
 

@@ -215,31 +215,39 @@ def _zb_model() -> nn.Sequential:
         return nn.Sequential(*layers[:-1])
 
 
-def _zero_bubble_on_rank(rank, world_size, module):
+def _zb_micro_batches():
     gen = torch.Generator().manual_seed(9)
     xs = [torch.randn(2, 3, ZB_WIDTHS[0], generator=gen) for _ in range(ZB_MICRO_BATCHES)]
     ys = [torch.randn(2, 3, ZB_WIDTHS[-1], generator=gen) for _ in range(ZB_MICRO_BATCHES)]
-    reference = _zb_model()
-    (sum(F.mse_loss(reference(x), y) for x, y in zip(xs, ys)) / ZB_MICRO_BATCHES).backward()
-    starts = uniform_boundaries(len(reference), world_size)
-    mine = split_model(_zb_model(), starts)[rank]
-    theirs = split_model(reference, starts)[rank]
-    weights_touched_by_b = []
+    return xs, ys
+
+
+def _clone_grad(t: torch.Tensor):
+    return None if t.grad is None else t.grad.detach().clone()
+
+
+def _zero_bubble_on_rank(rank, world_size, module):
+    """A driver (runs where the learner's code does): ZB-H1 on this rank's stage with the
+    learner's B and W in the runtime. It returns what it saw: each B call's weight gradient
+    before and after it, the stage's gradients, the order of the actions. The check compares
+    them, in the grader, with one process's gradients."""
+    xs, ys = _zb_micro_batches()
+    model = _zb_model()
+    mine = split_model(model, uniform_boundaries(len(model), world_size))[rank]
+    b_calls = []  # (the weight's shape, its .grad before linear_b, its .grad after)
     engines = weight_grad.linear_input_grad, weight_grad.linear_weight_grad
 
     def set_halves(b, w):  # the runtime calls B and W by these module names
         weight_grad.linear_input_grad, weight_grad.linear_weight_grad = b, w
 
     def graded_b(grad_out, weight):  # the learner's B, watched: it must leave .grad alone
-        before = None if weight.grad is None else weight.grad.clone()
+        before = _clone_grad(weight)
         set_halves(*engines)  # while the learner's code runs, the names are the engine's
         try:
             grad_x = module.linear_b(grad_out, weight)
         finally:
             set_halves(graded_b, graded_w)
-        if (before is None) != (weight.grad is None) or (
-                before is not None and not torch.equal(before, weight.grad)):
-            weights_touched_by_b.append(tuple(weight.shape))
+        b_calls.append((tuple(weight.shape), before, _clone_grad(weight)))
         return grad_x
 
     def graded_w(x, grad_out):
@@ -254,22 +262,36 @@ def _zero_bubble_on_rank(rank, world_size, module):
         run = run_pipeline([mine], zb_h1(world_size, ZB_MICRO_BATCHES), xs, ys, stage=rank)
     finally:
         set_halves(*engines)
-    differ = [name for (name, a), b in zip(mine.named_parameters(), theirs.parameters(),
-                                           strict=True)
-              if a.grad is None or not torch.allclose(a.grad, b.grad, atol=1e-6)]
-    order = [(e.args["kind"], e.args["mb"]) for e in run.events]
-    return dict(differ=differ, touched=weights_touched_by_b, order=order)
+    return dict(b_calls=b_calls,
+                grads=[(name, _clone_grad(p)) for name, p in mine.named_parameters()],
+                order=[(e.args["kind"], e.args["mb"]) for e in run.events])
+
+
+def _one_process_grads(world_size: int) -> list[list[torch.Tensor]]:
+    """Each stage's parameters' gradients after one process ran every micro-batch: the
+    reference, computed in the grader."""
+    xs, ys = _zb_micro_batches()
+    reference = _zb_model()
+    (sum(F.mse_loss(reference(x), y) for x, y in zip(xs, ys)) / ZB_MICRO_BATCHES).backward()
+    stages = split_model(reference, uniform_boundaries(len(reference), world_size))
+    return [[p.grad for p in stage.parameters()] for stage in stages]
 
 
 def check_zero_bubble_runtime_w_after_b(module):
+    expected = _one_process_grads(2)
     for rank, res in enumerate(run_ranks(_zero_bubble_on_rank, 2, module, timeout=30)):
-        if res["touched"]:
-            raise CheckFailed(f"rank {rank}: the .grad of the weight(s) of shape {res['touched']} "
+        touched = [shape for shape, before, after in res["b_calls"]
+                   if (before is None) != (after is None)
+                   or (before is not None and not torch.equal(before, after))]
+        if touched:
+            raise CheckFailed(f"rank {rank}: the .grad of the weight(s) of shape {touched} "
                               "changed while linear_b ran: B computes only dX; the weight "
                               "gradient is W's, later", world_size=2, schedule="zb_h1",
                               m=ZB_MICRO_BATCHES)
-        if res["differ"]:
-            raise CheckFailed(f"rank {rank}: after ZB-H1 the gradients of {res['differ']} differ "
+        differ = [name for (name, got), want in zip(res["grads"], expected[rank], strict=True)
+                  if got is None or not torch.allclose(got, want, atol=1e-6)]
+        if differ:
+            raise CheckFailed(f"rank {rank}: after ZB-H1 the gradients of {differ} differ "
                               "from one process: in the runtime the inputs are 3-D "
                               "(batch, tokens, features)", world_size=2, schedule="zb_h1",
                               m=ZB_MICRO_BATCHES)

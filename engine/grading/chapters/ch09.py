@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 from engine import theory
 from engine.comm import CommMeter
-from engine.comm.ring import ring_position
 from engine.cp.blocks import block_forward
 from engine.cp.layout import shard_indices
 from engine.grading.core import POINT_TO_POINT, CheckFailed, Exercise, run_ranks
@@ -111,35 +110,61 @@ def check_large_scores_stay_finite(merge):
                           finite=bool(out.isfinite().all()))
 
 
-def _ring_on_rank(rank, world_size, impl, seq_per_rank):
+RING_BATCH, RING_HEADS, RING_HEAD_DIM, RING_SEQ_PER_RANK = 2, 2, 8, 3
+
+
+def _ring_qkv(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q, K and V over the whole sequence of ``n`` ranks."""
     g = torch.Generator().manual_seed(3)
-    n, batch, heads, head_dim = world_size, 2, 2, 8
-    q, k, v = (torch.randn(batch, heads, n * seq_per_rank, head_dim, generator=g)
-               for _ in range(3))
-    rows = slice(rank * seq_per_rank, (rank + 1) * seq_per_rank)
-    expected = F.scaled_dot_product_attention(q, k, v)[..., rows, :]
+    return tuple(torch.randn(RING_BATCH, RING_HEADS, n * RING_SEQ_PER_RANK, RING_HEAD_DIM,
+                             generator=g) for _ in range(3))
+
+
+def _rows(rank: int, per_rank: int) -> slice:
+    return slice(rank * per_rank, (rank + 1) * per_rank)
+
+
+def _tensor_or_none(out):
+    return out.detach().clone() if isinstance(out, torch.Tensor) else None
+
+
+def _ring_on_rank(rank, world_size, impl):
+    """A driver (runs where the learner's code does): the learner's output for this rank's
+    queries, and what the meter saw; compared with attention computed in the grader."""
+    rows = _rows(rank, RING_SEQ_PER_RANK)
+    q, k, v = (t[..., rows, :].contiguous() for t in _ring_qkv(world_size))
     with CommMeter(count="wire") as meter:
-        out = impl(*(t[..., rows, :].contiguous() for t in (q, k, v)))
-    right = ring_position()[2]
-    return dict(
-        ok=isinstance(out, torch.Tensor) and out.shape == expected.shape
-        and torch.allclose(out, expected, atol=ATOL),
-        sent=meter.bytes_sent,
-        expected_sent=theory.ring_attention_bytes(batch * n * seq_per_rank, heads * head_dim,
-                                                  n, dtype_bytes=4)["forward"],
-        others=sorted({e.op for e in meter.events} - POINT_TO_POINT),
-        sends=[e.peer for e in meter.events if e.op in ("send", "isend")], right=right)
+        out = impl(q, k, v)
+    return dict(out=_tensor_or_none(out), sent=meter.bytes_sent,
+                events=[(e.op, e.peer) for e in meter.events])
 
 
 def _ring_results(impl):
+    """Per N: the ranks' results, each with what the grader expects of it."""
     for n in (2, 3):
-        yield n, run_ranks(_ring_on_rank, n, impl, 3, timeout=30)
+        q, k, v = _ring_qkv(n)
+        dense = F.scaled_dot_product_attention(q, k, v)
+        sent = theory.ring_attention_bytes(RING_BATCH * n * RING_SEQ_PER_RANK,
+                                           RING_HEADS * RING_HEAD_DIM, n,
+                                           dtype_bytes=4)["forward"]
+        results = run_ranks(_ring_on_rank, n, impl, timeout=30)
+        for rank, r in enumerate(results):
+            r.update(expected=dense[..., _rows(rank, RING_SEQ_PER_RANK), :], expected_sent=sent,
+                     right=(rank + 1) % n,  # the right-hand neighbour in the world's ring
+                     others=sorted({op for op, _ in r["events"]} - POINT_TO_POINT),
+                     sends=[peer for op, peer in r["events"] if op in ("send", "isend")])
+        yield n, results
+
+
+def _equal(out, expected) -> bool:
+    return isinstance(out, torch.Tensor) and out.shape == expected.shape and \
+        torch.allclose(out, expected, atol=ATOL)
 
 
 def check_equals_dense_attention(impl):
     for n, results in _ring_results(impl):
         for rank, r in enumerate(results):
-            if not r["ok"]:
+            if not _equal(r["out"], r["expected"]):
                 raise CheckFailed(f"rank {rank}: the output differs from attention over the "
                                   "whole sequence: merge one block per step, and pass K/V on "
                                   "to the right after each step but the last", world_size=n)
@@ -200,34 +225,54 @@ def check_bad_length_raises(impl):
 KV_CASES = [(4, 8, 2), (3, 6, 2)]  # (N, query heads, KV heads): N a multiple of kv; lcm
 
 
-def _ulysses_on_rank(rank, world_size, impl, heads, kv_heads):
+ULYSSES_BATCH, ULYSSES_PER_RANK, ULYSSES_HEAD_DIM = 2, 3, 4
+
+
+def _ulysses_qkv(n: int, heads: int, kv_heads: int):
+    """Q (``heads`` heads), K and V (``kv_heads`` heads) over the whole sequence of ``n``
+    ranks."""
     g = torch.Generator().manual_seed(4)
-    n, batch, per_rank, head_dim = world_size, 2, 3, 4
-    q = torch.randn(batch, heads, n * per_rank, head_dim, generator=g)
-    k, v = (torch.randn(batch, kv_heads, n * per_rank, head_dim, generator=g) for _ in range(2))
-    rows = slice(rank * per_rank, (rank + 1) * per_rank)
-    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                              enable_gqa=True)[..., rows, :]
+    q = torch.randn(ULYSSES_BATCH, heads, n * ULYSSES_PER_RANK, ULYSSES_HEAD_DIM, generator=g)
+    k, v = (torch.randn(ULYSSES_BATCH, kv_heads, n * ULYSSES_PER_RANK, ULYSSES_HEAD_DIM,
+                        generator=g) for _ in range(2))
+    return q, k, v
+
+
+def _ulysses_on_rank(rank, world_size, impl, heads, kv_heads):
+    """A driver (runs where the learner's code does): the learner's output for this rank's
+    rows, and what the meter saw; compared with attention computed in the grader."""
+    rows = _rows(rank, ULYSSES_PER_RANK)
+    q, k, v = (t[..., rows, :].contiguous()
+               for t in _ulysses_qkv(world_size, heads, kv_heads))
     with CommMeter(count="wire") as meter:
-        out = impl(*(t[..., rows, :].contiguous() for t in (q, k, v)))
-    travelling = theory.ulysses_sent_kv_heads(heads, kv_heads, n)
-    return dict(ok=isinstance(out, torch.Tensor) and out.shape == expected.shape
-                and torch.allclose(out, expected, atol=ATOL), sent=meter.bytes_sent,
-                expected_sent=theory.ulysses_bytes(batch * n * per_rank, heads * head_dim, n, 4,
-                                                   travelling * head_dim)["forward"],
-                travelling=travelling, ops=sorted({e.op for e in meter.events}))
+        out = impl(q, k, v)
+    return dict(out=_tensor_or_none(out), sent=meter.bytes_sent,
+                ops=[e.op for e in meter.events])
 
 
 @functools.lru_cache(maxsize=4)
 def _ulysses_results(impl):
-    return [(case, run_ranks(_ulysses_on_rank, case[0], impl, *case[1:], timeout=30))
-            for case in KV_CASES]
+    """Per case: the ranks' results, each with what the grader expects of it."""
+    cases = []
+    for n, heads, kv_heads in KV_CASES:
+        q, k, v = _ulysses_qkv(n, heads, kv_heads)
+        dense = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        travelling = theory.ulysses_sent_kv_heads(heads, kv_heads, n)
+        sent = theory.ulysses_bytes(ULYSSES_BATCH * n * ULYSSES_PER_RANK,
+                                    heads * ULYSSES_HEAD_DIM, n, 4,
+                                    travelling * ULYSSES_HEAD_DIM)["forward"]
+        results = run_ranks(_ulysses_on_rank, n, impl, heads, kv_heads, timeout=30)
+        for rank, r in enumerate(results):
+            r.update(expected=dense[..., _rows(rank, ULYSSES_PER_RANK), :], expected_sent=sent,
+                     travelling=travelling, ops=sorted(set(r["ops"])))
+        cases.append(((n, heads, kv_heads), results))
+    return cases
 
 
 def check_equals_attention_past_the_kv_heads(impl):
     for (n, heads, kv_heads), results in _ulysses_results(impl):
         for rank, r in enumerate(results):
-            if not r["ok"]:
+            if not _equal(r["out"], r["expected"]):
                 raise CheckFailed(f"rank {rank}: the output differs from causal attention over "
                                   f"the whole sequence ({heads} query heads, {kv_heads} KV heads "
                                   f"on {n} ranks): each rank needs the KV head of each of its "
@@ -251,13 +296,26 @@ def check_sends_only_the_kv_heads_needed(impl):
 
 
 def _bad_degree_on_rank(rank, world_size, impl):
+    """A driver (runs where the learner's code does): the ValueError's message, or None.
+
+    No rank leaves before every rank has called the learner's function: a right answer raises
+    before any communication, so without the barrier a rank could return, and its process end,
+    closing its Gloo connections, while its peer was still joining the process group; the
+    peer then failed in Gloo's connectFullMesh ("Connection closed by peer"), on a loaded
+    machine only, and the check with it. (engine.launch now waits for every rank to join before
+    any runs ``fn``; this keeps the check independent of when the ranks get there either way.)
+    """
     q = torch.randn(1, 3, 2, 4)
     k = torch.randn(1, 1, 2, 4)
     try:
         impl(q, k, k)
     except ValueError as e:
-        return str(e)
-    return None
+        message = str(e)
+    else:
+        message = None
+    if dist.is_initialized():
+        dist.barrier()
+    return message
 
 
 def check_bad_degree_raises(impl):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from engine.comm import CommMeter
-from engine.grading.core import CheckFailed, Exercise, run_ranks
+from engine.grading.core import CheckFailed, Exercise, run_here, run_ranks
 from engine.grading.drill import Drill
 from engine.moe.experiments import zipf_logits
 from engine.moe.router import load_balancing_loss, route
@@ -74,7 +74,8 @@ EXPERTS, HIDDEN = 8, 4
 
 
 def _rows_of(rank: int):
-    """Every rank's rows and experts, known to all ranks (expert 5 never chosen)."""
+    """Every rank's rows and experts, made in the grader and sent to the ranks (expert 5 never
+    chosen)."""
     g = torch.Generator().manual_seed(100 + rank)
     count = 5 + 3 * rank
     rows = torch.randn(count, HIDDEN, generator=g)
@@ -83,43 +84,83 @@ def _rows_of(rank: int):
     return rows, expert
 
 
-def _dispatch_on_rank(rank, world_size, module):
+def _local_experts(rank: int, world_size: int) -> range:
     local = EXPERTS // world_size
-    mine = range(rank * local, (rank + 1) * local)
-    everyone = [_rows_of(r) for r in range(world_size)]
-    expected = [torch.cat([rows[expert == e] for rows, expert in everyone]) for e in mine]
+    return range(rank * local, (rank + 1) * local)
+
+
+def _arriving(everyone, rank: int, world_size: int) -> list[torch.Tensor]:
+    """What each of ``rank``'s experts should receive: its rows from every rank, rank 0's
+    first, each rank's in their original order (computed in the grader)."""
+    return [torch.cat([rows[expert == e] for rows, expert in everyone])
+            for e in _local_experts(rank, world_size)]
+
+
+def _combine_scale(everyone, rank: int, world_size: int) -> torch.Tensor:
+    """What ``rank``'s experts "compute": each expert's rows times (its id + 1), so that every
+    row comes home scaled by its own expert's factor."""
+    return torch.cat([torch.full((len(x), 1), e + 1.0) for x, e in
+                      zip(_arriving(everyone, rank, world_size),
+                          _local_experts(rank, world_size))])
+
+
+def _upstream(rows: torch.Tensor) -> torch.Tensor:
+    return torch.randn(rows.shape, generator=torch.Generator().manual_seed(7))
+
+
+def _dispatch_on_rank(rank, world_size, module, everyone, scales, upstreams):
+    """A driver (runs where the learner's code does): dispatch this rank's rows, combine them
+    scaled, backward. It returns what it saw: the rows received, the counts, the rows brought
+    home, the tokens' gradient and the meter's events; the check compares them in the
+    grader."""
     rows, expert = everyone[rank]
     tokens = rows.clone().requires_grad_()
     with CommMeter(count="wire") as out:
         received, counts, state = module.dispatch(tokens, expert, EXPERTS)
-    result = dict(received=torch.equal(received.detach(), torch.cat(expected)),
-                  counts=list(counts) == [len(x) for x in expected])
-    scale = torch.cat([torch.full((len(x), 1), e + 1.0) for x, e in zip(expected, mine)])
     with CommMeter(count="wire") as back:
-        home = module.combine(received * scale, state)
-    upstream = torch.randn(rows.shape, generator=torch.Generator().manual_seed(7))
+        home = module.combine(received * scales[rank], state)
     with CommMeter(count="wire") as backward:
-        (home * upstream).sum().backward()
-    factor = (expert + 1.0)[:, None]
-    result["home"] = torch.allclose(home.detach(), rows * factor, atol=1e-6)
-    result["grad"] = tokens.grad is not None and torch.allclose(tokens.grad, upstream * factor,
-                                                                atol=1e-6)
-    kept_here = int(((expert >= rank * local) & (expert < (rank + 1) * local)).sum())
-    row_bytes = HIDDEN * 4  # only rows that change rank cross the wire
-    result["expected_bytes"] = ((len(expert) - kept_here) * row_bytes,
-                                (len(scale) - kept_here) * row_bytes)
-    result["ops"] = {name: [(e.op, e.dtype.removeprefix("torch."), e.bytes_sent)
+        (home * upstreams[rank]).sum().backward()
+    return dict(received=received.detach().clone(), counts=list(counts),
+                home=home.detach().clone(),
+                grad=None if tokens.grad is None else tokens.grad.detach().clone(),
+                ops={name: [(e.op, e.dtype.removeprefix("torch."), e.bytes_sent)
                             for e in meter.events]
                      for name, meter in (("dispatch", out), ("combine", back),
-                                         ("backward", backward))}
-    return result
+                                         ("backward", backward))})
+
+
+def _same(got, want: torch.Tensor) -> bool:
+    return isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(
+        got, want, atol=1e-6)
+
+
+def _judged(seen: dict, everyone, rank: int, world_size: int) -> dict:
+    """What one rank saw, against what it should have (both here, in the grader)."""
+    expected = _arriving(everyone, rank, world_size)
+    rows, expert = everyone[rank]
+    factor = (expert + 1.0)[:, None]
+    mine = _local_experts(rank, world_size)
+    kept_here = int(((expert >= mine.start) & (expert < mine.stop)).sum())
+    row_bytes = HIDDEN * 4  # only rows that change rank cross the wire
+    arriving = sum(len(x) for x in expected)
+    return dict(received=torch.equal(seen["received"], torch.cat(expected)),
+                counts=list(seen["counts"]) == [len(x) for x in expected],
+                home=_same(seen["home"], rows * factor),
+                grad=_same(seen["grad"], _upstream(rows) * factor),
+                expected_bytes=((len(expert) - kept_here) * row_bytes,
+                                (arriving - kept_here) * row_bytes),
+                ops=seen["ops"])
 
 
 def _dispatch_results(module):
     for world_size in (2, 4):
-        for rank, result in enumerate(run_ranks(_dispatch_on_rank, world_size, module,
-                                                timeout=30)):
-            yield world_size, rank, result
+        everyone = [_rows_of(r) for r in range(world_size)]
+        scales = [_combine_scale(everyone, r, world_size) for r in range(world_size)]
+        upstreams = [_upstream(rows) for rows, _ in everyone]
+        for rank, seen in enumerate(run_ranks(_dispatch_on_rank, world_size, module, everyone,
+                                              scales, upstreams, timeout=30)):
+            yield world_size, rank, _judged(seen, everyone, rank, world_size)
 
 
 def check_experts_receive_their_rows(module):
@@ -179,16 +220,31 @@ def check_one_all_to_all_each_way(module):
 HIDDEN_LOSSES = [(32, 4, 1, 0.01), (48, 8, 2, 0.01), (40, 8, 2, 0.1), (30, 6, 3, 1.0)]
 
 
-def _loss_cases(impl):
+def _loss_on(impl, probs, expert, alpha, gradient):
+    """A driver (runs where the learner's code does): the loss on ``probs`` (requiring a
+    gradient) and, with ``gradient``, its gradient with respect to them. It returns what it
+    saw; the check compares it in the grader with the engine's loss."""
+    probs = probs.clone().requires_grad_()
+    got = impl(probs, expert, alpha)
+    if not isinstance(got, torch.Tensor):
+        return dict(tensor=False)
+    seen = dict(tensor=True, numel=got.numel(), value=got.detach().clone(),
+                requires_grad=got.requires_grad, grad=None)
+    if gradient and got.requires_grad and got.numel() == 1:
+        seen["grad"], = torch.autograd.grad(got, probs)
+    return seen
+
+
+def _loss_cases(impl, gradient=False):
     for tokens, experts, k, alpha in HIDDEN_LOSSES:
         logits = zipf_logits(tokens, experts, 1.0, seed=tokens)
         probs = logits.softmax(-1).requires_grad_()
         expert = probs.detach().topk(k).indices
-        got = impl(probs, expert, alpha)
-        if not isinstance(got, torch.Tensor) or got.numel() != 1:
+        seen = run_here(_loss_on, impl, probs.detach(), expert.clone(), alpha, gradient)
+        if not seen["tensor"] or seen["numel"] != 1:
             raise CheckFailed("return a one-element tensor", tokens=tokens, experts=experts)
         yield (dict(tokens=tokens, experts=experts, top_k=k, alpha=alpha), probs, expert,
-               got, load_balancing_loss(probs, expert, alpha))
+               seen, load_balancing_loss(probs, expert, alpha))
 
 
 def check_value(impl):
@@ -197,8 +253,8 @@ def check_value(impl):
         raise CheckFailed(f"perfectly balanced routing gives {balanced.item():.6f}, expected "
                           "alpha = 0.01: " + _what_the_factor_says(
                               balanced.item() / 0.01, dict(tokens=8, experts=4, top_k=1)))
-    for inputs, _, _, got, right in _loss_cases(impl):
-        got, right = got.detach().item(), right.item()
+    for inputs, _, _, seen, right in _loss_cases(impl):
+        got, right = seen["value"].item(), right.item()
         if abs(got - right) > 1e-6 * max(1.0, abs(right)):
             raise CheckFailed(f"got {got:.6f}, expected {right:.6f}: "
                               + _what_the_factor_says(got / right, inputs), **inputs)
@@ -219,10 +275,10 @@ def _what_the_factor_says(ratio: float, inputs: dict) -> str:
 
 
 def check_gradient_only_through_p(impl):
-    for inputs, probs, expert, got, right in _loss_cases(impl):
-        if not got.requires_grad:
+    for inputs, probs, _, seen, right in _loss_cases(impl, gradient=True):
+        if not seen["requires_grad"]:
             raise CheckFailed("the loss has no gradient: P_i must come from probs", **inputs)
-        mine, = torch.autograd.grad(got, probs)
+        mine = seen["grad"]
         expected, = torch.autograd.grad(right, probs)
         if not torch.allclose(mine, expected, atol=1e-7):
             raise CheckFailed("the gradient with respect to probs is wrong: "

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from engine.comm import CommMeter
-from engine.grading.core import CheckFailed, Exercise, run_ranks
+from engine.grading.core import CheckFailed, Exercise, run_here, run_ranks
 from engine.moe.balance import biased_top_k, update_bias
 from engine.moe.experiments import zipf_logits
 from engine.moe.layer import Expert
@@ -54,23 +54,14 @@ def _all_experts():
     return experts
 
 
-def _dropless_on_rank(rank, world_size, module):
+def _dropless_on_rank(rank, world_size, module, everyone, upstream):
+    """A driver (runs where the learner's code does): the learner's dropless layer on this
+    rank's tokens, with recorded experts, then backward. It returns what it saw: the output,
+    the gradients of x, the gates and the local experts' parameters, the batches each expert
+    ran on and the meter's events; the check compares them in the grader with one process
+    computing every assignment."""
     local = EXPERTS // world_size
     mine = list(range(rank * local, (rank + 1) * local))
-    everyone = [_assignments(r) for r in range(world_size)]
-    upstream = [torch.randn(len(a[0]), HIDDEN, generator=torch.Generator().manual_seed(9 + r))
-                for r, a in enumerate(everyone)]
-    reference = _all_experts()  # one process: every rank's tokens, every assignment
-    ref_out, ref_grads = [], {}
-    for r, (x, expert, gate) in enumerate(everyone):
-        x, gate = x.clone().requires_grad_(), gate.clone().requires_grad_()
-        out = sum(gate[:, j:j + 1] * torch.stack([reference[int(e)](x[t]) for t, e in
-                                                   enumerate(expert[:, j])])
-                  for j in range(TOP_K))
-        (out * upstream[r]).sum().backward()
-        ref_out.append(out.detach())
-        if r == rank:
-            ref_grads = dict(x=x.grad, gate=gate.grad)
     x, expert, gate = everyone[rank]
     x, gate = x.clone().requires_grad_(), gate.clone().requires_grad_()
     experts = [_Recorded(_all_experts()[e]) for e in mine]
@@ -78,23 +69,67 @@ def _dropless_on_rank(rank, world_size, module):
         out = module.dropless_moe(x, expert, gate, experts, EXPERTS)
     with CommMeter(count="wire") as backward:
         (out * upstream[rank]).sum().backward()
-    expert_err = max(_err(_grad(p), _grad(reference[e].get_parameter(name)))
-                     for e, rec in zip(mine, experts) for name, p in rec.expert.named_parameters())
-    rows_for = {e: sum(int((a[1] == e).sum()) for a in everyone) for e in mine}
-    leaving = int(((expert < rank * local) | (expert >= (rank + 1) * local)).sum())
-    arriving = sum(rows_for.values()) - int(((expert >= rank * local)
-                                             & (expert < (rank + 1) * local)).sum())
     return dict(
-        shape_ok=tuple(out.shape) == tuple(x.shape),
-        output=(out.detach() - ref_out[rank]).abs().max().item() if out.shape == x.shape
-        else float("inf"),
-        x_grad=_err(x.grad, ref_grads["x"]), gate_grad=_err(gate.grad, ref_grads["gate"]),
-        expert_grads=expert_err,
+        output=out.detach().clone(),
+        x_grad=None if x.grad is None else x.grad.clone(),
+        gate_grad=None if gate.grad is None else gate.grad.clone(),
+        expert_grads={e: {name: None if p.grad is None else p.grad.clone()
+                          for name, p in rec.expert.named_parameters()}
+                      for e, rec in zip(mine, experts)},
         calls={e: [c for c in rec.calls if c] for e, rec in zip(mine, experts)},
-        rows_for=rows_for, row_bytes=(leaving * HIDDEN * 4, arriving * HIDDEN * 4),
         ops={name: [(ev.op, ev.dtype.removeprefix("torch."), ev.bytes_sent)
                     for ev in meter.events]
              for name, meter in (("forward", forward), ("backward", backward))})
+
+
+def _dropless_inputs(world_size: int):
+    """Every rank's tokens, experts and gates, and the gradient each rank's output gets."""
+    everyone = [_assignments(r) for r in range(world_size)]
+    upstream = [torch.randn(len(a[0]), HIDDEN, generator=torch.Generator().manual_seed(9 + r))
+                for r, a in enumerate(everyone)]
+    return everyone, upstream
+
+
+def _one_process(everyone, upstream) -> dict:
+    """The reference, computed in the grader: one process, every rank's tokens, every
+    assignment; each rank's output and the gradients of its x and gates, and every expert's
+    parameter gradients."""
+    with torch.random.fork_rng(devices=[]):  # _all_experts seeds: leave the grader's RNG
+        reference = _all_experts()
+    outs, x_grads, gate_grads = [], [], []
+    for r, (x, expert, gate) in enumerate(everyone):
+        x, gate = x.clone().requires_grad_(), gate.clone().requires_grad_()
+        out = sum(gate[:, j:j + 1] * torch.stack([reference[int(e)](x[t]) for t, e in
+                                                   enumerate(expert[:, j])])
+                  for j in range(TOP_K))
+        (out * upstream[r]).sum().backward()
+        outs.append(out.detach())
+        x_grads.append(x.grad)
+        gate_grads.append(gate.grad)
+    return dict(output=outs, x_grad=x_grads, gate_grad=gate_grads,
+                expert_grads=[{name: _grad(p) for name, p in e.named_parameters()}
+                              for e in reference])
+
+
+def _judged(seen: dict, reference: dict, everyone, rank: int, world_size: int) -> dict:
+    """What one rank saw, against one process's answer (here, in the grader)."""
+    local = EXPERTS // world_size
+    mine = list(range(rank * local, (rank + 1) * local))
+    x, expert, _ = everyone[rank]
+    out, want = seen["output"], reference["output"][rank]
+    expert_err = max(_err(_or_zeros(seen["expert_grads"][e][name], want_grad), want_grad)
+                     for e in mine for name, want_grad in reference["expert_grads"][e].items())
+    rows_for = {e: sum(int((a[1] == e).sum()) for a in everyone) for e in mine}
+    here = (expert >= rank * local) & (expert < (rank + 1) * local)
+    leaving = int((~here).sum())
+    arriving = sum(rows_for.values()) - int(here.sum())
+    return dict(
+        shape_ok=tuple(out.shape) == tuple(x.shape),
+        output=(out - want).abs().max().item() if out.shape == x.shape else float("inf"),
+        x_grad=_err(seen["x_grad"], reference["x_grad"][rank]),
+        gate_grad=_err(seen["gate_grad"], reference["gate_grad"][rank]),
+        expert_grads=expert_err, calls=seen["calls"], rows_for=rows_for,
+        row_bytes=(leaving * HIDDEN * 4, arriving * HIDDEN * 4), ops=seen["ops"])
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:
@@ -102,23 +137,33 @@ def _grad(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(p) if p.grad is None else p.grad
 
 
+def _or_zeros(grad, like: torch.Tensor) -> torch.Tensor:
+    """A gradient the driver saw, zeros where no row reached its parameter."""
+    return torch.zeros_like(like) if grad is None else grad
+
+
 def _err(got, want) -> float:
     return float("inf") if got is None else (got - want).abs().max().item()
 
 
-_RESULTS: dict = {}  # id(module) -> (module, its function, {world size: results})
+_RESULTS: dict = {}  # "impl": the graded impl, "runs": {world size: results}
 
 
 def _dropless_results(module):
-    """Each world size's per-rank results, run once per version of the learner's function."""
-    kept = _RESULTS.get(id(module))
-    if kept is None or kept[1] is not module.dropless_moe:
+    """Each world size's per-rank results, run once per graded impl (the checks share them)."""
+    if _RESULTS.get("impl") is not module:
         _RESULTS.clear()
-        kept = _RESULTS[id(module)] = (module, module.dropless_moe, {})
+        _RESULTS.update(impl=module, runs={})
+    runs = _RESULTS["runs"]
     for world_size in (2, 4):
-        if world_size not in kept[2]:
-            kept[2][world_size] = run_ranks(_dropless_on_rank, world_size, module, timeout=30)
-        for rank, result in enumerate(kept[2][world_size]):
+        if world_size not in runs:
+            everyone, upstream = _dropless_inputs(world_size)
+            seen = run_ranks(_dropless_on_rank, world_size, module, everyone, upstream,
+                             timeout=30)
+            reference = _one_process(everyone, upstream)
+            runs[world_size] = [_judged(s, reference, everyone, rank, world_size)
+                                for rank, s in enumerate(seen)]
+        for rank, result in enumerate(runs[world_size]):
             yield world_size, rank, result
 
 
@@ -198,28 +243,48 @@ def check_the_bias_chooses(module):
                               "preferred first", **inputs)
 
 
+def _gates_on(module, probs, bias, k, upstream):
+    """A driver (runs where the learner's code does): biased_top_k on ``probs`` requiring a
+    gradient, and the gradient of (gate * upstream).sum() with respect to them. It returns
+    what it saw (the gradient, or why autograd could not give one); the check compares it in
+    the grader."""
+    probs = probs.clone().requires_grad_()
+    expert, gate = module.biased_top_k(probs, bias, k)
+    seen = dict(expert=expert, gate=gate.detach().clone() if isinstance(gate, torch.Tensor)
+                else None, requires_grad=isinstance(gate, torch.Tensor) and gate.requires_grad,
+                grad=None, grad_error=None)
+    if seen["requires_grad"] and gate.shape == upstream.shape:
+        try:
+            seen["grad"], = torch.autograd.grad((gate * upstream).sum(), probs)
+        except RuntimeError as e:  # raised in the check, where it was raised before
+            seen["grad_error"] = str(e)
+    return seen
+
+
 def check_the_gates_are_unbiased(module):
     for probs, bias, k in _bias_cases():
         inputs = dict(tokens=probs.shape[0], experts=probs.shape[1], top_k=k)
-        probs = probs.clone().requires_grad_()
-        expert, gate = module.biased_top_k(probs, bias.clone(), k)
         shape = (probs.shape[0], k)
-        if not isinstance(gate, torch.Tensor) or tuple(gate.shape) != shape \
-                or tuple(torch.as_tensor(expert).shape) != shape:
+        upstream = torch.randn(shape, generator=torch.Generator().manual_seed(5))
+        seen = run_here(_gates_on, module, probs.clone(), bias.clone(), k, upstream.clone())
+        gate = seen["gate"]
+        if gate is None or tuple(gate.shape) != shape \
+                or tuple(torch.as_tensor(seen["expert"]).shape) != shape:
             raise CheckFailed(f"return experts and gates of shape {shape}", **inputs)
-        top = probs.gather(-1, torch.as_tensor(expert).long())  # the gates of *your* experts
+        probs = probs.clone().requires_grad_()
+        top = probs.gather(-1, torch.as_tensor(seen["expert"]).long())  # *your* experts' gates
         right = top / top.sum(dim=-1, keepdim=True) if k > 1 else top
-        if not torch.allclose(gate.detach(), right.detach(), atol=1e-6):
+        if not torch.allclose(gate, right.detach(), atol=1e-6):
             raise CheckFailed("the gates differ: they come from probs without the bias (the "
                               "bias only chooses), renormalised over the k when k > 1",
                               **inputs)
-        if not gate.requires_grad:
+        if not seen["requires_grad"]:
             raise CheckFailed("the gates carry no gradient: gather them from probs",
                               **inputs)
-        upstream = torch.randn(right.shape, generator=torch.Generator().manual_seed(5))
-        mine, = torch.autograd.grad((gate * upstream).sum(), probs)
+        if seen["grad_error"] is not None:
+            raise RuntimeError(seen["grad_error"])
         want, = torch.autograd.grad((right * upstream).sum(), probs)
-        if not torch.allclose(mine, want, atol=1e-6):
+        if not torch.allclose(seen["grad"], want, atol=1e-6):
             raise CheckFailed("the gradient of the gates with respect to probs is wrong",
                               **inputs)
 

@@ -4,7 +4,6 @@ the checkpoint interval."""
 
 from __future__ import annotations
 
-import datetime
 import math
 
 import torch
@@ -12,8 +11,7 @@ import torch.distributed as dist
 
 from engine import theory
 from engine.ft import Quorum
-from engine.ft.harness import store_in_a_process
-from engine.grading.core import CheckFailed, Exercise, passed, run_ranks
+from engine.grading.core import CheckFailed, Exercise, passed, run_here, run_ranks
 from engine.grading.drill import Drill
 
 # -- ch11.diloco_outer_step -------------------------------------------------------------------
@@ -119,19 +117,30 @@ def check_nesterov_momentum_over_outer_steps(impl):
                   "torch.optim.SGD(nesterov=True) on start - mean(end)")
 
 
+def _outer_in_place(impl, start, ends, lr, momentum, buffer, nesterov):
+    """A driver (runs where the learner's code does): one outer step, then the inputs as the
+    step left them, and whether a returned tensor is one of them. The check compares them in
+    the grader with the inputs it sent."""
+    got = impl(start, ends, lr, momentum, buffer, nesterov=nesterov)
+    return dict(start=start.clone(), ends=[e.clone() for e in ends], buffer=buffer.clone(),
+                returned_an_input=isinstance(got, tuple)
+                and any(t is start or t is buffer for t in got))
+
+
 def check_inputs_left_intact(impl):
     numel, replicas, lr, momentum, nesterov, _ = HIDDEN_OUTER[1]
     start, ends = _outer_inputs(numel, replicas, seed=7)
     buffer = 0.1 * torch.ones(numel)
-    copies = start.clone(), [e.clone() for e in ends], buffer.clone()
-    got = impl(start, ends, lr, momentum, buffer, nesterov=nesterov)
+    seen = run_here(_outer_in_place, impl, start.clone(), [e.clone() for e in ends], lr,
+                    momentum, buffer.clone(), nesterov)  # copies: a local run shares them
     inputs = dict(numel=numel, replicas=replicas)
-    if not (torch.equal(start, copies[0]) and torch.equal(buffer, copies[2])
-            and all(torch.equal(a, b) for a, b in zip(ends, copies[1]))):
+    if not (torch.equal(seen["start"], start) and torch.equal(seen["buffer"], buffer)
+            and len(seen["ends"]) == len(ends)
+            and all(torch.equal(a, b) for a, b in zip(seen["ends"], ends))):
         raise CheckFailed("the inputs were changed in place: return new tensors (the caller "
                           "keeps start and the buffer to compare, or to retry a failed sync)",
                           **inputs)
-    if isinstance(got, tuple) and any(t is start or t is buffer for t in got):
+    if seen["returned_an_input"]:
         raise CheckFailed("a returned tensor is one of the inputs: return new tensors",
                           **inputs)
 
@@ -152,9 +161,16 @@ PEER_GONE = ("Connection closed", "Read error", "Connection reset", "Broken pipe
              "Timeout")
 
 
-def _quorum_on_rank(rank, world_size, port, impl, timeout_s):
-    store = dist.TCPStore("127.0.0.1", port, is_master=False,
-                          timeout=datetime.timedelta(seconds=timeout_s + 5))
+def _quorum_on_rank(rank, world_size, impl, timeout_s):
+    """A driver (runs where the learner's code does): each quorum's members call the learner's
+    function over the store the replicas share; it returns what each saw (the tensor returned,
+    the input as the call left it, whether the input itself came back, or the error of a peer
+    gone). The check compares them in the grader.
+
+    The store is the launch's own (its rendezvous), under a prefix of this check: served where
+    the ranks run, so the ranks reach it wherever they run (a sandbox has no network but its
+    own loopback)."""
+    store = dist.PrefixStore("ch11.quorum_average/", dist.distributed_c10d._get_default_store())
     out = []
     for case, members in enumerate(QUORUMS):
         if rank not in members:  # absent: dead or late, it never calls
@@ -164,7 +180,6 @@ def _quorum_on_rank(rank, world_size, port, impl, timeout_s):
                         completed={m: case for m in members}, incarnations={m: 0 for m in members},
                         qid=f"check-{case}")
         mine = _replica_tensor(rank, case)
-        kept = mine.clone()
         try:
             got = impl(mine, quorum, rank, store, timeout_s)
         except NotImplementedError:
@@ -175,20 +190,16 @@ def _quorum_on_rank(rank, world_size, port, impl, timeout_s):
             out.append(dict(error=str(e).splitlines()[0][:160]))
             continue
         out.append(dict(got=got.detach().clone() if isinstance(got, torch.Tensor) else None,
-                        intact=torch.equal(mine, kept),
-                        same_object=got is mine))
+                        after=mine.clone(), same_object=got is mine))
     return out
 
 
-_last: dict = {}  # the latest impl's results: the three checks share one run
+_last: dict = {}  # the latest impl's results: the two checks share one run
 
 
 def _quorum_results(impl):
     if _last.get("impl") is not impl:
-        # served by a process of its own: the ranks are forked from this one, and a store
-        # thread here could be caught mid-lock by the fork (engine.launch.rank.store_main)
-        with store_in_a_process(60) as store:
-            results = run_ranks(_quorum_on_rank, REPLICAS, store.port, impl, 10.0, timeout=20)
+        results = run_ranks(_quorum_on_rank, REPLICAS, impl, 10.0, timeout=20)
         _last.update(impl=impl, results=results)
     return _last["results"]
 
@@ -233,8 +244,9 @@ def check_mean_over_the_live_replicas(impl):
 
 def check_input_left_intact(impl):
     for rank, cases in enumerate(_quorum_results(impl)):
-        for members, r in zip(QUORUMS, cases):
-            if r is not None and "error" not in r and (not r["intact"] or r["same_object"]):
+        for case, (members, r) in enumerate(zip(QUORUMS, cases)):
+            if r is not None and "error" not in r and (r["same_object"] or not torch.equal(
+                    r["after"], _replica_tensor(rank, case))):
                 raise CheckFailed(f"replica {rank}: the input tensor was changed in place: "
                                   "all-reduce a copy (the caller keeps its gradient to retry "
                                   "the step if a member dies mid-all-reduce)",

@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from engine import theory
 from engine.comm import CommMeter
 from engine.fsdp.shard import DimZeroShard
-from engine.grading.core import CheckFailed, Exercise, passed, run_ranks
+from engine.grading.core import CheckFailed, Exercise, passed, run_here, run_ranks
 from engine.grading.drill import Drill
 from engine.optim.newton_schulz import newton_schulz
 from engine.precision.fp8 import dequantize, outlier_activations, quantize
@@ -130,19 +130,25 @@ def check_chunks_hold_the_rows(module):
                                   "exist, then zeros", **inputs)
 
 
-def _gather_on_rank(rank, world_size, module):
+def _gather_on_rank(rank, world_size, module, chunks):
+    """A driver (runs where the learner's code does): gather_dim0 on this rank's chunk of each
+    parameter (the chunks made in the grader). It returns what it saw: the tensor returned and
+    the meter's events; the check compares them in the grader with the full parameter."""
     results = []
-    for i, shape in enumerate(GATHER_SHAPES[world_size]):
-        full = _full(shape, 10 + i)
-        chunk = expected_chunk(full, rank, world_size)
+    for shape, chunk in chunks[rank]:
         with CommMeter() as meter:
             got = module.gather_dim0(chunk.clone(), shape[0])
-        ok = isinstance(got, torch.Tensor) and tuple(got.shape) == tuple(shape) \
-            and torch.equal(got, full)
-        results.append(dict(shape=shape, ok=ok, got_shape=tuple(getattr(got, "shape", ())),
-                            ops=[(e.op, e.bytes_sent) for e in meter.events],
-                            expected_bytes=(world_size - 1) * chunk.numel() * 4))
+        results.append(dict(got=got.detach().clone() if isinstance(got, torch.Tensor) else None,
+                            got_shape=tuple(getattr(got, "shape", ())),
+                            ops=[(e.op, e.bytes_sent) for e in meter.events]))
     return results
+
+
+def _gather_inputs(world_size: int) -> list:
+    """Each parameter of the gather check: its shape and the full tensor (made in the grader,
+    which cuts every rank's padded chunk of it with the engine's layout)."""
+    return [(tuple(shape), _full(shape, 10 + i)) for i, shape in
+            enumerate(GATHER_SHAPES[world_size])]
 
 
 _last_gather: list = [None, None]  # (module, results): both checks read one run of the ranks
@@ -150,12 +156,28 @@ _last_gather: list = [None, None]  # (module, results): both checks read one run
 
 def _gathers(module):
     if _last_gather[0] is not module:
-        runs = {n: run_ranks(_gather_on_rank, n, module, timeout=30) for n in GATHER_SHAPES}
+        runs = {}
+        for n in GATHER_SHAPES:
+            params = _gather_inputs(n)
+            chunks = [[(shape, expected_chunk(full, rank, n)) for shape, full in params]
+                      for rank in range(n)]
+            seen = run_ranks(_gather_on_rank, n, module, chunks, timeout=30)
+            runs[n] = [[_judged_gather(r, full, chunk, n) for r, (_, full), (_, chunk)
+                        in zip(results, params, chunks[rank])]
+                       for rank, results in enumerate(seen)]
         _last_gather[:] = [module, runs]
     for n, ranks in _last_gather[1].items():
         for rank, results in enumerate(ranks):
             for result in results:
                 yield n, rank, result
+
+
+def _judged_gather(seen: dict, full: torch.Tensor, chunk: torch.Tensor, n: int) -> dict:
+    got = seen["got"]
+    return dict(shape=tuple(full.shape), got_shape=seen["got_shape"], ops=seen["ops"],
+                ok=got is not None and tuple(got.shape) == tuple(full.shape)
+                and torch.equal(got, full),
+                expected_bytes=(n - 1) * chunk.numel() * 4)
 
 
 def check_gather_returns_the_unpadded_tensor(module):
@@ -217,6 +239,12 @@ def check_scales_are_tile_amax_over_448(module):
     return passed("scale = tile amax / 448", "DeepSeek-V3's", cases=len(HIDDEN_TILES))
 
 
+def _dequantized(module, q_bits, scales, tile):
+    """A driver (runs where the learner's code does): dequantize_tiles on the E4M3 tensor whose
+    bits are ``q_bits`` (a float8 tensor does not survive a pickle, its bytes do)."""
+    return module.dequantize_tiles(q_bits.view(torch.float8_e4m3fn), scales, tile)
+
+
 def check_round_trip_is_e4m3s(module):
     for x, tile in HIDDEN_TILES:
         q, scales = _quantized(module, x, tile)
@@ -226,7 +254,8 @@ def check_round_trip_is_e4m3s(module):
                 q.float(), right_q.float()):
             raise CheckFailed(f"q ({getattr(q, 'dtype', type(q))}) differs from each tile "
                               "divided by its scale, cast to torch.float8_e4m3fn", **inputs)
-        back = module.dequantize_tiles(right_q, right_scales[:, 0, :, 0], tile)
+        back = run_here(_dequantized, module, right_q.view(torch.uint8).clone(),
+                        right_scales[:, 0, :, 0].clone(), tile)
         if not (isinstance(back, torch.Tensor) and torch.equal(
                 back.float(), dequantize(right_q, right_scales))):
             raise CheckFailed("dequantize_tiles differs: each tile of q.float() times its "
@@ -289,10 +318,16 @@ def check_singular_values_near_one(impl):
                               shape=(rows, cols), scale=norm)
 
 
-def _flops(impl, g):
+def _flops_on(impl, g):
+    """A driver (runs where the learner's code does): the FLOPs torch counted while the
+    learner's function ran on ``g``."""
     with FlopCounterMode(display=False) as counter:
         impl(g)
     return counter.get_total_flops()
+
+
+def _flops(impl, g):
+    return run_here(_flops_on, impl, g.clone())
 
 
 def check_uses_the_smaller_gram_matrix(impl):
