@@ -1,7 +1,14 @@
-"""Checks for chapter 02: gradient accumulation, averaging gradients, bucketed DDP."""
+"""Checks for chapter 02: gradient accumulation, averaging gradients, bucketed DDP.
+
+The ranks that run the learner's code (the ``_on_rank`` drivers) return what they observed:
+parameters, optimizer moments, the meter's events, gradients, times. The references (one
+process on the full batch, the engine's DataParallel) run in ranks the grader starts without
+the learner's code, and every comparison happens in the grader.
+"""
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -18,32 +25,67 @@ SIZES = (16, 32, 8)
 CASES = [(2, 4), (3, 2)]  # (world_size, k)
 
 
+def _params(module: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def _worst(ours: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    """The largest difference between two lists of parameters (inf when they do not pair)."""
+    if len(ours) != len(reference) or any(a.shape != b.shape for a, b in zip(ours, reference)):
+        return float("inf")
+    return max((a - b).abs().max().item() for a, b in zip(ours, reference, strict=True))
+
+
+def _full_batch_on_rank(rank, world_size, sizes, seed, make_optimizer, x, y, steps):
+    reference = MLP(sizes, seed=seed)
+    opt = make_optimizer(reference.parameters())
+    for _ in range(steps):
+        opt.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        opt.step()
+    return _params(reference)
+
+
+def _full_batch(sizes, seed: int, make_optimizer, x, y, steps: int) -> list[torch.Tensor]:
+    """The reference: one process training on the whole batch, in a rank the grader starts
+    (never the learner's code), single-threaded like the ranks it is compared with."""
+    return run_ranks(_full_batch_on_rank, 1, sizes, seed, make_optimizer, x, y, steps,
+                     timeout=20)[0]
+
+
+def _momentum_sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
 def _accumulate_on_rank(rank, world_size, impl, k):
+    """A driver: the learner's accumulation step, twice; the parameters it left, the number of
+    collectives the meter saw and the last loss it returned."""
     x, y = regression_data(6 * k * world_size, 16, 8, seed=11)
-    reference = MLP(SIZES, seed=2)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
     model = DataParallel(MLP(SIZES, seed=2), bucket_cap_mb=1.0)  # one bucket
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)  # scale-sensitive
+    opt = _momentum_sgd(model.parameters())  # scale-sensitive
     xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
     micro = [(a.clone(), b.clone()) for a, b in zip(xs.chunk(k), ys.chunk(k), strict=True)]
     with CommMeter() as meter:
         for _ in range(2):
             loss = impl(model, opt, micro)
-            ref_opt.zero_grad()
-            nn.functional.mse_loss(reference(x), y).backward()
-            ref_opt.step()
-    worst = max((a - b).abs().max().item() for a, b in
-                zip(model.module.parameters(), reference.parameters(), strict=True))
-    return worst, len(meter.events), loss
+    return _params(model.module), len(meter.events), loss
 
 
 def _run(impl, world_size, k):
     return run_ranks(_accumulate_on_rank, world_size, impl, k, timeout=20)
 
 
+@functools.lru_cache(maxsize=None)
+def _accumulate_reference(world_size: int, k: int) -> list[torch.Tensor]:
+    x, y = regression_data(6 * k * world_size, 16, 8, seed=11)
+    return _full_batch(SIZES, 2, _momentum_sgd, x, y, steps=2)
+
+
 def check_equals_one_big_batch(impl):
     for world_size, k in CASES:
-        for rank, (worst, _, _) in enumerate(_run(impl, world_size, k)):
+        reference = _accumulate_reference(world_size, k)
+        for rank, (params, _, _) in enumerate(_run(impl, world_size, k)):
+            worst = _worst(params, reference)
             if not worst <= 1e-6:
                 raise CheckFailed(f"after 2 steps rank {rank}'s parameters differ from one big "
                                   f"batch by {worst:.2e}: is each loss divided by k, and the "
@@ -68,9 +110,9 @@ def _make_optimizer(kind, params):
 
 
 def _averaging_on_rank(rank, world_size, impl, kind="adam"):
+    """A driver: 3 steps with the learner's averaging between backward and step; the
+    parameters, the optimizer's first moments and the number of collectives it issued."""
     x, y = regression_data(8 * world_size, 16, 8, seed=4)
-    reference = MLP(SIZES, seed=2)
-    ref_opt = _make_optimizer(kind, reference.parameters())
     model = MLP(SIZES, seed=2)
     opt = _make_optimizer(kind, model.parameters())
     xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
@@ -80,22 +122,25 @@ def _averaging_on_rank(rank, world_size, impl, kind="adam"):
             nn.functional.mse_loss(model(xs), ys).backward()
             impl(model)
             opt.step()
-            ref_opt.zero_grad()
-            nn.functional.mse_loss(reference(x), y).backward()
-            ref_opt.step()
-    worst = max((a - b).abs().max().item() for a, b in
-                zip(model.parameters(), reference.parameters(), strict=True))
     state = "exp_avg" if kind == "adam" else "momentum_buffer"
     moments = torch.cat([s[state].flatten() for s in opt.state.values()])
-    return worst, moments, len(meter.events)
+    return _params(model), moments, len(meter.events)
+
+
+@functools.lru_cache(maxsize=None)
+def _averaging_reference(world_size: int, kind: str) -> list[torch.Tensor]:
+    x, y = regression_data(8 * world_size, 16, 8, seed=4)
+    return _full_batch(SIZES, 2, functools.partial(_make_optimizer, kind), x, y, steps=3)
 
 
 def check_matches_full_batch_training(impl):
     for world_size, kind in ((2, "sgd"), (3, "sgd"), (2, "adam"), (3, "adam")):
+        reference = _averaging_reference(world_size, kind)
         results = run_ranks(_averaging_on_rank, world_size, impl, kind, timeout=20)
-        for rank, (worst, _, events) in enumerate(results):
+        for rank, (params, _, events) in enumerate(results):
             if not events:
                 raise CheckFailed("use ops.all_reduce so the meter sees the averaging")
+            worst = _worst(params, reference)
             if not worst <= 1e-6:
                 raise CheckFailed(f"after 3 steps rank {rank} differs from one process on the "
                                   f"full batch by {worst:.2e}: average (sum / N) the gradients, "
@@ -162,12 +207,16 @@ DDP_SIZES = (16, 32, 32, 8)  # 1864 fp32 parameters, 7456 bytes
 BUCKET_CAPS_MB = {1: 1.0, 2: 5000 / 2**20, 3: 1024 / 2**20}  # buckets -> cap that makes them
 
 
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
 def _bucketed_on_rank(rank, world_size, impl, cap_mb):
+    """A driver: 3 AdamW steps of the learner's class; the parameters it left, the meter's
+    events of each backward, and when the last gradient became ready in the last one."""
     x, y = regression_data(4 * world_size, 16, 8, seed=5)
-    reference = MLP(DDP_SIZES, seed=3)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     model = impl(MLP(DDP_SIZES, seed=3 + rank), bucket_cap_mb=cap_mb)  # differ until broadcast
-    opt = torch.optim.AdamW(model.module.parameters(), lr=1e-2)
+    opt = _adamw(model.module.parameters())
     xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
     grads_done: list[float] = []  # when each gradient became ready, in the last backward
     for p in model.module.parameters():
@@ -179,23 +228,26 @@ def _bucketed_on_rank(rank, world_size, impl, cap_mb):
         with CommMeter() as meter:
             nn.functional.mse_loss(model(xs), ys).backward()
         opt.step()
-        ref_opt.zero_grad()
-        nn.functional.mse_loss(reference(x), y).backward()
-        ref_opt.step()
         steps.append([(e.op, e.payload_bytes, e.start) for e in meter.events])
-    worst = max((a - b).abs().max().item() for a, b in
-                zip(model.module.parameters(), reference.parameters(), strict=True))
-    return worst, steps, max(grads_done)
+    return _params(model.module), steps, max(grads_done)
 
 
 def _run_bucketed(impl, world_size, buckets):
     return run_ranks(_bucketed_on_rank, world_size, impl, BUCKET_CAPS_MB[buckets], timeout=20)
 
 
+@functools.lru_cache(maxsize=None)
+def _bucketed_reference(world_size: int) -> list[torch.Tensor]:
+    x, y = regression_data(4 * world_size, 16, 8, seed=5)
+    return _full_batch(DDP_SIZES, 3, _adamw, x, y, steps=3)
+
+
 def check_matches_full_batch_training_bucketed(impl):
     for world_size in (2, 3):
+        reference = _bucketed_reference(world_size)
         for buckets in BUCKET_CAPS_MB:
-            for rank, (worst, _, _) in enumerate(_run_bucketed(impl, world_size, buckets)):
+            for rank, (params, _, _) in enumerate(_run_bucketed(impl, world_size, buckets)):
+                worst = _worst(params, reference)
                 if not worst <= 1e-6:
                     raise CheckFailed(
                         f"after 3 AdamW steps rank {rank}'s parameters differ from one process "
@@ -301,57 +353,89 @@ class _HookedDataParallel(DataParallel):
             self.hook(p, self.buckets, self.launcher.bucket_of, self._launch)
 
 
-def _overlap_on_rank(rank, world_size, hook, model_name, cap_mb):
+def _overlap_batch(rank, world_size):
     x, y = regression_data(4 * world_size, 16, 8, seed=7)
-    xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
+    return shard(x, rank, world_size), shard(y, rank, world_size)
+
+
+def _overlap_reference_on_rank(rank, world_size, model_name, cap_mb):
+    """The reference, in ranks started by the grader (never the learner's code): the engine's
+    DataParallel, its gradients after each backward, and one all-reduce per bucket."""
+    xs, ys = _overlap_batch(rank, world_size)
     reference = DataParallel(_overlap_model(model_name, 3), bucket_cap_mb=cap_mb)
-    ours = _HookedDataParallel(_overlap_model(model_name, 3), hook, bucket_cap_mb=cap_mb)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
-                  for m in (reference, ours)]
-    names = [name for name, _ in ours.module.named_parameters()]
+    opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
     expected = [("all_reduce", b.buffer.numel() * b.buffer.element_size())
-                for b in ours.buckets]
+                for b in reference.buckets]
+    grads = []
+    for _ in range(3):
+        opt.zero_grad()
+        with CommMeter():  # metered, ops run the engine's own collectives, as in the driver
+            nn.functional.mse_loss(reference(xs), ys).backward()
+        grads.append([p.grad.clone() for p in reference.parameters()])
+        opt.step()
+    return dict(grads=grads, expected=expected)
+
+
+def _overlap_on_rank(rank, world_size, hook, model_name, cap_mb):
+    """A driver: the engine's DataParallel with the learner's hook; its gradients after each
+    backward, when backward ended and the meter's events."""
+    xs, ys = _overlap_batch(rank, world_size)
+    ours = _HookedDataParallel(_overlap_model(model_name, 3), hook, bucket_cap_mb=cap_mb)
+    opt = torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9)
     steps = []
     for _ in range(3):
-        events = None
-        for model, opt in zip((reference, ours), optimizers, strict=True):
-            opt.zero_grad()
-            with CommMeter() as meter:
-                nn.functional.mse_loss(model(xs), ys).backward()
-            events = meter.events
-        differ = [name for name, a, b in zip(names, reference.parameters(), ours.parameters(),
-                                             strict=True) if not torch.equal(a.grad, b.grad)]
-        steps.append(dict(differ=differ, backward_end=ours.backward_done_at,
-                          events=[(e.op, e.payload_bytes, e.start) for e in events]))
-        for opt in optimizers:
-            opt.step()
-    return dict(steps=steps, expected=expected)
+        opt.zero_grad()
+        with CommMeter() as meter:
+            nn.functional.mse_loss(ours(xs), ys).backward()
+        steps.append(dict(grads=[None if p.grad is None else p.grad.clone()
+                                 for p in ours.parameters()],
+                          backward_end=ours.backward_done_at,
+                          events=[(e.op, e.payload_bytes, e.start) for e in meter.events]))
+        opt.step()
+    return steps
 
 
 def _run_overlap(hook, world_size, model_name, cap_mb):
     return run_ranks(_overlap_on_rank, world_size, hook, model_name, cap_mb, timeout=20)
 
 
+@functools.lru_cache(maxsize=None)
+def _overlap_reference(world_size, model_name, cap_mb) -> list[dict]:
+    return run_ranks(_overlap_reference_on_rank, world_size, model_name, cap_mb, timeout=20)
+
+
+def _differ(names, ours, reference) -> list[str]:
+    """The parameters whose gradients are not exactly the reference's."""
+    if len(ours) != len(reference):
+        return list(names)
+    return [name for name, a, b in zip(names, ours, reference, strict=True)
+            if not (isinstance(a, torch.Tensor) and a.shape == b.shape and torch.equal(a, b))]
+
+
 def check_equals_engine_data_parallel(hook):
     for world_size in (2, 3):
         for model_name, cap_mb in OVERLAP_CASES:
-            for rank, res in enumerate(_run_overlap(hook, world_size, model_name, cap_mb)):
-                for step, seen in enumerate(res["steps"]):
-                    if seen["differ"]:
+            names = [name for name, _ in _overlap_model(model_name, 3).named_parameters()]
+            reference = _overlap_reference(world_size, model_name, cap_mb)
+            for rank, steps in enumerate(_run_overlap(hook, world_size, model_name, cap_mb)):
+                for step, seen in enumerate(steps):
+                    differ = _differ(names, seen["grads"], reference[rank]["grads"][step])
+                    if differ:
                         raise CheckFailed(
-                            f"rank {rank}, step {step}: the gradients of {seen['differ']} "
+                            f"rank {rank}, step {step}: the gradients of {differ} "
                             "differ from the engine's DataParallel. Is each p.grad copied into "
                             "its place in the bucket's buffer before the bucket is launched?",
                             world_size=world_size, model=model_name,
-                            buckets=len(res["expected"]))
+                            buckets=len(reference[rank]["expected"]))
 
 
 def check_launched_in_order_during_backward(hook):
     counts = []
     for model_name, cap_mb in OVERLAP_CASES:
-        for rank, res in enumerate(_run_overlap(hook, 2, model_name, cap_mb)):
-            expected = res["expected"]
-            for step, seen in enumerate(res["steps"]):
+        reference = _overlap_reference(2, model_name, cap_mb)
+        for rank, steps in enumerate(_run_overlap(hook, 2, model_name, cap_mb)):
+            expected = reference[rank]["expected"]
+            for step, seen in enumerate(steps):
                 launched = [(op, size) for op, size, _ in seen["events"]]
                 if launched != expected:
                     raise CheckFailed(

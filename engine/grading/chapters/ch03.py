@@ -1,10 +1,17 @@
-"""Checks for chapter 03: Top-K with error feedback; drills on choosing a ratio."""
+"""Checks for chapter 03: Top-K with error feedback; drills on choosing a ratio.
+
+The ranks that run the learner's code (the ``_on_rank`` drivers) return what they observed:
+residuals, what was sent, the bucket afterwards, the meter's events, the held-out loss. The
+references (the dense run, the engine's PowerSGD) run in ranks the grader starts without the
+learner's code, and every comparison happens in the grader.
+"""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from engine import theory
@@ -18,6 +25,7 @@ from engine.grading.drill import Drill
 RATIO = 0.001
 STEPS = 150
 MARGIN = 0.25  # held-out loss within this of dense; plain Top-K misses it by more than 0.5
+INVARIANT_STEPS = 4
 
 
 class _Bucket:
@@ -25,38 +33,59 @@ class _Bucket:
         self.buffer, self.index, self.is_last = buffer, index, True
 
 
-def _invariant_on_rank(rank, world_size, impl, numel, ratio):
+def _topk_gradients(world_size: int, numel: int) -> list[list[torch.Tensor]]:
+    """Each rank's gradient at each step (made in the grader, sent to the ranks)."""
+    out = []
+    for rank in range(world_size):
+        generator = torch.Generator().manual_seed(rank)
+        out.append([torch.randn(numel, generator=generator) for _ in range(INVARIANT_STEPS)])
+    return out
+
+
+def _clone(t):
+    return t.clone() if isinstance(t, torch.Tensor) else None
+
+
+def _invariant_on_rank(rank, world_size, impl, ratio, gradients):
+    """A driver: four steps of the learner's compressor on one bucket; at each, the residual
+    before and after, what it sent, the bucket afterwards and the meter's events."""
     torch.manual_seed(rank)
     compressor, out = impl(ratio), []
-    for _ in range(4):
-        grad = torch.randn(numel)
-        old = compressor.residuals.get(0)
-        old = torch.zeros(numel) if old is None else old.clone()
+    for grad in gradients[rank]:
+        old = _clone(compressor.residuals.get(0))
         bucket = _Bucket(grad.clone())
         with CommMeter() as meter:
             compressor(bucket, None).wait()
-        new, sent = compressor.residuals.get(0), compressor.last_sent.get(0)
-        holds = new is not None and sent is not None and torch.equal(sent + new, grad + old)
-        dense_sum = sent.clone() if sent is not None else torch.zeros(numel)
-        dist.all_reduce(dense_sum)
-        out.append((holds, int((sent != 0).sum()) if sent is not None else -1,
-                    [(e.op, e.payload_bytes, e.bytes_sent) for e in meter.events],
-                    torch.allclose(bucket.buffer, dense_sum / world_size, atol=1e-6)))
+        out.append(dict(old=old, new=_clone(compressor.residuals.get(0)),
+                        sent=_clone(compressor.last_sent.get(0)), bucket=bucket.buffer.clone(),
+                        events=[(e.op, e.payload_bytes, e.bytes_sent) for e in meter.events]))
     return out
+
+
+def _run_invariant(impl, world_size, numel, ratio):
+    gradients = _topk_gradients(world_size, numel)
+    results = run_ranks(_invariant_on_rank, world_size, impl, ratio, gradients, timeout=20)
+    return gradients, results
 
 
 def check_error_feedback_invariant(impl):
     for world_size, numel in ((2, 1000), (3, 777)):
-        results = run_ranks(_invariant_on_rank, world_size, impl, numel, 0.05, timeout=20)
+        gradients, results = _run_invariant(impl, world_size, numel, 0.05)
         for rank, steps in enumerate(results):
-            for step, (holds, _, _, averaged) in enumerate(steps):
-                if not holds:
+            for step, seen in enumerate(steps):
+                grad, old, new, sent = (gradients[rank][step], seen["old"], seen["new"],
+                                        seen["sent"])
+                old = torch.zeros(numel) if old is None else old
+                if not (new is not None and sent is not None
+                        and torch.equal(sent + new, grad + old)):
                     raise CheckFailed(
                         f"rank {rank}, step {step}: sent + new residual != gradient + old "
                         "residual. Add the old residual first; the new residual is the "
                         "corrected gradient with the sent coordinates set to 0",
                         world_size=world_size, numel=numel)
-                if not averaged:
+                dense_sum = sum(torch.zeros(numel) if other[step]["sent"] is None
+                                else other[step]["sent"] for other in results)
+                if not torch.allclose(seen["bucket"], dense_sum / world_size, atol=1e-6):
                     raise CheckFailed(f"rank {rank}, step {step}: the bucket does not hold the "
                                       "average of what the ranks sent", world_size=world_size)
 
@@ -64,29 +93,37 @@ def check_error_feedback_invariant(impl):
 def check_sends_k_values_and_k_indices(impl):
     for world_size, numel, ratio in ((2, 1000, 0.05), (3, 777, 0.01), (2, 50, 0.001)):
         k = theory.topk_kept(numel, ratio)
-        results = run_ranks(_invariant_on_rank, world_size, impl, numel, ratio, timeout=20)
+        _, results = _run_invariant(impl, world_size, numel, ratio)
         for rank, steps in enumerate(results):
-            for step, (_, kept, events, _) in enumerate(steps):
-                payloads = [(op, size) for op, size, _ in events]
+            for step, seen in enumerate(steps):
+                payloads = [(op, size) for op, size, _ in seen["events"]]
                 if payloads != [("all_gather", 4 * k), ("all_gather", 4 * k)]:
                     raise CheckFailed(
                         f"rank {rank}, step {step}: the meter saw {payloads}; with k = "
                         f"ceil(ratio * numel) = {k} (at least 1) it is two all-gathers of "
                         f"{4 * k} bytes: the values and their indices",
                         world_size=world_size, numel=numel, ratio=ratio)
-                sent = sum(b for _, _, b in events)
+                sent = sum(b for _, _, b in seen["events"])
                 if sent != theory.topk_bytes_per_rank(numel, ratio, world_size):
                     raise CheckFailed(f"rank {rank} sent {sent} bytes, expected "
                                       f"{theory.topk_bytes_per_rank(numel, ratio, world_size)}")
 
 
-def _final_loss(spec):
-    return run_ranks(train_compressed, 2, spec, STEPS, timeout=60)[0]["test_loss"]
+def _train_topk_on_rank(rank, world_size, impl, ratio, steps):
+    """A driver: chapter 03's training run with the learner's compressor; its held-out loss."""
+    return train_compressed(rank, world_size, functools.partial(impl, ratio),
+                            steps)["test_loss"]
+
+
+@functools.lru_cache(maxsize=None)
+def _dense_loss(steps: int) -> float:
+    """The same run without compression, in ranks the grader starts (the reference)."""
+    return run_ranks(train_compressed, 2, "dense", steps, timeout=60)[0]["test_loss"]
 
 
 def check_trains_close_to_dense(impl):
-    dense = _final_loss("dense")
-    ours = _final_loss(lambda: impl(RATIO))
+    dense = _dense_loss(STEPS)
+    ours = run_ranks(_train_topk_on_rank, 2, impl, RATIO, STEPS, timeout=60)[0]
     if not ours <= dense + MARGIN:
         raise CheckFailed(
             f"after {STEPS} steps at ratio {RATIO} the held-out loss is {ours:.3f}, dense "
@@ -145,49 +182,76 @@ def _first_q(m: int, r: int) -> torch.Tensor:
     return q
 
 
-def _powersgd_on_rank(rank, world_size, impl, n, m, r):
+def _powersgd_gradients(world_size: int, n: int, m: int) -> list[list[torch.Tensor]]:
+    """Each rank's gradient at each step (made in the grader, sent to the ranks)."""
+    return [[torch.randn(n, m, generator=torch.Generator().manual_seed(100 * rank + step))
+             for step in range(POWERSGD_STEPS)] for rank in range(world_size)]
+
+
+def _engine_powersgd_on_rank(rank, world_size, n, m, r, gradients):
+    """The reference, in ranks started by the grader (never the learner's code): the engine's
+    PowerSGD on the same gradients; its approximation, Q and error after each step."""
     engine_psgd = PowerSGD(rank=r, start_iter=0, seed=POWERSGD_SEED)
     bucket = GradBucket([nn.Parameter(torch.zeros(n, m))], index=0, is_last=True)
-    q, error = _first_q(m, r), torch.zeros(n, m)
     steps = []
-    for step in range(POWERSGD_STEPS):
-        grad = torch.randn(n, m, generator=torch.Generator().manual_seed(100 * rank + step))
+    for grad in gradients[rank]:
         bucket.buffer = grad.reshape(-1).clone()
         engine_psgd(bucket, None).wait()
+        steps.append(dict(approximation=bucket.buffer.view(n, m).clone(),
+                          q=engine_psgd.q_memory[0].view(m, r).clone(),
+                          error=engine_psgd.errors[0].view(n, m).clone()))
+    return steps
+
+
+def _powersgd_on_rank(rank, world_size, impl, n, m, r, gradients):
+    """A driver: the learner's step on this rank's gradients, Q and the error carried over
+    (Q orthogonalized before each later step, the engine's warm start); after each step what
+    it returned, Q, the error, the gradient it was given and the meter's events."""
+    q, error = _first_q(m, r), torch.zeros(n, m)
+    steps = []
+    for step, grad in enumerate(gradients[rank]):
         if step:
             orthogonalize(q)  # the warm start, as the engine does before each later step
         given = grad.clone()
         with CommMeter() as meter:
             approx = impl(given, q, error)
-        expected = dict(approximation=bucket.buffer.view(n, m),
-                        q=engine_psgd.q_memory[0].view(m, r),
-                        error=engine_psgd.errors[0].view(n, m))
-        got = dict(approximation=approx, q=q, error=error)
-        wrong = [name for name in expected if not (
-            isinstance(got[name], torch.Tensor) and got[name].shape == expected[name].shape
-            and torch.allclose(got[name], expected[name], rtol=1e-5, atol=1e-6))]
-        steps.append(dict(wrong=wrong, grad_kept=torch.equal(given, grad),
-                          events=[(e.op, e.payload_bytes) for e in meter.events]))
+        steps.append(dict(approximation=_clone(approx), q=q.clone(), error=error.clone(),
+                          given=given.clone(), events=[(e.op, e.payload_bytes)
+                                                       for e in meter.events]))
     return steps
+
+
+@functools.lru_cache(maxsize=None)
+def _powersgd_reference(world_size: int, n: int, m: int, r: int) -> list[list[dict]]:
+    return run_ranks(_engine_powersgd_on_rank, world_size, n, m, r,
+                     _powersgd_gradients(world_size, n, m), timeout=20)
 
 
 def _run_powersgd(impl, world_size):
     for n, m, r in POWERSGD_SHAPES:
-        yield n, m, r, run_ranks(_powersgd_on_rank, world_size, impl, n, m, r, timeout=20)
+        yield n, m, r, run_ranks(_powersgd_on_rank, world_size, impl, n, m, r,
+                                 _powersgd_gradients(world_size, n, m), timeout=20)
 
 
 def check_equals_engine_powersgd(impl):
     for world_size in (2, 3):
         for n, m, r, results in _run_powersgd(impl, world_size):
+            reference = _powersgd_reference(world_size, n, m, r)
+            gradients = _powersgd_gradients(world_size, n, m)
             for rank, steps in enumerate(results):
                 for step, seen in enumerate(steps):
-                    if seen["wrong"]:
+                    expected = reference[rank][step]
+                    wrong = [name for name in expected if not (
+                        isinstance(seen[name], torch.Tensor)
+                        and seen[name].shape == expected[name].shape
+                        and torch.allclose(seen[name], expected[name], rtol=1e-5, atol=1e-6))]
+                    if wrong:
                         raise CheckFailed(
-                            f"rank {rank}, step {step}: {', '.join(seen['wrong'])} differ from "
+                            f"rank {rank}, step {step}: {', '.join(wrong)} differ from "
                             "the engine's PowerSGD. M = grad + error; P = M Q summed over ranks "
                             "and orthogonalized; Q = Mᵀ P averaged; approximation P Qᵀ; error "
                             "M - P Qᵀ", world_size=world_size, n=n, m=m, r=r)
-                    if not seen["grad_kept"]:
+                    if not torch.equal(seen["given"], gradients[rank][step]):
                         raise CheckFailed("the gradient passed in was changed: work on a new "
                                           "tensor M = grad + error", n=n, m=m, r=r)
 

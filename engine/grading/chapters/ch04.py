@@ -1,7 +1,14 @@
-"""Checks for chapter 04: a ZeRO-1 step, the per-GPU memory formula; drills on 2 vs 3 psi."""
+"""Checks for chapter 04: a ZeRO-1 step, the per-GPU memory formula; drills on 2 vs 3 psi.
+
+The ranks that run the learner's code (the ``_on_rank`` drivers) return what they observed:
+parameters, shards, the bytes the optimizer holds, the meter's events. The references
+(DataParallel with Adam, the engine's ZeroDataParallel) run in ranks the grader starts without
+the learner's code, and every comparison happens in the grader.
+"""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -19,33 +26,63 @@ from engine.grading.drill import Drill
 SIZES = (16, 33, 31, 8)  # 1871 parameters: padding needed at 2 and 3 ranks
 
 
-def _zero1_on_rank(rank, world_size, impl):
+def _batch(rank, world_size):
     x, y = regression_data(8 * world_size, 16, 8, seed=1)
-    xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
+    return shard(x, rank, world_size), shard(y, rank, world_size)
+
+
+def _params(module: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def _zero1_reference_on_rank(rank, world_size):
+    """The reference, in ranks started by the grader (never the learner's code): DataParallel
+    with Adam, 3 steps; its parameters."""
+    xs, ys = _batch(rank, world_size)
     ref = DataParallel(MLP(SIZES, seed=2))
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
-    model = MLP(SIZES, seed=2 + rank)
-    opt = impl(model.parameters(), torch.optim.Adam, lr=1e-2)
-    events = []
     for _ in range(3):
         ref_opt.zero_grad()
         nn.functional.mse_loss(ref(xs), ys).backward()
         ref_opt.step()
+    return _params(ref)
+
+
+@functools.lru_cache(maxsize=None)
+def _zero1_reference(world_size: int) -> list[list[torch.Tensor]]:
+    return run_ranks(_zero1_reference_on_rank, world_size, timeout=20)
+
+
+def _zero1_on_rank(rank, world_size, impl):
+    """A driver: 3 steps of the learner's optimizer; the parameters it left, the bytes its
+    inner optimizer holds and the meter's events of the last step."""
+    xs, ys = _batch(rank, world_size)
+    model = MLP(SIZES, seed=2 + rank)
+    opt = impl(model.parameters(), torch.optim.Adam, lr=1e-2)
+    events = []
+    for _ in range(3):
         opt.zero_grad()
         nn.functional.mse_loss(model(xs), ys).backward()
         with CommMeter() as meter:
             opt.step()
         events = [(e.op, e.bytes_sent) for e in meter.events]
-    worst = max((a - b).abs().max().item()
-                for a, b in zip(ref.parameters(), model.parameters(), strict=True))
     state = unique_storage_bytes(optimizer_tensors(opt.inner))
-    return worst, state, events
+    return _params(model), state, events
+
+
+def _worst(ours: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    """The largest difference between two lists of parameters (inf when they do not pair)."""
+    if len(ours) != len(reference) or any(a.shape != b.shape for a, b in zip(ours, reference)):
+        return float("inf")
+    return max((a - b).abs().max().item() for a, b in zip(reference, ours, strict=True))
 
 
 def check_equals_data_parallel_adam(impl):
     for world_size in (2, 3):
-        for rank, (worst, _, _) in enumerate(run_ranks(_zero1_on_rank, world_size, impl,
-                                                    timeout=20)):
+        reference = _zero1_reference(world_size)
+        for rank, (params, _, _) in enumerate(run_ranks(_zero1_on_rank, world_size, impl,
+                                                        timeout=20)):
+            worst = _worst(params, reference[rank])
             if not worst <= 1e-6:
                 raise CheckFailed(
                     f"after 3 steps rank {rank}'s parameters differ from DataParallel + Adam by "
@@ -154,10 +191,32 @@ def _units_gathered(model) -> int:
     return sum(u.full is not None for u in model.all_units)
 
 
-def _zero3_on_rank(rank, world_size, impl):
-    x, y = regression_data(8 * world_size, 16, 8, seed=1)
-    xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
+def _zero3_reference_on_rank(rank, world_size):
+    """The reference, in ranks started by the grader (never the learner's code): the engine's
+    ZeroDataParallel, 3 steps; each unit's shard after each step, and each unit's padded
+    size."""
+    xs, ys = _batch(rank, world_size)
     reference = ZeroDataParallel(MLP(SIZES, seed=2 + rank), torch.optim.AdamW, lr=1e-2)
+    shards = []
+    for _ in range(3):
+        reference.optimizer.zero_grad()
+        with CommMeter():  # metered, ops run the engine's own collectives, as in the driver
+            nn.functional.mse_loss(reference(xs), ys).backward()
+            reference.optimizer.step()
+        shards.append([u.shard.clone() for u in reference.all_units])
+    return dict(shards=shards, padded=[u.padded for u in reference.all_units])
+
+
+@functools.lru_cache(maxsize=None)
+def _zero3_reference(world_size: int) -> list[dict]:
+    return run_ranks(_zero3_reference_on_rank, world_size, timeout=20)
+
+
+def _zero3_on_rank(rank, world_size, impl):
+    """A driver: 3 steps of the learner's class; after each, its shards, the units still
+    gathered, the parameters not empty and the meter's events; the most units gathered at
+    once."""
+    xs, ys = _batch(rank, world_size)
     ours = impl(MLP(SIZES, seed=2 + rank), torch.optim.AdamW, lr=1e-2)
     most = [0]  # the most units gathered at once, seen from hooks that run after the learner's
 
@@ -172,30 +231,33 @@ def _zero3_on_rank(rank, world_size, impl):
         p.register_post_accumulate_grad_hook(look)
     steps = []
     for _ in range(3):
-        for model in (reference, ours):
-            model.optimizer.zero_grad()
-            with CommMeter() as meter:
-                nn.functional.mse_loss(model(xs), ys).backward()
-                model.optimizer.step()
+        ours.optimizer.zero_grad()
+        with CommMeter() as meter:
+            nn.functional.mse_loss(ours(xs), ys).backward()
+            ours.optimizer.step()
         steps.append(dict(
-            same=all(torch.equal(a.shard, b.shard)
-                     for a, b in zip(reference.all_units, ours.all_units, strict=True)),
+            shards=[u.shard.clone() for u in ours.all_units],
             gathered=[u.name for u in ours.all_units if u.full is not None],
             whole=[name for name, p in ours.module.named_parameters() if p.numel()],
             events=[(e.op, e.bytes_sent) for e in meter.events]))
-    padded = [u.padded for u in ours.all_units]
-    return dict(steps=steps, most=most[0], padded=padded)
+    return dict(steps=steps, most=most[0])
 
 
 def _run_zero3(impl, world_size):
     return run_ranks(_zero3_on_rank, world_size, impl, timeout=20)
 
 
+def _same(ours: list[torch.Tensor], reference: list[torch.Tensor]) -> bool:
+    return len(ours) == len(reference) and all(
+        a.shape == b.shape and torch.equal(a, b) for a, b in zip(reference, ours, strict=True))
+
+
 def check_equals_zero_data_parallel(impl):
     for world_size in (2, 3):
+        reference = _zero3_reference(world_size)
         for rank, res in enumerate(_run_zero3(impl, world_size)):
             for step, seen in enumerate(res["steps"]):
-                if not seen["same"]:
+                if not _same(seen["shards"], reference[rank]["shards"][step]):
                     raise CheckFailed(
                         f"after step {step + 1} rank {rank}'s parameter shards differ from the "
                         "engine's ZeroDataParallel: is every unit gathered before its forward "
@@ -221,8 +283,10 @@ def check_holds_only_shards(impl):
 
 def check_sends_3_n_minus_1_over_n_psi(impl):
     for world_size in (2, 3):
+        reference = _zero3_reference(world_size)
         for rank, res in enumerate(_run_zero3(impl, world_size)):
-            size = 4 * sum(res["padded"])  # fp32, each unit padded to a multiple of N
+            # fp32, each unit padded to a multiple of N (the engine's units, in the grader)
+            size = 4 * sum(reference[rank]["padded"])
             expected = (2 * theory.ring_all_gather_bytes(size, world_size)
                         + theory.ring_reduce_scatter_bytes(size, world_size))
             for step, seen in enumerate(res["steps"]):
