@@ -223,7 +223,7 @@ def test_next_and_the_tables_follow_only_and_hint_asks_for_hints(tmp_path, capsy
 
 
 def test_the_lab_guides_grading_commands_use_only_the_graders_flags():
-    from engine.grading.__main__ import parser
+    from engine.grading.__main__ import parser, release_parser
 
     text = (ROOT / "docs" / "lab.md").read_text()
     section = text.split("## 10. Grading a class", 1)[1].split("\n## ", 1)[0]
@@ -231,6 +231,7 @@ def test_the_lab_guides_grading_commands_use_only_the_graders_flags():
     commands += re.findall(r'ARGS="([^"]*)"', section)
     named = {flag for args in commands for flag in re.findall(r"(--[\w-]+)", args)}
     named |= set(re.findall(r"^\| `(--[\w-]+)", section, flags=re.M))  # the options table
-    known = {option for action in parser()._actions for option in action.option_strings}
+    known = {option for cli in (parser(), release_parser()) for action in cli._actions
+             for option in action.option_strings}
     assert len(commands) >= 4 and {"--root", "--timeout", "--fresh", "--hint"} <= named
     assert named <= known, named - known

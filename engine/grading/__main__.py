@@ -178,13 +178,19 @@ def grade_student(args, root: Path, names: list[str], student: str, stamp: str,
     return reports, seconds, attempts, scores
 
 
-def release_main(argv: list[str]) -> int:
-    """``python -m engine.grading release --out DIR``: the student's course, no solutions."""
+def release_parser() -> argparse.ArgumentParser:
+    """``python -m engine.grading release``'s command line."""
     cli = argparse.ArgumentParser(prog="python -m engine.grading release",
                                   description=write_release.__doc__)
     cli.add_argument("--out", required=True, help="a new folder for the student's course")
     cli.add_argument("--course", default=None, help="the course to release (default: the "
                                                     "checkout found from here)")
+    return cli
+
+
+def release_main(argv: list[str]) -> int:
+    """``python -m engine.grading release --out DIR``: the student's course, no solutions."""
+    cli = release_parser()
     args = cli.parse_args(argv)
     try:
         done = write_release(course_root(args.course), Path(args.out))
