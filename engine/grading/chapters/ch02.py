@@ -1,15 +1,15 @@
 """Checks for chapter 02: gradient accumulation, averaging gradients, bucketed DDP.
 
-The ranks that run the learner's code (the ``_on_rank`` drivers) return what they observed:
-parameters, optimizer moments, the meter's events, gradients, times. The references (one
-process on the full batch, the engine's DataParallel) run in ranks the grader starts without
-the learner's code, and every comparison happens in the grader.
+The ranks that run the learner's code (the ``_on_rank`` drivers, in
+:mod:`engine.grading.chapters.drivers_ch02`) return what they observed: parameters, optimizer
+moments, the meter's events, gradients, times. The references (one process on the full
+batch, the engine's DataParallel) run in ranks the grader starts without the learner's code,
+and every comparison happens in the grader.
 """
 
 from __future__ import annotations
 
 import functools
-import time
 
 import torch
 from torch import nn
@@ -17,16 +17,14 @@ from torch import nn
 from engine.comm import CommMeter
 from engine.dp import DataParallel
 from engine.dp.buckets import assign_buckets
-from engine.models import MLP, regression_data, seeded, shard
+from engine.models import MLP, regression_data
+from engine.grading.chapters.drivers_ch02 import (
+    DDP_SIZES, SIZES, accumulate_on_rank, adamw, averaging_on_rank, bucketed_on_rank,
+    copied_params, make_optimizer, momentum_sgd, overlap_batch, overlap_model, overlap_on_rank)
 from engine.grading.core import CheckFailed, Exercise, passed, run_ranks
 from engine.grading.drill import Drill
 
-SIZES = (16, 32, 8)
 CASES = [(2, 4), (3, 2)]  # (world_size, k)
-
-
-def _params(module: nn.Module) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in module.parameters()]
 
 
 def _worst(ours: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
@@ -43,7 +41,7 @@ def _full_batch_on_rank(rank, world_size, sizes, seed, make_optimizer, x, y, ste
         opt.zero_grad()
         nn.functional.mse_loss(reference(x), y).backward()
         opt.step()
-    return _params(reference)
+    return copied_params(reference)
 
 
 def _full_batch(sizes, seed: int, make_optimizer, x, y, steps: int) -> list[torch.Tensor]:
@@ -53,32 +51,14 @@ def _full_batch(sizes, seed: int, make_optimizer, x, y, steps: int) -> list[torc
                      timeout=20)[0]
 
 
-def _momentum_sgd(params):
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
-
-
-def _accumulate_on_rank(rank, world_size, impl, k):
-    """A driver: the learner's accumulation step, twice; the parameters it left, the number of
-    collectives the meter saw and the last loss it returned."""
-    x, y = regression_data(6 * k * world_size, 16, 8, seed=11)
-    model = DataParallel(MLP(SIZES, seed=2), bucket_cap_mb=1.0)  # one bucket
-    opt = _momentum_sgd(model.parameters())  # scale-sensitive
-    xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
-    micro = [(a.clone(), b.clone()) for a, b in zip(xs.chunk(k), ys.chunk(k), strict=True)]
-    with CommMeter() as meter:
-        for _ in range(2):
-            loss = impl(model, opt, micro)
-    return _params(model.module), len(meter.events), loss
-
-
 def _run(impl, world_size, k):
-    return run_ranks(_accumulate_on_rank, world_size, impl, k, timeout=20)
+    return run_ranks(accumulate_on_rank, world_size, impl, k, timeout=20)
 
 
 @functools.lru_cache(maxsize=None)
 def _accumulate_reference(world_size: int, k: int) -> list[torch.Tensor]:
     x, y = regression_data(6 * k * world_size, 16, 8, seed=11)
-    return _full_batch(SIZES, 2, _momentum_sgd, x, y, steps=2)
+    return _full_batch(SIZES, 2, momentum_sgd, x, y, steps=2)
 
 
 def check_equals_one_big_batch(impl):
@@ -103,40 +83,16 @@ def check_one_all_reduce_per_step(impl):
                 raise CheckFailed(f"return the mean loss as a float, got {loss!r}")
 
 
-def _make_optimizer(kind, params):
-    if kind == "sgd":  # momentum SGD is linear in the gradient: it notices a sum for a mean
-        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
-    return torch.optim.Adam(params, lr=1e-2)  # Adam's state notices averaged parameters
-
-
-def _averaging_on_rank(rank, world_size, impl, kind="adam"):
-    """A driver: 3 steps with the learner's averaging between backward and step; the
-    parameters, the optimizer's first moments and the number of collectives it issued."""
-    x, y = regression_data(8 * world_size, 16, 8, seed=4)
-    model = MLP(SIZES, seed=2)
-    opt = _make_optimizer(kind, model.parameters())
-    xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
-    with CommMeter() as meter:
-        for _ in range(3):
-            opt.zero_grad()
-            nn.functional.mse_loss(model(xs), ys).backward()
-            impl(model)
-            opt.step()
-    state = "exp_avg" if kind == "adam" else "momentum_buffer"
-    moments = torch.cat([s[state].flatten() for s in opt.state.values()])
-    return _params(model), moments, len(meter.events)
-
-
 @functools.lru_cache(maxsize=None)
 def _averaging_reference(world_size: int, kind: str) -> list[torch.Tensor]:
     x, y = regression_data(8 * world_size, 16, 8, seed=4)
-    return _full_batch(SIZES, 2, functools.partial(_make_optimizer, kind), x, y, steps=3)
+    return _full_batch(SIZES, 2, functools.partial(make_optimizer, kind), x, y, steps=3)
 
 
 def check_matches_full_batch_training(impl):
     for world_size, kind in ((2, "sgd"), (3, "sgd"), (2, "adam"), (3, "adam")):
         reference = _averaging_reference(world_size, kind)
-        results = run_ranks(_averaging_on_rank, world_size, impl, kind, timeout=20)
+        results = run_ranks(averaging_on_rank, world_size, impl, kind, timeout=20)
         for rank, (params, _, events) in enumerate(results):
             if not events:
                 raise CheckFailed("use ops.all_reduce so the meter sees the averaging")
@@ -149,7 +105,7 @@ def check_matches_full_batch_training(impl):
 
 
 def check_adam_moments_equal_on_every_rank(impl):
-    results = run_ranks(_averaging_on_rank, 3, impl, timeout=20)
+    results = run_ranks(averaging_on_rank, 3, impl, timeout=20)
     for rank, (_, moments, _) in enumerate(results):
         if not torch.equal(moments, results[0][1]):
             raise CheckFailed(f"rank {rank}'s Adam exp_avg differs from rank 0's: its optimizer "
@@ -203,43 +159,17 @@ DRILLS = [  # questions from engine.drill's bank: the answers are computed, not 
 
 # -- ch02.bucketed_ddp ------------------------------------------------------------------------
 
-DDP_SIZES = (16, 32, 32, 8)  # 1864 fp32 parameters, 7456 bytes
 BUCKET_CAPS_MB = {1: 1.0, 2: 5000 / 2**20, 3: 1024 / 2**20}  # buckets -> cap that makes them
 
 
-def _adamw(params):
-    return torch.optim.AdamW(params, lr=1e-2)
-
-
-def _bucketed_on_rank(rank, world_size, impl, cap_mb):
-    """A driver: 3 AdamW steps of the learner's class; the parameters it left, the meter's
-    events of each backward, and when the last gradient became ready in the last one."""
-    x, y = regression_data(4 * world_size, 16, 8, seed=5)
-    model = impl(MLP(DDP_SIZES, seed=3 + rank), bucket_cap_mb=cap_mb)  # differ until broadcast
-    opt = _adamw(model.module.parameters())
-    xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
-    grads_done: list[float] = []  # when each gradient became ready, in the last backward
-    for p in model.module.parameters():
-        p.register_post_accumulate_grad_hook(lambda _p: grads_done.append(time.perf_counter()))
-    steps = []
-    for _ in range(3):
-        grads_done.clear()
-        opt.zero_grad()
-        with CommMeter() as meter:
-            nn.functional.mse_loss(model(xs), ys).backward()
-        opt.step()
-        steps.append([(e.op, e.payload_bytes, e.start) for e in meter.events])
-    return _params(model.module), steps, max(grads_done)
-
-
 def _run_bucketed(impl, world_size, buckets):
-    return run_ranks(_bucketed_on_rank, world_size, impl, BUCKET_CAPS_MB[buckets], timeout=20)
+    return run_ranks(bucketed_on_rank, world_size, impl, BUCKET_CAPS_MB[buckets], timeout=20)
 
 
 @functools.lru_cache(maxsize=None)
 def _bucketed_reference(world_size: int) -> list[torch.Tensor]:
     x, y = regression_data(4 * world_size, 16, 8, seed=5)
-    return _full_batch(DDP_SIZES, 3, _adamw, x, y, steps=3)
+    return _full_batch(DDP_SIZES, 3, adamw, x, y, steps=3)
 
 
 def check_matches_full_batch_training_bucketed(impl):
@@ -318,51 +248,15 @@ EXERCISES.append(Exercise(
 
 # -- ch02.overlap_hook ------------------------------------------------------------------------
 
-class _Detour(nn.Module):
-    """Declares layers a, b, c but runs a, c, b: in backward b's gradients arrive first, though
-    its bucket is not the first, so a hook that launches buckets as they complete launches
-    them out of order."""
-
-    def __init__(self, seed: int):
-        super().__init__()
-        with seeded(seed):
-            self.a, self.b, self.c = nn.Linear(16, 24), nn.Linear(20, 8), nn.Linear(24, 20)
-
-    def forward(self, x):
-        return self.b(torch.tanh(self.c(torch.tanh(self.a(x)))))
-
-
 # (model, bucket cap in MiB): one parameter per bucket (10 bytes), or one layer per bucket
 OVERLAP_CASES = [("mlp", 10 / 2**20), ("detour", 10 / 2**20), ("detour", 100 / 2**20)]
-
-
-def _overlap_model(name: str, seed: int) -> nn.Module:
-    return MLP(DDP_SIZES, seed=seed) if name == "mlp" else _Detour(seed)
-
-
-class _HookedDataParallel(DataParallel):
-    """The engine's DataParallel with the learner's hook in place of its own."""
-
-    def __init__(self, module, hook, **kwargs):
-        super().__init__(module, **kwargs)
-        self.hook = hook
-
-    def _on_grad_ready(self, p):
-        if self._sync:
-            self.launcher.end.queue()  # the end of backward waits and averages
-            self.hook(p, self.buckets, self.launcher.bucket_of, self._launch)
-
-
-def _overlap_batch(rank, world_size):
-    x, y = regression_data(4 * world_size, 16, 8, seed=7)
-    return shard(x, rank, world_size), shard(y, rank, world_size)
 
 
 def _overlap_reference_on_rank(rank, world_size, model_name, cap_mb):
     """The reference, in ranks started by the grader (never the learner's code): the engine's
     DataParallel, its gradients after each backward, and one all-reduce per bucket."""
-    xs, ys = _overlap_batch(rank, world_size)
-    reference = DataParallel(_overlap_model(model_name, 3), bucket_cap_mb=cap_mb)
+    xs, ys = overlap_batch(rank, world_size)
+    reference = DataParallel(overlap_model(model_name, 3), bucket_cap_mb=cap_mb)
     opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
     expected = [("all_reduce", b.buffer.numel() * b.buffer.element_size())
                 for b in reference.buckets]
@@ -376,27 +270,8 @@ def _overlap_reference_on_rank(rank, world_size, model_name, cap_mb):
     return dict(grads=grads, expected=expected)
 
 
-def _overlap_on_rank(rank, world_size, hook, model_name, cap_mb):
-    """A driver: the engine's DataParallel with the learner's hook; its gradients after each
-    backward, when backward ended and the meter's events."""
-    xs, ys = _overlap_batch(rank, world_size)
-    ours = _HookedDataParallel(_overlap_model(model_name, 3), hook, bucket_cap_mb=cap_mb)
-    opt = torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9)
-    steps = []
-    for _ in range(3):
-        opt.zero_grad()
-        with CommMeter() as meter:
-            nn.functional.mse_loss(ours(xs), ys).backward()
-        steps.append(dict(grads=[None if p.grad is None else p.grad.clone()
-                                 for p in ours.parameters()],
-                          backward_end=ours.backward_done_at,
-                          events=[(e.op, e.payload_bytes, e.start) for e in meter.events]))
-        opt.step()
-    return steps
-
-
 def _run_overlap(hook, world_size, model_name, cap_mb):
-    return run_ranks(_overlap_on_rank, world_size, hook, model_name, cap_mb, timeout=20)
+    return run_ranks(overlap_on_rank, world_size, hook, model_name, cap_mb, timeout=20)
 
 
 @functools.lru_cache(maxsize=None)
@@ -415,7 +290,7 @@ def _differ(names, ours, reference) -> list[str]:
 def check_equals_engine_data_parallel(hook):
     for world_size in (2, 3):
         for model_name, cap_mb in OVERLAP_CASES:
-            names = [name for name, _ in _overlap_model(model_name, 3).named_parameters()]
+            names = [name for name, _ in overlap_model(model_name, 3).named_parameters()]
             reference = _overlap_reference(world_size, model_name, cap_mb)
             for rank, steps in enumerate(_run_overlap(hook, world_size, model_name, cap_mb)):
                 for step, seen in enumerate(steps):

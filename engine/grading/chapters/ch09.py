@@ -1,5 +1,7 @@
 """Checks for chapter 09: the online-softmax merge, a ring-attention forward, zig-zag shards,
-Ulysses with KV heads replicated past their count."""
+Ulysses with KV heads replicated past their count. The ranks that run the learner's code (the
+``_on_rank`` drivers, in :mod:`engine.grading.chapters.drivers_ch09`) return what they saw;
+the attention they are compared with is computed here, in the grader."""
 
 from __future__ import annotations
 
@@ -7,13 +9,15 @@ import functools
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from engine import theory
-from engine.comm import CommMeter
 from engine.cp.blocks import block_forward
 from engine.cp.layout import shard_indices
+from engine.grading.chapters.drivers_ch09 import (
+    RING_BATCH, RING_HEAD_DIM, RING_HEADS, RING_SEQ_PER_RANK, ULYSSES_BATCH, ULYSSES_HEAD_DIM,
+    ULYSSES_PER_RANK, bad_degree_on_rank, rank_rows, ring_on_rank, ring_qkv, ulysses_on_rank,
+    ulysses_qkv)
 from engine.grading.core import POINT_TO_POINT, CheckFailed, Exercise, run_ranks
 from engine.grading.drill import Drill
 
@@ -110,46 +114,18 @@ def check_large_scores_stay_finite(merge):
                           finite=bool(out.isfinite().all()))
 
 
-RING_BATCH, RING_HEADS, RING_HEAD_DIM, RING_SEQ_PER_RANK = 2, 2, 8, 3
-
-
-def _ring_qkv(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q, K and V over the whole sequence of ``n`` ranks."""
-    g = torch.Generator().manual_seed(3)
-    return tuple(torch.randn(RING_BATCH, RING_HEADS, n * RING_SEQ_PER_RANK, RING_HEAD_DIM,
-                             generator=g) for _ in range(3))
-
-
-def _rows(rank: int, per_rank: int) -> slice:
-    return slice(rank * per_rank, (rank + 1) * per_rank)
-
-
-def _tensor_or_none(out):
-    return out.detach().clone() if isinstance(out, torch.Tensor) else None
-
-
-def _ring_on_rank(rank, world_size, impl):
-    """A driver (runs where the learner's code does): the learner's output for this rank's
-    queries, and what the meter saw; compared with attention computed in the grader."""
-    rows = _rows(rank, RING_SEQ_PER_RANK)
-    q, k, v = (t[..., rows, :].contiguous() for t in _ring_qkv(world_size))
-    with CommMeter(count="wire") as meter:
-        out = impl(q, k, v)
-    return dict(out=_tensor_or_none(out), sent=meter.bytes_sent,
-                events=[(e.op, e.peer) for e in meter.events])
-
-
 def _ring_results(impl):
     """Per N: the ranks' results, each with what the grader expects of it."""
     for n in (2, 3):
-        q, k, v = _ring_qkv(n)
+        q, k, v = ring_qkv(n)
         dense = F.scaled_dot_product_attention(q, k, v)
         sent = theory.ring_attention_bytes(RING_BATCH * n * RING_SEQ_PER_RANK,
                                            RING_HEADS * RING_HEAD_DIM, n,
                                            dtype_bytes=4)["forward"]
-        results = run_ranks(_ring_on_rank, n, impl, timeout=30)
+        results = run_ranks(ring_on_rank, n, impl, timeout=30)
         for rank, r in enumerate(results):
-            r.update(expected=dense[..., _rows(rank, RING_SEQ_PER_RANK), :], expected_sent=sent,
+            r.update(expected=dense[..., rank_rows(rank, RING_SEQ_PER_RANK), :],
+                     expected_sent=sent,
                      right=(rank + 1) % n,  # the right-hand neighbour in the world's ring
                      others=sorted({op for op, _ in r["events"]} - POINT_TO_POINT),
                      sends=[peer for op, peer in r["events"] if op in ("send", "isend")])
@@ -225,46 +201,21 @@ def check_bad_length_raises(impl):
 KV_CASES = [(4, 8, 2), (3, 6, 2)]  # (N, query heads, KV heads): N a multiple of kv; lcm
 
 
-ULYSSES_BATCH, ULYSSES_PER_RANK, ULYSSES_HEAD_DIM = 2, 3, 4
-
-
-def _ulysses_qkv(n: int, heads: int, kv_heads: int):
-    """Q (``heads`` heads), K and V (``kv_heads`` heads) over the whole sequence of ``n``
-    ranks."""
-    g = torch.Generator().manual_seed(4)
-    q = torch.randn(ULYSSES_BATCH, heads, n * ULYSSES_PER_RANK, ULYSSES_HEAD_DIM, generator=g)
-    k, v = (torch.randn(ULYSSES_BATCH, kv_heads, n * ULYSSES_PER_RANK, ULYSSES_HEAD_DIM,
-                        generator=g) for _ in range(2))
-    return q, k, v
-
-
-def _ulysses_on_rank(rank, world_size, impl, heads, kv_heads):
-    """A driver (runs where the learner's code does): the learner's output for this rank's
-    rows, and what the meter saw; compared with attention computed in the grader."""
-    rows = _rows(rank, ULYSSES_PER_RANK)
-    q, k, v = (t[..., rows, :].contiguous()
-               for t in _ulysses_qkv(world_size, heads, kv_heads))
-    with CommMeter(count="wire") as meter:
-        out = impl(q, k, v)
-    return dict(out=_tensor_or_none(out), sent=meter.bytes_sent,
-                ops=[e.op for e in meter.events])
-
-
 @functools.lru_cache(maxsize=4)
 def _ulysses_results(impl):
     """Per case: the ranks' results, each with what the grader expects of it."""
     cases = []
     for n, heads, kv_heads in KV_CASES:
-        q, k, v = _ulysses_qkv(n, heads, kv_heads)
+        q, k, v = ulysses_qkv(n, heads, kv_heads)
         dense = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         travelling = theory.ulysses_sent_kv_heads(heads, kv_heads, n)
         sent = theory.ulysses_bytes(ULYSSES_BATCH * n * ULYSSES_PER_RANK,
                                     heads * ULYSSES_HEAD_DIM, n, 4,
                                     travelling * ULYSSES_HEAD_DIM)["forward"]
-        results = run_ranks(_ulysses_on_rank, n, impl, heads, kv_heads, timeout=30)
+        results = run_ranks(ulysses_on_rank, n, impl, heads, kv_heads, timeout=30)
         for rank, r in enumerate(results):
-            r.update(expected=dense[..., _rows(rank, ULYSSES_PER_RANK), :], expected_sent=sent,
-                     travelling=travelling, ops=sorted(set(r["ops"])))
+            r.update(expected=dense[..., rank_rows(rank, ULYSSES_PER_RANK), :],
+                     expected_sent=sent, travelling=travelling, ops=sorted(set(r["ops"])))
         cases.append(((n, heads, kv_heads), results))
     return cases
 
@@ -295,31 +246,8 @@ def check_sends_only_the_kv_heads_needed(impl):
                     "query head)", world_size=n, heads=heads, kv_heads=kv_heads)
 
 
-def _bad_degree_on_rank(rank, world_size, impl):
-    """A driver (runs where the learner's code does): the ValueError's message, or None.
-
-    No rank leaves before every rank has called the learner's function: a right answer raises
-    before any communication, so without the barrier a rank could return, and its process end,
-    closing its Gloo connections, while its peer was still joining the process group; the
-    peer then failed in Gloo's connectFullMesh ("Connection closed by peer"), on a loaded
-    machine only, and the check with it. (engine.launch now waits for every rank to join before
-    any runs ``fn``; this keeps the check independent of when the ranks get there either way.)
-    """
-    q = torch.randn(1, 3, 2, 4)
-    k = torch.randn(1, 1, 2, 4)
-    try:
-        impl(q, k, k)
-    except ValueError as e:
-        message = str(e)
-    else:
-        message = None
-    if dist.is_initialized():
-        dist.barrier()
-    return message
-
-
 def check_bad_degree_raises(impl):
-    for message in run_ranks(_bad_degree_on_rank, 2, impl, timeout=30):
+    for message in run_ranks(bad_degree_on_rank, 2, impl, timeout=30):
         if message is None:
             raise CheckFailed("3 query heads cannot be split over 2 ranks: raise ValueError "
                               "before any all-to-all")

@@ -1,5 +1,7 @@
 """Checks for chapter 12: the loss scaler's update against torch.amp.GradScaler, FSDP2's padded
-dim-0 shard and its gather on real ranks, FP8 tile scaling, Muon's Newton-Schulz; drills."""
+dim-0 shard and its gather on real ranks, FP8 tile scaling; drills. Muon's Newton-Schulz is in
+:mod:`engine.grading.chapters.ch12_muon`. The drivers that run the learner's code (in
+:mod:`engine.grading.chapters.drivers_ch12`) return what they saw; every comparison is here."""
 
 from __future__ import annotations
 
@@ -7,14 +9,12 @@ import functools
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from engine import theory
-from engine.comm import CommMeter
 from engine.fsdp.shard import DimZeroShard
+from engine.grading.chapters.drivers_ch12 import dequantized, gather_on_rank
 from engine.grading.core import CheckFailed, Exercise, passed, run_here, run_ranks
 from engine.grading.drill import Drill
-from engine.optim.newton_schulz import newton_schulz
 from engine.precision.fp8 import dequantize, outlier_activations, quantize
 
 # -- ch12.loss_scaler -----------------------------------------------------------------------
@@ -130,20 +130,6 @@ def check_chunks_hold_the_rows(module):
                                   "exist, then zeros", **inputs)
 
 
-def _gather_on_rank(rank, world_size, module, chunks):
-    """A driver (runs where the learner's code does): gather_dim0 on this rank's chunk of each
-    parameter (the chunks made in the grader). It returns what it saw: the tensor returned and
-    the meter's events; the check compares them in the grader with the full parameter."""
-    results = []
-    for shape, chunk in chunks[rank]:
-        with CommMeter() as meter:
-            got = module.gather_dim0(chunk.clone(), shape[0])
-        results.append(dict(got=got.detach().clone() if isinstance(got, torch.Tensor) else None,
-                            got_shape=tuple(getattr(got, "shape", ())),
-                            ops=[(e.op, e.bytes_sent) for e in meter.events]))
-    return results
-
-
 def _gather_inputs(world_size: int) -> list:
     """Each parameter of the gather check: its shape and the full tensor (made in the grader,
     which cuts every rank's padded chunk of it with the engine's layout)."""
@@ -161,7 +147,7 @@ def _gathers(module):
             params = _gather_inputs(n)
             chunks = [[(shape, expected_chunk(full, rank, n)) for shape, full in params]
                       for rank in range(n)]
-            seen = run_ranks(_gather_on_rank, n, module, chunks, timeout=30)
+            seen = run_ranks(gather_on_rank, n, module, chunks, timeout=30)
             runs[n] = [[_judged_gather(r, full, chunk, n) for r, (_, full), (_, chunk)
                         in zip(results, params, chunks[rank])]
                        for rank, results in enumerate(seen)]
@@ -239,12 +225,6 @@ def check_scales_are_tile_amax_over_448(module):
     return passed("scale = tile amax / 448", "DeepSeek-V3's", cases=len(HIDDEN_TILES))
 
 
-def _dequantized(module, q_bits, scales, tile):
-    """A driver (runs where the learner's code does): dequantize_tiles on the E4M3 tensor whose
-    bits are ``q_bits`` (a float8 tensor does not survive a pickle, its bytes do)."""
-    return module.dequantize_tiles(q_bits.view(torch.float8_e4m3fn), scales, tile)
-
-
 def check_round_trip_is_e4m3s(module):
     for x, tile in HIDDEN_TILES:
         q, scales = _quantized(module, x, tile)
@@ -254,7 +234,7 @@ def check_round_trip_is_e4m3s(module):
                 q.float(), right_q.float()):
             raise CheckFailed(f"q ({getattr(q, 'dtype', type(q))}) differs from each tile "
                               "divided by its scale, cast to torch.float8_e4m3fn", **inputs)
-        back = run_here(_dequantized, module, right_q.view(torch.uint8).clone(),
+        back = run_here(dequantized, module, right_q.view(torch.uint8).clone(),
                         right_scales[:, 0, :, 0].clone(), tile)
         if not (isinstance(back, torch.Tensor) and torch.equal(
                 back.float(), dequantize(right_q, right_scales))):
@@ -274,73 +254,6 @@ def check_a_tile_that_does_not_divide_raises(module):
         raise CheckFailed("no ValueError: a tile that does not divide the shape must raise "
                           "one (silently dropping the remainder loses values)",
                           shape=shape, tile=tile)
-
-
-# -- ch12.newton_schulz ---------------------------------------------------------------------
-
-HIDDEN_MATRICES = [(32, 64, 1.0), (64, 32, 1.0), (48, 48, 1.0), (128, 40, 1e3), (24, 96, 1e-3),
-                   (7, 300, 1.0)]
-
-
-def _matrix(rows, cols, norm, seed):
-    return norm * torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
-
-
-def check_matches_muons_iteration(impl):
-    for i, (rows, cols, norm) in enumerate(HIDDEN_MATRICES):
-        g = _matrix(rows, cols, norm, i)
-        got, right = impl(g.clone()), newton_schulz(g)
-        inputs = dict(shape=(rows, cols), frobenius_norm=round(g.norm().item(), 3))
-        if not isinstance(got, torch.Tensor) or got.shape != right.shape:
-            raise CheckFailed(f"expected a tensor of shape {tuple(right.shape)}", **inputs)
-        # the same products associated differently round differently: measured up to 1.2e-6
-        # on these matrices (each entry is about 1/sqrt(cols)); 1e-5 leaves room, and any
-        # other coefficient, a missing normalisation or a step too few is 1e-2 away or more
-        error = (got.float() - right).abs().max().item()
-        if not error <= 1e-5:
-            raise CheckFailed(f"differs from Muon's iteration by {error:.3g} (inf/NaN: nothing "
-                              "normalised). Normalise by the Frobenius norm first, then five "
-                              "steps with the quintic's (3.4445, -4.7750, 2.0315)", **inputs)
-    return passed("max |yours - Muon's| <= 1e-5", "quintic NS5", matrices=len(HIDDEN_MATRICES))
-
-
-def check_singular_values_near_one(impl):
-    for i, (rows, cols, norm) in enumerate(HIDDEN_MATRICES):
-        if rows == cols:  # a square Gaussian matrix has singular values near 0: skipped
-            continue
-        got = impl(_matrix(rows, cols, norm, i)).float()
-        singular = torch.linalg.svdvals(got.nan_to_num(posinf=1e30, neginf=-1e30))
-        if not (singular.min() > 0.6 and singular.max() < 1.25):
-            raise CheckFailed(f"singular values in [{singular.min():.3g}, {singular.max():.3g}]"
-                              ": five quintic steps bring every one into about [0.68, 1.2]; "
-                              "the cubic (1.5, -0.5) is too slow for the small ones, and "
-                              "without normalisation they blow up or stay tiny",
-                              shape=(rows, cols), scale=norm)
-
-
-def _flops_on(impl, g):
-    """A driver (runs where the learner's code does): the FLOPs torch counted while the
-    learner's function ran on ``g``."""
-    with FlopCounterMode(display=False) as counter:
-        impl(g)
-    return counter.get_total_flops()
-
-
-def _flops(impl, g):
-    return run_here(_flops_on, impl, g.clone())
-
-
-def check_uses_the_smaller_gram_matrix(impl):
-    for rows, cols in ((96, 24), (128, 40)):
-        tall = _matrix(rows, cols, 1.0, rows)
-        spent, wide = _flops(impl, tall), _flops(impl, tall.T.contiguous())
-        least = theory.muon_newton_schulz_flops(rows, cols)
-        if spent > wide:  # the same work either way only if a tall matrix is transposed
-            raise CheckFailed(f"{spent:,} FLOPs on the tall {rows}x{cols} matrix, {wide:,} on "
-                              f"its transpose; forming the {cols}x{cols} Gram matrix costs "
-                              f"{least:,}: transpose a tall matrix first so that X X^T is the "
-                              "smaller one", shape=(rows, cols))
-    return passed("FLOPs on a tall matrix", "5 (4 m^2 n + 2 m^3), m = min", shape="128x40")
 
 
 EXERCISES = [
@@ -404,26 +317,6 @@ EXERCISES = [
             "dequantize: reshape q.float() the same way, times scales[:, None, :, None].",
         ),
         blocks=("engine.precision.fp8.quantize", "engine.precision.fp8.dequantize"),
-    ),
-    Exercise(
-        name="ch12.newton_schulz",
-        title="Muon's quintic Newton-Schulz iteration",
-        module="ch12_newton_schulz",
-        attr="newton_schulz",
-        checks=(check_matches_muons_iteration, check_singular_values_near_one,
-                check_uses_the_smaller_gram_matrix),
-        hints=(
-            "An odd polynomial of X keeps its singular vectors and maps each singular value "
-            "s to p(s); iterating a steep one pushes every s in (0, 1] towards 1. Normalise "
-            "first so that no singular value exceeds 1; work on the wide orientation so that "
-            "X X^T is small.",
-            "g.norm() is the Frobenius norm; x @ x.T the Gram matrix; .T to transpose (and "
-            "back at the end).",
-            "a, b, c = COEFFICIENTS; tall = g.size(0) > g.size(1); x = g.float().T if tall "
-            "else g.float(); x = x / (x.norm() + 1e-7); for _ in range(steps): A = x @ x.T; "
-            "x = a * x + (b * A + c * A @ A) @ x; return x.T if tall else x.",
-        ),
-        blocks=("engine.optim.newton_schulz.newton_schulz",),
     ),
 ]
 
