@@ -28,7 +28,7 @@ def main(argv=None):
     parser.add_argument("--runs", nargs="*", default=list(RUNS))
     parser.add_argument("--plot", default="benchmarks/results/compression.png")
     args = parser.parse_args(argv)
-    results = [launch(train_compressed, args.ranks, spec, args.steps)[0]
+    results = [launch(train_compressed, args.ranks, spec, args.steps, timeout=1800)[0]
                for spec in tqdm(args.runs, desc="runs")]
     print(f"{args.ranks} Gloo ranks, {args.steps} steps of momentum SGD, student MLP on a "
           "teacher-labelled 10-class task")

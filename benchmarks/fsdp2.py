@@ -98,7 +98,7 @@ def main(argv=None):
     out = {}
     for world_size in args.ranks:
         results = launch(_run, world_size, cfg, args.warmup, args.repeats, backend="gloo",
-                         quiet=True)
+                         timeout=1800, quiet=True)
         times = results[0][0]
         print(f"\n{world_size} Gloo ranks, tiny GPT ({params / 1e6:.2f} M parameters, "
               f"{args.layers} blocks, h={args.hidden}, s={args.seq_len}, {ROWS} sequences a "

@@ -137,7 +137,7 @@ def main(argv=None):
             trainer = ["--world-size", str(p), "--pp", str(p), "--microbatches", str(m),
                        "--model", args.model]
             per_rank = launch(_run, p, trainer, args.warmup, args.repeats, backend="gloo",
-                              quiet=True)
+                              timeout=1800, quiet=True)
             steps = [breakdown([runs[i] for runs in per_rank], p, m)
                      for i in range(args.repeats)]
             med = {k: statistics.median(s[k] for s in steps)

@@ -164,7 +164,7 @@ def main(argv=None):
                              "variant into DIR and print its longest ops")
     args = parser.parse_args(argv)
     result, longest = launch(_run, args.ranks, args.hidden, args.steps, not args.no_buckets,
-                             ADAM[args.adam], args.trace)[0]
+                             ADAM[args.adam], args.trace, timeout=1800)[0]
     params = 4 * args.hidden * args.hidden + 8 * args.hidden
     print(f"{args.ranks} Gloo ranks, MLP with {params / 1e6:.1f} M parameters, Adam "
           f"({args.adam}), "

@@ -156,7 +156,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     trainer = ["--world-size", "2", "--dp", "2", "--zero", "3", "--model", args.model]
     results = launch(_run, 2, trainer, args.warmup, args.repeats, args.profile,
-                     backend="gloo", quiet=True)
+                     backend="gloo", timeout=1800, quiet=True)
     times, units, collectives, text = results[0]
     cfg, _, _ = parse(trainer)
     tokens = 2 * cfg.microbatches * cfg.micro_batch * MODELS[args.model].seq_len

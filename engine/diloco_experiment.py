@@ -120,7 +120,10 @@ def diloco_experiment(steps: int = 100, batch: int = 4, replicas: int = 4, lr: f
     rank sent at one step, counted) and ``peak_formula`` (the ring all-reduce of the model, or
     of the largest fragment: the embeddings make the first fragment the largest, so the peak
     falls by a little less than F)."""
-    results = launch(_rank, replicas, steps, batch, lr, seed, backend="gloo", quiet=True)
+    # about 20 s on 2 idle cores at the defaults, more on a busy machine or with more steps:
+    # past launch's 60 s default
+    results = launch(_rank, replicas, steps, batch, lr, seed, backend="gloo", quiet=True,
+                     timeout=600)
     tokens = steps * batch * CONFIG.seq_len
     rows = []
     for name, h, f in RUNS:

@@ -1,8 +1,9 @@
 """engine.launch: the rendezvous store outlives every rank. ``dist.new_group`` returns at once
 on a rank outside the group, while the group's members still meet through the store; when
 rank 0 served it, a rank 0 outside a group could finish first and take it away (chapter 07's
-8-rank mesh cell failed once with "Failed to recv"; this test with "Broken pipe"). The parent
-serves it now (engine.launch.rank.serve_store)."""
+8-rank mesh cell failed once with "Failed to recv"; this test with "Broken pipe"). A process of
+its own served it next; now it is a file (engine.launch.rank.rendezvous), which no rank takes
+away."""
 
 from __future__ import annotations
 

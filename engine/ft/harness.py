@@ -80,8 +80,8 @@ def warm_up(model_fn, optimizer_fn, loss_fn) -> None:
 @contextlib.contextmanager
 def store_in_a_process(timeout_s: float, start_timeout_s: float = 30.0, context=None):
     """A ``TCPStore`` served by a process of its own (:func:`engine.launch.rank.store_main`,
-    as a launch serves its rendezvous store), and this process's client of it: forking from
-    here is then safe, no store thread runs in this process. The server is killed and reaped
+    listening on loopback only), and this process's client of it: forking from here is then
+    safe, no store thread runs in this process. The server is killed and reaped
     on exit, so call it around (outside) the processes that use the store."""
     context = context or multiprocessing.get_context("fork")
     port, port_ready = context.Value("i", 0), context.Event()

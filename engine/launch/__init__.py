@@ -23,16 +23,21 @@ Which backend, and how ranks start:
   lab script is the same code on one node or many. Every process makes the same backend
   decision: it depends on the arguments and on ``LOCAL_WORLD_SIZE``, never on ``LOCAL_RANK``.
 
-A process of its own hosts the rendezvous store for the whole launch, on a port the operating
-system picks (port 0), and passes the number to the ranks, so two notebooks launching at once
-never collide, and a rank that finishes first (rank 0 included) takes nothing with it.
+The ranks of a local launch meet through a ``FileStore`` in the launch's own directory (mode
+0700, removed when the launch ends): no other user can read or write its keys, nothing listens
+on a port, two notebooks launching at once never collide, and a rank that finishes first (rank 0
+included) takes nothing with it. Gloo (and NCCL) listen on loopback only. Under torchrun the
+store is torchrun's (``docs/lab.md`` says what it exposes and how to fence it in).
 
 When something goes wrong the caller gets a :class:`LaunchError` naming the rank, never a hang:
 a rank that raises (its original traceback is carried along), a rank that dies without a word
-(``os._exit``, a signal), a rank that is stuck past the deadline, or a Ctrl-C / kernel
-interrupt. A rank that NCCL's watchdog aborted because a collective timed out is a symptom,
-not the cause: the report names the rank that never joined. Every rank is killed and reaped
-before the error is raised, so nothing is left behind and the kernel stays usable.
+(``os._exit``, a signal), a rank that is stuck past the deadline (``timeout``: 60 s by default
+for forked ranks, 300 s for spawned ones and under torchrun), or a Ctrl-C / kernel interrupt. A
+rank that NCCL's watchdog aborted because a collective timed out is a symptom, not the cause:
+the report names the rank that never joined. Every rank is killed and reaped before the error
+is raised, and with it every process it started, even one that detached itself (a double fork,
+``os.setsid()``: :mod:`~engine.launch.reaper`), so nothing is left behind and the kernel stays
+usable.
 
 The package holds no mutable state: importing it starts nothing, and each launch keeps its
 bookkeeping in its own :class:`~engine.launch.supervisor.Launch`.
@@ -44,8 +49,10 @@ The layers, each its own module, each importing only those above it in this list
 * :mod:`~engine.launch.errors`: :class:`LaunchError` and its kinds, and the failure
   classification (a rank at fault, or a symptom of another's failure) that
   :mod:`engine.elastic` shares.
+* :mod:`~engine.launch.reaper`: a subreaper, and ending every process below it (/proc).
 * :mod:`~engine.launch.backend`: the one :func:`resolve_backend`, and joining the group.
-* :mod:`~engine.launch.rank`: the rank body, inside each started process.
+* :mod:`~engine.launch.rank`: the rank body, inside each started process: its keeper, which
+  ends what the rank started, and its worker, which runs ``fn``.
 * :mod:`~engine.launch.torchrun`: the torchrun path, ``fn`` in this process.
 * :mod:`~engine.launch.supervisor`: the parent's side of a local launch.
 * :mod:`~engine.launch.entry`: :func:`launch` itself, which picks the path.
@@ -58,7 +65,12 @@ function first and fails, as ``import engine.launch as m`` always gave the funct
 """
 
 from engine.launch.backend import BACKENDS, resolve_backend
-from engine.launch.entry import DEFAULT_TIMEOUT_S, launch
+from engine.launch.entry import (
+    DEFAULT_SPAWN_TIMEOUT_S,
+    DEFAULT_TIMEOUT_S,
+    DEFAULT_TORCHRUN_TIMEOUT_S,
+    launch,
+)
 from engine.launch.env import LaunchEnv, is_global_rank_zero
 from engine.launch.errors import (
     LaunchError,
@@ -73,7 +85,8 @@ from engine.launch.supervisor import DEADLINE_GRACE_S
 _DEADLINE_GRACE_S = DEADLINE_GRACE_S  # the name this constant had before launch was a package
 
 __all__ = [
-    "BACKENDS", "DEADLINE_GRACE_S", "DEFAULT_TIMEOUT_S", "LaunchEnv", "LaunchError",
+    "BACKENDS", "DEADLINE_GRACE_S", "DEFAULT_SPAWN_TIMEOUT_S", "DEFAULT_TIMEOUT_S",
+    "DEFAULT_TORCHRUN_TIMEOUT_S", "LaunchEnv", "LaunchError",
     "RankDiedError", "RankError", "RankTimeoutError", "die_with_parent", "is_global_rank_zero",
     "launch", "resolve_backend", "says_peer_is_missing",
 ]

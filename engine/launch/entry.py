@@ -17,7 +17,13 @@ from engine.launch.supervisor import Launch
 from engine.launch.torchrun import run_in_this_process
 from engine.validation import one_of, positive_int, positive_number
 
-DEFAULT_TIMEOUT_S = 300.0
+# The default ``timeout`` of each path. Forked ranks (Gloo, a lesson's launch) start in a
+# fraction of a second, so a hung rank is named within a minute rather than five. Spawned ranks
+# (NCCL) import torch and initialise CUDA first, and under torchrun a peer may be on another
+# node, behind a slower network, and NCCL builds its communicators over it: those keep 300 s.
+DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_SPAWN_TIMEOUT_S = 300.0
+DEFAULT_TORCHRUN_TIMEOUT_S = 300.0
 
 
 def launch(
@@ -25,7 +31,7 @@ def launch(
     world_size: int,
     *args: Any,
     backend: str = "auto",
-    timeout: float = DEFAULT_TIMEOUT_S,
+    timeout: float | None = None,
     start_method: str | None = None,
     quiet: bool = False,
     deadline: bool = True,
@@ -40,7 +46,11 @@ def launch(
             (one GPU per rank, asked for explicitly). See :func:`resolve_backend`.
         timeout: seconds. The process group's timeout: a rank blocked longer than this in one
             collective raises. A few seconds later comes the parent's deadline, after which any
-            rank still running is reported as stuck and every rank is killed.
+            rank still running is reported as stuck and every rank is killed. By default 60 s
+            (:data:`DEFAULT_TIMEOUT_S`) for forked ranks, Gloo's default, so pass more for a
+            launch that runs longer; 300 s for spawned ranks (NCCL, which start slower:
+            :data:`DEFAULT_SPAWN_TIMEOUT_S`) and under torchrun (peers on other nodes:
+            :data:`DEFAULT_TORCHRUN_TIMEOUT_S`).
         start_method: ``"fork"`` or ``"spawn"``; by default fork for Gloo and spawn for NCCL.
             Gloo ranks that use CUDA need spawn once this process has touched CUDA.
         quiet: do not print the ranks' captured output (it is still on a raised error).
@@ -53,6 +63,11 @@ def launch(
     Returns:
         ``[result_of_rank_0, result_of_rank_1, ...]``. CUDA tensors come back on the CPU.
 
+    No process a rank started outlives the launch, even one that detached itself (a double
+    fork, ``os.setsid()``): each rank's keeper ends them (:mod:`engine.launch.reaper`). The
+    ranks of a local launch meet through a store only this user can reach, and listen on
+    loopback only.
+
     Raises:
         ValueError: bad arguments, before any process starts.
         RankError / RankDiedError / RankTimeoutError (all :class:`LaunchError`): a rank failed.
@@ -61,15 +76,20 @@ def launch(
         raise ValueError(f"fn must be callable, got {fn!r} of type {type(fn).__name__}")
     positive_int("world_size", world_size)
     one_of("backend", backend, BACKENDS)
-    positive_number("timeout (seconds)", timeout)
+    if timeout is not None:
+        positive_number("timeout (seconds)", timeout)
     one_of("start_method", start_method, (None, "fork", "spawn"))
 
     env = LaunchEnv.read()
     if env.under_torchrun:
-        return run_in_this_process(fn, world_size, args, backend, timeout, env)
+        return run_in_this_process(fn, world_size, args, backend,
+                                   DEFAULT_TORCHRUN_TIMEOUT_S if timeout is None else timeout,
+                                   env)
 
     backend = resolve_backend(backend, world_size)
     start_method = start_method or ("spawn" if backend == "nccl" else "fork")
+    if timeout is None:
+        timeout = DEFAULT_SPAWN_TIMEOUT_S if start_method == "spawn" else DEFAULT_TIMEOUT_S
     if start_method == "spawn":
         _check_picklable(fn, args)
     else:

@@ -2,13 +2,19 @@
 collect what each returns, turn the first real failure into an error, and clean up.
 
 Each rank runs :func:`engine.launch.rank.rank_main` in its own process (and its own process
-group) and sends one message down a pipe. The supervisor waits on every pipe and every
-process at once, so a rank that raises, dies without a word (``os._exit``, a signal) or stays
-stuck past the deadline is seen at once. A rank that failed because a peer did (a lost
+group), a keeper whose worker runs ``fn`` and sends one message down a pipe; the keeper ends as
+its worker did. The supervisor waits on every pipe and every process at once, so a rank that
+raises, dies without a word (``os._exit``, a signal) or stays stuck past the deadline is seen
+at once. A rank that failed because a peer did (a lost
 connection, a collective's timeout: :func:`engine.launch.errors.is_symptom`) is not the rank
 at fault: the report names the rank that raised or died first, or else the one that never
 joined. Every rank is killed and reaped before the error is raised, on success and on Ctrl-C
-too, so nothing is left behind and the kernel stays usable.
+too, so nothing is left behind and the kernel stays usable: each keeper first ends everything
+its rank started, however it detached (:mod:`engine.launch.reaper`).
+
+The ranks meet through a ``FileStore`` in the launch's own directory (mode 0700, removed at the
+end): no port to listen on, and no other user can reach it (:func:`engine.launch.rank.
+rendezvous`).
 
 Each launch keeps its bookkeeping in its own :class:`Launch`; the module holds no state.
 """
@@ -40,9 +46,10 @@ from engine.launch.errors import (
     looks_like_timeout,
     settled,
 )
-from engine.launch.rank import rank_main, store_main
+from engine.launch.rank import rank_main
 
 DEADLINE_GRACE_S = 3.0  # the parent's deadline falls this long after the group's timeout
+KEEPER_GRACE_S = 5.0  # how long a rank's keeper may take to end its rank before SIGKILL
 
 
 class Launch:
@@ -54,11 +61,12 @@ class Launch:
         self.fn, self.n, self.args, self.deadline = fn, world_size, args, deadline
         self.backend, self.timeout, self.quiet = backend, float(timeout), quiet
         self.ctx = mp.get_context(start_method)
+        # mode 0700: the ranks' output and the rendezvous store are this user's alone
         self.tmpdir = tempfile.mkdtemp(prefix="engine-launch-")
+        self.store_path = os.path.join(self.tmpdir, "store")
         self.procs: list[mp.process.BaseProcess] = []
         self.finished: set[int] = set()  # ranks that returned a result
         self.conns: list[Any] = []
-        self.store: mp.process.BaseProcess | None = None  # serves the rendezvous store
 
     def run(self) -> list[Any]:
         try:
@@ -74,13 +82,6 @@ class Launch:
     # -- start ---------------------------------------------------------------------------------
 
     def _start(self) -> None:
-        # Kept on self: spawned ranks unpickle these after _start returns.
-        self.port = port = self.ctx.Value("i", 0)
-        self.port_ready = port_ready = self.ctx.Event()
-        # the store in a process of its own, alive until every rank is gone: see store_main
-        self.store = self.ctx.Process(target=store_main, name="engine-store",
-                                      args=(self.timeout, port, port_ready))
-        self.store.start()
         for rank in range(self.n):
             reader, writer = self.ctx.Pipe(duplex=False)
             proc = self.ctx.Process(
@@ -93,8 +94,7 @@ class Launch:
                     self.args,
                     self.backend,
                     self.timeout,
-                    port,
-                    port_ready,
+                    self.store_path,
                     self._out_path(rank),
                     writer,
                 ),
@@ -253,6 +253,19 @@ class Launch:
     # -- clean up and output -------------------------------------------------------------------
 
     def _kill_all(self) -> None:
+        # First ask each keeper to end its rank and whatever the rank started (SIGTERM); a
+        # keeper that has not done so in KEEPER_GRACE_S is killed with the rest below.
+        asked = []
+        for proc in self.procs:
+            if proc.pid is not None and proc.exitcode is None:
+                try:
+                    os.kill(proc.pid, signal.SIGTERM)
+                    asked.append(proc)
+                except ProcessLookupError:
+                    pass
+        give_up = time.monotonic() + KEEPER_GRACE_S
+        for proc in asked:
+            wait_for_any([proc.sentinel], timeout=max(0.0, give_up - time.monotonic()))
         for proc in self.procs:
             if proc.pid is None:
                 continue
@@ -263,9 +276,6 @@ class Launch:
             proc.kill()  # the rank itself, in case it had not yet made its group
         for proc in self.procs:
             proc.join(timeout=5)
-        if self.store is not None and self.store.pid is not None:  # every rank is gone
-            self.store.kill()
-            self.store.join(timeout=5)
         for conn in self.conns:
             conn.close()
         self.conns = []
