@@ -25,22 +25,32 @@ import signal
 import sys
 import time
 
-PR_SET_CHILD_SUBREAPER = 36
+PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37
 
 
-def become_subreaper() -> bool:
-    """Make this process the child subreaper of everything below it. False where the system
-    cannot (not Linux, or a kernel older than 3.4): a process that detaches then escapes."""
+def _prctl(*args) -> int:
     if not sys.platform.startswith("linux"):
-        return False
+        return -1
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        return ctypes.CDLL(None, use_errno=True).prctl(*args)
     except (OSError, AttributeError):
-        return False
+        return -1
 
 
-def _parents() -> dict[int, list[int]]:
+def become_subreaper(on: bool = True) -> bool:
+    """Make this process the child subreaper of everything below it (``on=False``: stop being
+    one). False where the system cannot (not Linux, or a kernel older than 3.4): a process
+    that detaches then escapes."""
+    return _prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
+
+
+def is_subreaper() -> bool:
+    """This process is a child subreaper now."""
+    flag = ctypes.c_int(0)
+    return _prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0) == 0 and bool(flag.value)
+
+
+def children_by_parent() -> dict[int, list[int]]:
     """Every live (not zombie) process in /proc, as ``{parent pid: [child pid, ...]}``."""
     children: dict[int, list[int]] = {}
     try:
@@ -61,9 +71,11 @@ def _parents() -> dict[int, list[int]]:
     return children
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` (children, their children, ...), from /proc."""
-    children, found, todo = _parents(), [], [pid]
+def descendants(pid: int, children: dict[int, list[int]] | None = None) -> list[int]:
+    """Every live process below ``pid`` (children, their children, ...), from /proc (or from
+    ``children``, a :func:`children_by_parent` already read)."""
+    children = children_by_parent() if children is None else children
+    found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
             found.append(child)
