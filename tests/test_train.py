@@ -325,7 +325,13 @@ def _torchrun_agent(rank, world_size, argv):
     return code, out.getvalue()
 
 
-def test_under_torchrun_only_global_rank_0_reports_and_writes_the_trace(tmp_path):
+def test_under_torchrun_only_global_rank_0_reports_and_writes_the_trace(tmp_path,
+                                                                         monkeypatch):
+    # torchrun's agent hosts the store its workers join (MASTER_ADDR/PORT); engine.launch's
+    # ranks meet through a private FileStore, so the agent's store is hosted here, on loopback
+    agent_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(agent_store.port))
     trace = tmp_path / "trace.json"
     results = launch(_torchrun_agent, 2, ["--dp", "2", "--steps", "1", "--trace", str(trace)],
                      backend="gloo", timeout=60, quiet=True)

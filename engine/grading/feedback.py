@@ -100,7 +100,7 @@ def _ranks(ranks: set[int]) -> str:
 
 
 def format_report(report: Report, color: bool = True, hint_level: int = 0,
-                  hint_command: str = HINT_IN_NOTEBOOK) -> str:
+                  hint_command: str = HINT_IN_NOTEBOOK, printed: bool = True) -> str:
     """PASS/FAIL and the score; each distinct failure once, with the checks and ranks it hit,
     the learner's lines that led to it, the inputs, and the end of what the ranks printed;
     then the exercise's hints from level 1 to ``hint_level`` and how to ask for the next one
@@ -134,16 +134,24 @@ def format_report(report: Report, color: bool = True, hint_level: int = 0,
         if output:
             lines.append(f"      {d}the ranks printed (last lines):{x}")
             lines += [f"      {d}| {c(line, MESSAGE_CHARS)}{x}" for line in output.splitlines()]
-    printed = printed_lines(report.output)
-    if printed and not report.passed:
+    shown = printed_lines(report.output) if printed else []
+    if shown and not report.passed:
         lines.append(f"  {d}your code printed (last lines):{x}")
-        lines += [f"  {d}| {line}{x}" for line in printed]
+        lines += [f"  {d}| {line}{x}" for line in shown]
     lines += hint_lines(report, hint_level, hint_command)
     return "\n".join(lines)
 
 
 MESSAGE_CHARS = 2000  # one failure's message, a line of code or an input, as shown
 PRINTED_LINES = 20
+
+
+def printed_text(output: str) -> str:
+    """All a grading worker printed (as kept: capped), cleaned, without faulthandler's dump:
+    what a notebook's ``check`` shows before its report, as if the code had run there."""
+    if "Timeout (" in output:
+        output = output[:output.rfind("Timeout (")]
+    return clean_text(output)
 
 
 def printed_lines(output: str) -> list[str]:

@@ -29,7 +29,8 @@ from typing import Callable
 
 from engine.grading.chapters import get_exercise
 from engine.grading.core import ERROR, NOT_LOADED, STUCK, CheckResult, Frame, Report
-from engine.grading.feedback import clean_text, format_report, frames_from_text, is_learner_file
+from engine.grading.feedback import (clean_text, format_report, frames_from_text,
+                                     is_learner_file, printed_text)
 from engine.grading.learner import course_root, exercise_path
 from engine.grading.progress import Attempts, check_hint_level
 from engine.grading.processes import Subreaper
@@ -186,4 +187,7 @@ def check(name: str, impl: Callable | None = None, hint: int | None = None,
     attempts = Attempts()
     level = attempts.record(report, asked)
     attempts.save()
-    print(format_report(report, hint_level=level))
+    printed = printed_text(report.output)
+    if printed.strip():  # print debugging works: what the code printed, then the verdict
+        print(printed.rstrip("\n"))
+    print(format_report(report, hint_level=level, printed=False))
