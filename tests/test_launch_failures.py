@@ -234,6 +234,36 @@ def test_processes_a_rank_started_are_stopped_too(tmp_path):
     assert len(pids) == 4 and not [p for p in pids if is_running(p)]
 
 
+def _aborts_after_saying_why(rank, world_size):
+    dist.barrier()
+    if rank == 1:
+        print("terminate called after throwing an instance of 'gloo::IoException'", flush=True)
+        os.abort()
+    dist.barrier()
+
+
+def test_a_died_rank_is_named_with_its_last_output_even_when_quiet():
+    # an abort in C++ leaves no Python traceback; what it printed last is often the only why
+    with pytest.raises(RankDiedError) as info:
+        launch(_aborts_after_saying_why, 2, timeout=30, quiet=True)
+    message = str(info.value)
+    assert message.startswith("rank 1 was killed by signal SIGABRT; its last output:")
+    assert "gloo::IoException" in message
+    assert descendants() == []
+
+
+def _dies_tearing_down(rank, world_size):
+    dist.barrier()
+    if rank == 1:  # as Gloo's transport thread may abort while the group is destroyed
+        dist.destroy_process_group = os.abort
+    return rank * 10
+
+
+def test_a_rank_that_dies_tearing_down_after_its_result_still_returns_it():
+    assert launch(_dies_tearing_down, 2, timeout=30, quiet=True) == [0, 10]
+    assert descendants() == []
+
+
 def test_fn_may_destroy_the_process_group_itself():
     def tidy(rank, world_size):
         dist.barrier()

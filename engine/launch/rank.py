@@ -116,7 +116,7 @@ def keep(worker: int) -> None:
 def run_rank(fn, rank, world_size, args, backend, timeout, store_path, conn):
     """Body of every rank's worker: join the group, run ``fn``, report, exit."""
     torch.set_num_threads(1)
-    code = 0
+    code, message = 0, b""
     try:
         loopback_only()
         store = rendezvous(store_path, timeout)
@@ -135,10 +135,20 @@ def run_rank(fn, rank, world_size, args, backend, timeout, store_path, conn):
                 f"({type(e).__name__}: {e}); return plain Python values, "
                 "tensors, or lists and dicts of them"
             ) from e
+        # The result goes to the parent before the group is torn down. Tearing down closes
+        # this rank's connections while a peer may be closing its own, and Gloo's transport
+        # thread can die on the peer's reset ("terminate called after throwing an instance of
+        # 'gloo::IoException'", SIGABRT; pytorch/pytorch#50701, pytorch/gloo#168). A rank of a
+        # PowerSGD test died so once in ~2,800 CI tests, its output not kept. An end like that
+        # no longer loses a result already computed; a rank that dies in fn still fails.
+        report(conn, message)
+        message = None
         if dist.is_initialized():  # fn may have torn the group down itself
             dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - everything a rank raises goes to the caller
         code = 1
+        if message is None:  # the result was sent; only the tear-down failed
+            os._exit(code)
         try:
             blob = pickle.dumps(e)
         except Exception:
@@ -156,11 +166,17 @@ def run_rank(fn, rank, world_size, args, backend, timeout, store_path, conn):
             )
         )
     try:
-        sys.stdout.flush()  # all output is in the file before the parent hears back
-        sys.stderr.flush()
-        conn.send_bytes(message)
+        if message is not None:
+            report(conn, message)
     finally:
         os._exit(code)  # skip atexit handlers inherited from the parent (Jupyter, torch)
+
+
+def report(conn, message: bytes) -> None:
+    """Send the rank's one message to the parent, once all its output is in the file."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    conn.send_bytes(message)
 
 
 def _safe_str(e: BaseException) -> str:

@@ -216,6 +216,9 @@ class Launch:
                 else f"exited with code {code} without returning a result"
             )
             said = f": {failure.message}" if failure.message else ""
+            last = last_lines(outputs.get(failure.rank, ""))
+            if last and not failure.message:  # what it printed last, often why (an abort's
+                said = f"; its last output:\n{indent(last)}"  # "what(): ...", even when quiet)
             return RankDiedError(f"rank {failure.rank} {how}{said}", [failure.rank], outputs)
         error = RankError(
             failure.rank, failure.exc_type, failure.message, failure.traceback, outputs
@@ -296,6 +299,29 @@ class Launch:
         for rank, text in self._outputs().items():
             for line in text.splitlines():
                 print(f"[rank {rank}] {line}")
+
+
+FATAL = "Fatal Python error:"  # how faulthandler starts its dump of a dying process's stacks
+
+
+def last_lines(text: str, n: int = 6) -> str:
+    """What a rank that died printed last: its last ``n`` non-empty lines. When faulthandler
+    dumped its stacks (every rank enables it), the lines before the dump (an abort's
+    ``what(): ...``), the dump's first line, and the innermost frame of the thread that died."""
+    before, fatal, dump = text.rpartition(FATAL)
+    if not fatal:
+        before, dump = text, ""
+    lines = [line for line in before.splitlines() if line.strip()][-n:]
+    if fatal:
+        dumped = dump.splitlines()
+        lines.append(FATAL + dumped[0])
+        current = next((i for i, line in enumerate(dumped) if line.startswith("Current thread")),
+                       None)
+        frame = next((line for line in dumped[current or 0:] if line.strip().startswith("File")),
+                     None) if current is not None else None
+        if frame:
+            lines.append(frame.strip() + " (innermost)")
+    return "\n".join(lines)
 
 
 def indent(text: str, prefix: str = "    ") -> str:
