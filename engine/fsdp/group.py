@@ -16,7 +16,8 @@ function:
 * **backward** of :class:`Unshard`: autograd calls it once, when the gradients of all the
   group's whole parameters are complete; they are packed padded, reduce-scattered in
   ``reduce_dtype`` (summed, then divided by the group's size), cast to each shard's dtype and
-  returned: autograd accumulates them into ``shard.grad``. The whole tensors are freed.
+  returned, each a copy of just its rows (not a view of the padded buffer): autograd
+  accumulates them into ``shard.grad``, unpadded as the shard. The whole tensors are freed.
 
 Every collective goes through :mod:`engine.comm.ops`, so a ``CommMeter`` counts it.
 """
@@ -189,7 +190,9 @@ class ShardGroup:
         out, offset = [], 0
         for p in self.params:
             local = mine[offset:offset + p.shard.numel()].view(p.shard.shape)
-            out.append(local.to(p.shard.dtype))
+            # a copy even in the same dtype: a view would keep all of ``mine`` alive, the
+            # padded chunks of every parameter of the group, as the shards' gradients
+            out.append(local.to(p.shard.dtype, copy=True))
             offset += p.layout.chunk_numel
         return out
 
