@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import statistics
 
 import torch
@@ -107,7 +106,7 @@ def _run(rank, world_size, argv, warmup, repeats):
     with recorded_runs([]) as recorded:
         for i in range(warmup + repeats):
             torch.distributed.barrier()
-            strategy.step(itertools.count(i))  # the trainer's step i: its global batch
+            strategy.step(i)  # the trainer's step i: its global batch
             if i >= warmup:
                 runs.append(recorded[-1])
     return runs

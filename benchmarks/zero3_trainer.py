@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import itertools
 import pstats
 import statistics
 import time
@@ -57,18 +56,19 @@ VARIANTS = ("engine, a unit per module", "engine (trainer)", "torch, one unit",
             "torch (trainer)")
 
 
-def _per_module_engine(cfg, mesh, device) -> Strategy:
+def _per_module_engine(cfg, mesh, device, inputs, labels) -> Strategy:
     from engine.compose.model import GPT
     from engine.zero import ZeroDataParallel
 
     gpt = GPT(model_config(cfg), seed=cfg.seed)
     model = ZeroDataParallel(autocast(gpt, "fp32"), torch.optim.AdamW, group=mesh.dp_group,
                              lr=cfg.lr)
-    step = pipeline_step(model, model.optimizer, mesh, one_f_one_b(1, cfg.microbatches))
+    step = pipeline_step(model, model.optimizer, mesh, one_f_one_b(1, cfg.microbatches),
+                         inputs, labels)
     return Strategy("ZeRO-3, a unit per module", model, model.optimizer, step, 0, mesh, device)
 
 
-def _one_unit_torch(cfg, mesh, device) -> Strategy:
+def _one_unit_torch(cfg, mesh, device, inputs, labels) -> Strategy:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     from engine.compose.model import GPT
@@ -77,8 +77,9 @@ def _one_unit_torch(cfg, mesh, device) -> Strategy:
     gpt = GPT(model_config(cfg), seed=cfg.seed)
     model = FSDP(gpt, device_id=device, process_group=mesh.dp_group)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    return Strategy("FSDP, one unit", model, optimizer, accumulate_step(model, optimizer, mesh),
-                    0, mesh, device, engine=False)
+    return Strategy("FSDP, one unit", model, optimizer,
+                    accumulate_step(model, optimizer, mesh, inputs, labels), 0, mesh, device,
+                    engine=False)
 
 
 def _units(strategy) -> int:
@@ -96,16 +97,15 @@ def _run(rank, world_size, argv, warmup, repeats, profile):
     mesh = Mesh(dp=world_size, tp=1, pp=1)
     inputs, labels = global_batch(MODELS[cfg.model], mesh, cfg.microbatches, cfg.micro_batch,
                                   device, seed=cfg.seed + 1)
-    built = {VARIANTS[0]: _per_module_engine(cfg, mesh, device),
+    built = {VARIANTS[0]: _per_module_engine(cfg, mesh, device, inputs, labels),
              VARIANTS[1]: build(cfg, None, "engine", mesh, device, "fp32"),
-             VARIANTS[2]: _one_unit_torch(cfg, mesh, device),
+             VARIANTS[2]: _one_unit_torch(cfg, mesh, device, inputs, labels),
              VARIANTS[3]: build(cfg, None, "torch", mesh, device, "fp32")}
-    trainer_steps = itertools.count()  # the trainer's strategies step on step k's batch
+    taken = dict.fromkeys(VARIANTS, 0)  # the trainer's strategies step on step k's batch
 
     def step(name):
-        if name in (VARIANTS[1], VARIANTS[3]):
-            return built[name].step(trainer_steps)
-        return built[name].step(inputs, labels)
+        taken[name] += 1
+        return built[name].step(taken[name] - 1)
 
     collectives = {}
     for name in VARIANTS[:2]:
@@ -133,7 +133,7 @@ def _run(rank, world_size, argv, warmup, repeats, profile):
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(5):
-            built[VARIANTS[0]].step(inputs, labels)
+            built[VARIANTS[0]].step(0)
         profiler.disable()
         if rank == 0:
             out = io.StringIO()

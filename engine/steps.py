@@ -96,7 +96,7 @@ def traffic_by_group(events, mesh: Mesh, more: dict | None = None) -> dict[str, 
 
 @dataclass
 class Strategy:
-    """What one rank trains with. ``step(inputs, labels)`` runs one optimizer step over the
+    """What one rank trains with. ``step(k)`` runs the run's optimizer step ``k`` over the
     micro-batches and returns the :class:`engine.pp.PipelineRun` (loss on the last stage,
     compute events, activation bytes). ``psi``: the parameters this rank's part of the model
     has before any ZeRO sharding (its pipeline stage's, split over tp). ``traffic``: the
@@ -108,7 +108,7 @@ class Strategy:
     name: str
     model: nn.Module
     optimizer: Any
-    step: Callable[[list, list], PipelineRun]
+    step: Callable[[int], PipelineRun]  # step k of the run -> what it measured
     psi: int
     mesh: Mesh
     device: torch.device
@@ -123,10 +123,6 @@ class Strategy:
     # with state_dict() / load_state_dict() (the composed engine: engine.compose.resume)
     rank_state: tuple | None = None
     traffic: Callable[[list, Mesh, dict], dict[str, int]] = traffic_by_group
-
-    @property
-    def checkpointable(self) -> bool:
-        return self.per_rank_checkpoint
 
     def state_bytes(self) -> StateBytes | None:
         """What this rank holds (:func:`engine.memory.model_state_bytes`); None for
@@ -167,15 +163,16 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
 
 
-def pipeline_step(chunk: nn.Module, optimizer, mesh: Mesh, schedule,
-                  before_step: Callable[[], None] = lambda: None):
-    """A step through the pipeline runtime: this rank's stage ``chunk`` runs its part of
-    ``schedule``; ``before_step`` finishes the gradients (the tied embedding's sum)."""
+def pipeline_step(chunk: nn.Module, optimizer, mesh: Mesh, schedule, inputs: list,
+                  labels: list, before_step: Callable[[], None] = lambda: None):
+    """A step through the pipeline runtime on the fixed micro-batches ``inputs``/``labels``
+    (every step the same batch): this rank's stage ``chunk`` runs its part of ``schedule``;
+    ``before_step`` finishes the gradients (the tied embedding's sum)."""
 
     def loss(logits, y):
         return lm_loss(logits, y, mesh.tp_group)
 
-    def step(inputs, labels) -> PipelineRun:
+    def step(k: int) -> PipelineRun:
         optimizer.zero_grad()
         run = run_pipeline([chunk], schedule, inputs, labels, loss, stage=mesh.coords.pp,
                            group=mesh.pp_group)
@@ -220,8 +217,9 @@ def accumulate_micro_batches(losses: Callable[[torch.Tensor, torch.Tensor], tupl
     return PipelineRun(sum(torch.stack(reported).tolist()), events, peak, {0: peak}, 1)
 
 
-def accumulate_step(model: nn.Module, optimizer, mesh: Mesh):
-    """A data-parallel step with gradient accumulation: gradients stay local (``no_sync``)
+def accumulate_step(model: nn.Module, optimizer, mesh: Mesh, inputs: list, labels: list):
+    """A data-parallel step with gradient accumulation over the fixed micro-batches
+    ``inputs``/``labels`` (every step the same batch): gradients stay local (``no_sync``)
     until the last micro-batch's backward, which reduces them once. Returns the same
     :class:`engine.pp.PipelineRun` a one-stage pipeline would, timed the same way."""
 
@@ -231,7 +229,7 @@ def accumulate_step(model: nn.Module, optimizer, mesh: Mesh):
         loss = lm_loss(model(x), y, mesh.tp_group)
         return loss, loss
 
-    def step(inputs, labels) -> PipelineRun:
+    def step(k: int) -> PipelineRun:
         optimizer.zero_grad()
         run = accumulate_micro_batches(losses, inputs, labels, params, mesh.rank,
                                        no_sync=model.no_sync)

@@ -5,8 +5,8 @@ engine``, whatever the model and layout, or PyTorch's own DDP / ZeroRedundancyOp
 FSDP (:func:`torch_strategy`) for ``--impl torch``, on the same model definition and the same
 data, so ``--impl both`` prints the same loss per step for both.
 
-The :class:`Strategy` record and the step builders live one layer below, in
-:mod:`engine.steps` (re-exported here); this module only chooses and assembles.
+The :class:`engine.steps.Strategy` record lives one layer below, in :mod:`engine.steps`; this
+module only chooses and assembles.
 """
 
 from __future__ import annotations
@@ -25,15 +25,9 @@ from engine.compose.model import GPT
 from engine.models import GPTConfig
 from engine.pp import PipelineRun
 from engine.presets import MODELS
-from engine.steps import (PRECISIONS, SCHEDULES, Autocast, Strategy, accumulate_step,
-                          autocast, global_batch, lm_loss, parameter_count, pipeline_step)
+from engine.steps import Strategy, autocast, parameter_count
 from engine.topology import Mesh
 from engine.train_compose import ComputeTimer, composed_strategy, global_rows, model_config
-
-__all__ = ["build", "torch_strategy", "data_parallel_step", "register_torch_hook",
-           "composed_strategy", "Strategy", "Autocast", "autocast", "accumulate_step",
-           "pipeline_step", "global_batch", "lm_loss", "parameter_count", "PRECISIONS",
-           "SCHEDULES"]
 
 
 def build(cfg, model: GPTConfig | None, impl: str, mesh: Mesh, device: torch.device,
@@ -98,13 +92,12 @@ def data_parallel_step(model: nn.Module, optimizer, cfg, mesh: Mesh, device: tor
     (:func:`engine.compose.data.rank_slice`), each loss the sum over its counted tokens times
     dp over the global count (:func:`engine.compose.loss.global_token_loss`: the wrapper's
     average over dp makes it one process's gradient), gradients kept local (``no_sync``) but
-    for the last micro-batch. ``step(steps)``: ``steps`` yields the step indices; the
-    returned loss is the global one, the same on every rank."""
+    for the last micro-batch. ``step(k)``: the run's step k; the returned loss is the global
+    one, the same on every rank."""
     model_cfg, rows, m = model_config(cfg), global_rows(cfg), cfg.microbatches
     timer = ComputeTimer(device, mesh.rank)
 
-    def step(steps, labels=None) -> PipelineRun:
-        k = next(steps)
+    def step(k: int) -> PipelineRun:
         batch = step_batch(k, rows, model_cfg.seq_len, model_cfg.vocab, cfg.seed + 1,
                            cfg.varlen)
         micro = [mb.to(device) for mb in rank_slice(batch, mesh.dp, mesh.coords.dp,

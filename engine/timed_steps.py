@@ -25,13 +25,9 @@ import torch
 
 from engine.comm import CommMeter, ops
 from engine.pp import PipelineRun
-from engine.steps import GROUP_KINDS, traffic_by_group
+from engine.steps import traffic_by_group
 from engine.trace import Clock
 
-# GROUP_KINDS and traffic_by_group, the strategies' default bookkeeper, live in engine.steps
-# beside the Strategy that holds it; re-exported from here, their home before
-__all__ = ["GROUP_KINDS", "StepsRun", "allocated_memory", "line_up", "run_steps", "slowest",
-           "traffic_by_group", "traffic_of", "warm_up_groups"]
 
 
 @dataclass
@@ -52,10 +48,10 @@ class StepsRun:
     counted: bool = True  # False where some bytes were modeled, not counted
 
 
-def run_steps(strategy, inputs: list[torch.Tensor], labels: list[torch.Tensor], steps: int,
-              warmup: int = 1, first_step: int = 0,
+def run_steps(strategy, steps: int, warmup: int = 1, first_step: int = 0,
               after_step: Callable[[int, PipelineRun], None] | None = None) -> StepsRun:
-    """``warmup`` untimed steps (the first counts the bytes), then ``steps`` timed ones.
+    """``warmup`` untimed steps (the first counts the bytes), then ``steps`` timed ones: the
+    run's steps ``first_step``, ``first_step + 1``, ... (``strategy.step(k)``).
 
     ``first_step``: the run's index of this launch's first step, past 0 when the run resumed
     from a checkpoint. Only a run's step 0 counts its bytes on the wire: the counted
@@ -78,11 +74,11 @@ def run_steps(strategy, inputs: list[torch.Tensor], labels: list[torch.Tensor], 
         start = clock.mark()
         if i == 0:
             with CommMeter(count="wire" if first_step == 0 else "model") as meter:
-                run = strategy.step(inputs, labels)
+                run = strategy.step(first_step + i)
             traffic = traffic_of(strategy, meter.events)
             counted = all(e.measured for e in meter.events)
         else:
-            run = strategy.step(inputs, labels)
+            run = strategy.step(first_step + i)
         end = clock.mark()
         if i == 0:
             allocated = allocated_memory(device)

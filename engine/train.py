@@ -44,7 +44,6 @@ import torch
 from engine.launch import resolve_backend
 from engine.moe.gpt import MOE_MODELS
 from engine.presets import MODELS
-from engine.steps import resolve_precision
 from engine.train_checks import MAX_TIMEOUT_S, MIN_TIMEOUT_S, check_batch, \
     check_checkpointing, check_paths, check_torch, check_world
 from engine.train_compose import COMPOSED_SCHEDULES, add_composed_arguments, check_composed, \
@@ -56,11 +55,6 @@ from engine.train_resume import resume_point, total_steps
 from engine.train_run import train_on_rank
 from engine.validation import one_of, positive_int, positive_number
 from engine.zero.checkpoint import CheckpointError
-
-# moved, kept importable from here: the presets (engine.presets) and the rank's run
-# (engine.train_run)
-__all__ = ["TrainConfig", "check_config", "parser", "parse", "resolved", "main", "run_on_gpus",
-           "MODELS", "IMPLS", "train_on_rank", "resolve_precision"]
 
 IMPLS = {"engine": ("engine",), "torch": ("torch",), "both": ("engine", "torch")}
 
@@ -98,7 +92,6 @@ class TrainConfig:
     cp_method: str = "ring-zigzag"
     sequence_parallel: bool = False
     varlen: bool = False
-    composed: bool = False
     allow_oversubscribe: bool = False
 
     @property

@@ -1,7 +1,6 @@
 """``engine train`` on the composed engine (:mod:`engine.compose`): one mesh of named axes,
 one GPT parallelised by functions, one training loop. Every ``--impl engine`` run takes this
-path, for every model and layout (``--composed``, once needed to choose it, is the default and
-still accepted); ``--impl torch`` trains the same GPT on the same data with PyTorch's wrappers
+path, for every model and layout; ``--impl torch`` trains the same GPT on the same data with PyTorch's wrappers
 (:func:`engine.strategy.torch_strategy`). Then:
 
 * the mesh is :class:`engine.topology.Mesh` ``(dp, tp, pp, cp=, ep=)``: world = dp x cp x tp
@@ -71,12 +70,6 @@ from engine.trace import TraceEvent
 COMPOSED_SCHEDULES = tuple(SCHEDULES)  # every schedule of the registry (engine.pp)
 
 
-def uses_composed(cfg) -> bool:
-    """Whether ``cfg`` (a :class:`engine.train.TrainConfig`) runs on the composed engine:
-    always, since it became the only engine (kept for the callers that asked)."""
-    return True
-
-
 def composed_world(cfg) -> int:
     """dp x cp x tp x pp: ``--ep`` borrows its ranks from dp x cp."""
     return cfg.dp * cfg.cp * cfg.tp * cfg.pp
@@ -110,10 +103,6 @@ def plan_of(cfg) -> Plan:
 def add_composed_arguments(p, defaults) -> None:
     """The command line's options of the composed engine (``defaults``: a TrainConfig)."""
     composed = p.add_argument_group("the composed engine (engine.train_compose)")
-    composed.add_argument("--composed", action="store_true",
-                          help="the composed engine: now the default and only engine; the "
-                               "flag is accepted so that old commands run (default: "
-                               "%(default)s)")
     composed.add_argument("--cp-method", default=defaults.cp_method, type=cp_method_arg,
                           metavar="{" + ",".join(CP_METHODS) + "}",
                           help="context-parallel attention: ring attention (zig-zag or "
@@ -177,12 +166,6 @@ def psi_of(par) -> int:
     return sum(shape.numel() for unit in units for shape in unit.shapes.values())
 
 
-def checkpointable(cfg) -> bool:
-    """Whether ``--save`` covers this composed run: every layout, each rank saving its own
-    state (:mod:`engine.compose.resume`)."""
-    return True
-
-
 def reshardable(cfg) -> bool:
     """Whether a composed run may resume another layout's checkpoint
     (:mod:`engine.compose.reshard`): any layout, not a compressor's error-feedback memory."""
@@ -242,8 +225,8 @@ class ComputeTimer:
 
 
 def composed_strategy(cfg, mesh: Mesh, device: torch.device, precision: str) -> Strategy:
-    """This rank's :class:`engine.steps.Strategy` on the composed engine: ``step`` ignores
-    the inputs the old paths take and trains step k on the global batch of step k."""
+    """This rank's :class:`engine.steps.Strategy` on the composed engine: ``step(k)`` trains
+    on the global batch of step k."""
     from engine.moe.layer import single_rank_group
 
     model_cfg, plan = model_config(cfg), plan_of(cfg)
@@ -257,8 +240,7 @@ def composed_strategy(cfg, mesh: Mesh, device: torch.device, precision: str) -> 
     loads = ExpertLoads(par.model) if model_cfg.num_experts else None
     hooks = (timer,) if loads is None else (timer, loads)
 
-    def step(steps, labels=None) -> PipelineRun:  # steps: the indices of the run's steps
-        k = next(steps)
+    def step(k: int) -> PipelineRun:  # the run's step k, on step k's global batch
         batch = global_batch(k, rows, model_cfg.seq_len, model_cfg.vocab, cfg.seed + 1,
                              cfg.varlen)
         with autocast:

@@ -19,15 +19,13 @@ step's global batch, so it computes exactly what the uninterrupted run computes 
 ``k`` on: the loss curve and the final parameters are bit-identical on the CPU.
 
 Which checkpoint to resume from, and whether it fits this run, is decided before any rank
-starts, and loaded by every rank (:mod:`engine.train_resume`, whose names this module
-re-exports). A run that stops itself (a non-finite loss, a checkpoint that would not load)
+starts, and loaded by every rank (:mod:`engine.train_resume`). A run that stops itself (a non-finite loss, a checkpoint that would not load)
 returns ``{"stopped": line, "exit": code}`` from every rank instead of raising, so that the
 command prints one line, not a rank's traceback (:func:`engine.train_endings.stopped`).
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import sys
 import time
@@ -46,16 +44,7 @@ from engine.trace import clock_offset, on_clock
 from engine.train_endings import NONFINITE_EXIT, REFUSED_EXIT
 from engine.train_formulas import composed_traffic_formulas, memory_formula
 from engine.train_nonfinite import NonFiniteLoss, NonFiniteWatch
-# the resume side, moved to engine.train_resume; importable from here as before
-from engine.train_resume import (COMPOSED_LAYOUT, RESHARDED_COMPOSED, SAME_LAYOUT,
-                                 SAME_TRAINING, ResumeFailed, ResumePoint, checked_trainer,
-                                 composed_record, resume_point, start, total_steps,
-                                 trainer_record)
-
-__all__ = ["train_on_rank", "run_implementations", "train", "Progress", "COMPOSED_LAYOUT",
-           "RESHARDED_COMPOSED", "SAME_LAYOUT", "SAME_TRAINING", "ResumeFailed",
-           "ResumePoint", "checked_trainer", "composed_record", "resume_point", "start",
-           "total_steps", "trainer_record"]
+from engine.train_resume import ResumeFailed, ResumePoint, start, total_steps, trainer_record
 
 
 # -- on every rank ------------------------------------------------------------------------------
@@ -141,8 +130,6 @@ def train(strategy, cfg, point: ResumePoint | None = None, progress_fd: int | No
     finite raises :class:`engine.train_nonfinite.NonFiniteLoss` on every rank, before that
     step is saved."""
     resumed = {} if resumed is None else resumed
-    if cfg.save is not None and not strategy.checkpointable:
-        raise ValueError(f"--save: {strategy.name} has no sharded checkpoint here")
     loading = time.perf_counter()
     point, skipped = start(strategy, cfg, point)
     first, losses = (0, []) if point is None else (point.step, list(point.losses))
@@ -169,7 +156,7 @@ def train(strategy, cfg, point: ResumePoint | None = None, progress_fd: int | No
         # on a non-finite loss only, every rank runs this step again with its hooks armed
         watch.check(done, run.loss, total, advice=f"the run stopped before saving step "
                     f"{done}; lower --lr (now {cfg.lr:g}) or look at that layer",
-                    replay=lambda: strategy.step(iter([step]), None))
+                    replay=lambda: strategy.step(step))
         losses.append(run.loss)
         save = cfg.save is not None and (done == total or (cfg.save_every is not None and
                                                            done % cfg.save_every == 0))
@@ -185,10 +172,9 @@ def train(strategy, cfg, point: ResumePoint | None = None, progress_fd: int | No
                    else cfg.kill_rank)
 
     blocked_s: list[float] = []  # per save: the seconds the step waited for it
-    # each step draws step k's global batch itself: the "inputs" are the step indices
-    try:
-        run = run_steps(strategy, itertools.count(first), None, remaining - warmup, warmup,
-                        first_step=first, after_step=after_step)
+    try:  # each step k draws step k's global batch itself
+        run = run_steps(strategy, remaining - warmup, warmup, first_step=first,
+                        after_step=after_step)
     except NonFiniteLoss:
         if bar:
             bar.close()

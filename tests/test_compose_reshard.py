@@ -30,7 +30,7 @@ TOLERANCE = 1e-6  # the parity matrix's (engine.compose.parity)
 # times a different fraction in each layout; at the trainer's default 1e-2 the qkv weights of
 # cp2 x dp2 ZeRO-2 trained from step 0, no checkpoint, differ from one process's by 6e-6
 # (measured), at 1e-4 every parameter by under 1e-6 (engine.compose.parity's note)
-COMMON = ["train", "--composed", "--micro-batch", "2", "--lr", str(LR)]
+COMMON = ["train", "--micro-batch", "2", "--lr", str(LR)]
 MOE = ["--model", "tiny-moe"]
 # one process, per model. The MoE balancing loss and z-loss are taken over each global
 # micro-batch (engine.compose.experts): not linear in it, so one process must cut the step's 4

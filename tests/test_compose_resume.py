@@ -212,7 +212,7 @@ def test_engine_train_resumes_moe_ep2_pp2_zero1_bit_identical_with_async_save(tm
     against 4, every rank's file equal tensor for tensor."""
     from engine.checkpoint.per_rank import read_rank_state
 
-    layout = ["--composed", "--model", "tiny-moe", "--dp", "2", "--ep", "2", "--pp", "2",
+    layout = ["--model", "tiny-moe", "--dp", "2", "--ep", "2", "--pp", "2",
               "--zero", "1", "--microbatches", "2", "--micro-batch", "2", "--async-save"]
     whole, split = tmp_path / "whole", tmp_path / "split"
     assert engine_main(["train", *layout, "--steps", "4", "--save", str(whole)]) == 0
@@ -237,9 +237,9 @@ def test_reshard_a_dp_only_change_at_zero0_and_refuse_compress(tmp_path, capsys)
     the sums: dp2 equals one process within 1e-6 in the parity matrix). --compress is refused
     before any rank starts, naming it. (A tp or ZeRO change, once refused here, is re-cut now:
     tests/test_compose_reshard.py.)"""
-    dp2 = ["--composed", "--dp", "2", "--zero", "0", "--microbatches", "1", "--micro-batch",
+    dp2 = ["--dp", "2", "--zero", "0", "--microbatches", "1", "--micro-batch",
            "2"]
-    one = ["--composed", "--world-size", "1", "--zero", "0", "--microbatches", "2",
+    one = ["--world-size", "1", "--zero", "0", "--microbatches", "2",
            "--micro-batch", "2"]
     assert engine_main(["train", *dp2, "--steps", "4", "--save", str(tmp_path / "a")]) == 0
     assert engine_main(["train", *dp2, "--steps", "2", "--save", str(tmp_path / "b")]) == 0
@@ -253,7 +253,7 @@ def test_reshard_a_dp_only_change_at_zero0_and_refuse_compress(tmp_path, capsys)
     from engine.train_compose import check_composed
 
     # (engine train refuses --save with --compress earlier still, in engine.train_checks)
-    compressed = TrainConfig(composed=True, dp=2, zero=0, compress="topk:0.1", resume=True,
+    compressed = TrainConfig(dp=2, zero=0, compress="topk:0.1", resume=True,
                              reshard=True, save=str(tmp_path / "b"))
     with pytest.raises(ValueError, match="--reshard with the composed engine") as refused:
         check_composed(compressed, 2)

@@ -69,8 +69,8 @@ def test_engine_train_runs_a_multi_chunk_schedule(capsys):
         line = next(line for line in out.splitlines() if line.startswith("  loss per step ("))
         return [float(x) for x in re.findall(r"\d+\.\d+", line.split(":", 1)[1])]
 
-    alone = losses(["--composed", "--world-size", "1"])
-    piped = losses(["--composed", "--pp", "2", "--schedule", "dualpipe_v"])
+    alone = losses(["--world-size", "1"])
+    piped = losses(["--pp", "2", "--schedule", "dualpipe_v"])
     assert len(alone) == len(piped) == 2
     assert max(abs(a - b) for a, b in zip(alone, piped)) <= TOLERANCE, (alone, piped)
 
@@ -89,7 +89,7 @@ def test_engine_train_runs_a_multi_chunk_schedule(capsys):
      "3 must divide layers = 4"),
 ])
 def test_what_a_schedule_cannot_run_is_refused_naming_the_values(args, message, capsys):
-    assert engine_main(["train", "--composed", "--pp", "2", *args]) == 2
+    assert engine_main(["train", "--pp", "2", *args]) == 2
     assert message in capsys.readouterr().err
 
 
@@ -172,7 +172,7 @@ def test_engine_train_runs_zero3_under_zb_h1(capsys):
     loss per step of --world-size 1 on the same global batch within 1e-6, and every rank's dp
     bytes printed equal to its formula."""
     def run(args):
-        assert engine_main(["train", "--composed", *args, "--microbatches", "2",
+        assert engine_main(["train", *args, "--microbatches", "2",
                             "--steps", "2"]) == 0
         out = capsys.readouterr().out
         line = next(line for line in out.splitlines() if line.startswith("  loss per step ("))

@@ -151,11 +151,11 @@ def test_the_engines_answer_taken_from_an_engine_table_is_refused_too():
     def through_a_table(p, m):
         return SCHEDULES["1f1b"][0](p, m)
 
-    def through_the_strategy(p, m):
-        from engine import strategy
-        return strategy.SCHEDULES["1f1b"](p, m)
+    def through_the_trainers_table(p, m):
+        from engine import steps
+        return steps.SCHEDULES["1f1b"](p, m)
 
-    for impl in (through_a_table, through_the_strategy):
+    for impl in (through_a_table, through_the_trainers_table):
         report = run_checks("ch06.one_f_one_b", impl=impl)
         assert [r.kind for r in report.results] == [BLOCKED] * 3
 

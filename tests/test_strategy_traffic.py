@@ -23,7 +23,7 @@ class _Counted:
         self.mesh, self.groups, self.device = mesh, {}, torch.device("cpu")
         self.seen = []
 
-    def step(self, inputs, labels):
+    def step(self, k):
         ops.all_reduce(torch.ones(4), group=self.mesh.dp_group)
         return SimpleNamespace(loss=0.0, events=[])
 
@@ -34,7 +34,7 @@ class _Counted:
 
 def _run(rank, world_size):
     strategy = _Counted(Mesh(dp=world_size))
-    run = timed_steps.run_steps(strategy, [], [], steps=1, warmup=1)
+    run = timed_steps.run_steps(strategy, steps=1, warmup=1)
     return run.traffic, strategy.seen
 
 

@@ -21,7 +21,7 @@ class _AdamWStrategy:
         self.model = nn.Linear(4, 4)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
 
-    def step(self, inputs, labels):
+    def step(self, k):
         self.optimizer.zero_grad()
         loss = self.model(torch.ones(2, 4)).sum()
         loss.backward()
@@ -39,7 +39,7 @@ def _sampled(rank, world_size):
 
     original, timed_steps.allocated_memory = timed_steps.allocated_memory, allocated_memory
     try:
-        run = timed_steps.run_steps(strategy, [], [], steps=2, warmup=1)
+        run = timed_steps.run_steps(strategy, steps=2, warmup=1)
     finally:
         timed_steps.allocated_memory = original
     return seen, run.cuda_allocated

@@ -205,9 +205,9 @@ def test_help_gives_every_flag_its_text_choices_and_default(capsys):
     assert exit_.value.code == 0
     entries = _help_entries(capsys.readouterr().out)
     options = [a for a in parser()._actions if "--help" not in a.option_strings]
-    # 27 + --cp, --composed, --cp-method, --sequence-parallel, --varlen, --async-save,
-    # --allow-oversubscribe, --resume-fallback
-    assert len(options) == len(entries) == 35
+    # 27 + --cp, --cp-method, --sequence-parallel, --varlen, --async-save,
+    # --allow-oversubscribe, --resume-fallback (--composed, once its choice, is gone)
+    assert len(options) == len(entries) == 34
     for action in options:
         flag = action.option_strings[0]
         entry = entries[flag]
@@ -292,7 +292,8 @@ def _under_nccl_rules(rank, world_size, fn, cfg):
 @pytest.mark.parametrize("layout", [dict(dp=2, tp=2), dict(pp=2),
                                     dict(dp=2, zero=0, impl="both", compress="fp16")])
 def test_every_tensor_the_trainer_hands_a_collective_is_on_the_rank_device(layout):
-    from engine.train import TrainConfig, train_on_rank
+    from engine.train import TrainConfig
+    from engine.train_run import train_on_rank
 
     cfg = TrainConfig(steps=1, **layout)
     results = launch(_under_nccl_rules, cfg.world_size, train_on_rank, cfg, backend="gloo",

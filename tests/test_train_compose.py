@@ -32,24 +32,24 @@ def _run(args: list[str], capsys) -> list[float]:
 # micro-batch sequences: 8)
 ACCEPTANCE = {
     "cp2 x tp2": (["--cp", "2", "--tp", "2", "--microbatches", "2", "--micro-batch", "4"],
-                  ["--composed", "--world-size", "1", "--microbatches", "2",
+                  ["--world-size", "1", "--microbatches", "2",
                    "--micro-batch", "4"]),
-    "dp2 x tp2 ZeRO-3": (["--composed", "--dp", "2", "--tp", "2", "--zero", "3",
+    "dp2 x tp2 ZeRO-3": (["--dp", "2", "--tp", "2", "--zero", "3",
                           "--microbatches", "2", "--micro-batch", "2"],
-                         ["--composed", "--world-size", "1", "--microbatches", "2",
+                         ["--world-size", "1", "--microbatches", "2",
                           "--micro-batch", "4"]),
-    "dp2 x pp2 ZeRO-3": (["--composed", "--dp", "2", "--pp", "2", "--zero", "3",
+    "dp2 x pp2 ZeRO-3": (["--dp", "2", "--pp", "2", "--zero", "3",
                           "--microbatches", "2", "--micro-batch", "2"],
-                         ["--composed", "--world-size", "1", "--microbatches", "2",
+                         ["--world-size", "1", "--microbatches", "2",
                           "--micro-batch", "4"]),
     "varlen dp2 x pp2": (["--varlen", "--dp", "2", "--pp", "2", "--microbatches", "2",
                           "--micro-batch", "2"],
                          ["--varlen", "--world-size", "1", "--microbatches", "2",
                           "--micro-batch", "4"]),
     # MoE (dropless, no router losses: engine.train_compose) with ep borrowed from dp
-    "tiny-moe ep2 x pp2": (["--composed", "--model", "tiny-moe", "--dp", "2", "--ep", "2",
+    "tiny-moe ep2 x pp2": (["--model", "tiny-moe", "--dp", "2", "--ep", "2",
                             "--pp", "2", "--microbatches", "2", "--micro-batch", "2"],
-                           ["--composed", "--model", "tiny-moe", "--world-size", "1",
+                           ["--model", "tiny-moe", "--world-size", "1",
                             "--microbatches", "2", "--micro-batch", "4"]),
     # Megatron-Core's MoE layout: experts spread over the data-parallel ranks, the dense parts
     # tensor-parallel with sequence parallelism (MoE layers on the gathered sequence)
@@ -80,9 +80,9 @@ def test_every_layout_has_the_loss_of_one_process(name, capsys):
      "= 2"),
     (["--cp", "2", "--cp-method", "ulysses", "--tp", "4"], "Ulysses gives each rank whole "
                                                            "heads"),
-    (["--composed", "--world-size", "2", "--ep", "2", "--tp", "2", "--model", "tiny-moe"],
+    (["--world-size", "2", "--ep", "2", "--tp", "2", "--model", "tiny-moe"],
      "--ep 2 must divide dp x cp = 1 x 1"),
-    (["--composed", "--world-size", "4", "--dp", "2"], "dp x cp x tp x pp = 2 x 1 x 1 x 1 = "
+    (["--world-size", "4", "--dp", "2"], "dp x cp x tp x pp = 2 x 1 x 1 x 1 = "
                                                        "2 does not match the world size 4"),
     # --save covers every composed layout now (tests/test_compose_resume.py), and --reshard
     # every layout change (tests/test_compose_reshard.py; --compress: test_compose_resume.py)
@@ -112,7 +112,7 @@ def test_engine_train_runs_usp(capsys):
     """--cp 4 --cp-method usp:2x2: the loss of one process, and the bytes over cp counted
     beside USP's formula (theory.usp_bytes), within 2 B a rank: the step's loss, one float
     all-reduced over 4 ranks, sends 4 or 8 B by rank where the formula counts the mean, 6 B."""
-    alone = _run(["--composed", "--world-size", "1", "--microbatches", "2"], capsys)
+    alone = _run(["--world-size", "1", "--microbatches", "2"], capsys)
     assert engine_main(["train", "--cp", "4", "--cp-method", "usp:2x2", "--microbatches", "2",
                         *STEPS]) == 0
     out = capsys.readouterr().out
@@ -148,7 +148,7 @@ def test_bytes_per_group_are_counted_beside_their_formulas(capsys):
 def test_zero3_with_tp_holds_and_sends_what_its_formulas_say(capsys):
     """dp2 x tp2 ZeRO-3 (FSDP + TP): the bytes over dp and tp equal their formulas, and each
     rank's parameters and gradients are ZeRO-3's 1/dp of its tensor-parallel part."""
-    assert engine_main(["train", "--composed", "--dp", "2", "--tp", "2", "--zero", "3",
+    assert engine_main(["train", "--dp", "2", "--tp", "2", "--zero", "3",
                         *STEPS]) == 0
     out = capsys.readouterr().out
     traffic, memory = (out.split(heading, 1)[1] for heading in ("bytes sent per step",
@@ -168,7 +168,7 @@ def test_zero3_with_tp_holds_and_sends_what_its_formulas_say(capsys):
 def test_compressed_gradients_over_dp_send_what_the_compressor_keeps(capsys):
     """--compress on the composed engine: DDP's all-reduce over dp x cp through the
     compressor, its bytes counted equal to the compressor's formula."""
-    assert engine_main(["train", "--composed", "--dp", "2", "--zero", "0", "--compress",
+    assert engine_main(["train", "--dp", "2", "--zero", "0", "--compress",
                         "topk:0.1", *STEPS]) == 0
     out = capsys.readouterr().out
     assert "composed engine: dp2 topk:0.1" in out

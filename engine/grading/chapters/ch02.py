@@ -129,7 +129,7 @@ EXERCISES = [
             "model.no_sync():` unless i is the last; add up loss.item(); step(); return the "
             "sum.",
         ),
-        blocks=("engine.strategy.accumulate_step",),
+        blocks=("engine.steps.accumulate_step",),
     ),
     Exercise(
         name="ch02.average_gradients",
