@@ -1010,6 +1010,48 @@ def muon_newton_schulz_flops(rows: int, cols: int, steps: int = 5) -> int:
     return steps * (4 * m * m * n + 2 * m ** 3)
 
 
+MUON_SCHEMES = ("owner", "gather")
+
+
+def muon_step_bytes(scheme: str, psi: int, n: int, largest_owned: int = 0,
+                    element_bytes: int = 4) -> int:
+    """Bytes each rank sends (ring collectives) in one step of distributed Muon over ``n``
+    data-parallel ranks, ``psi`` matrix elements in all:
+
+    * ``"owner"``, each matrix owned by one rank (Keller Jordan's reference implementation,
+      Essential AI's; :class:`engine.optim.DistributedMuon`): the gradients reduce-scattered to
+      the owners and the new matrices all-gathered, every rank's segment padded to the largest
+      owner's ``largest_owned`` elements: ``2 (n-1) largest_owned``;
+    * ``"gather"``, Moonlight's Algorithm 1 (Liu et al., "Muon is Scalable for LLM Training",
+      2025, section 2.3; :class:`engine.optim.GatherMuon`): ZeRO-1's even slices of
+      ``ceil(psi / n)`` elements, the gradients reduce-scattered, the momentum-updated slices
+      all-gathered (every rank then holds every matrix) and the new parameters all-gathered:
+      ``3 (n-1) ceil(psi / n)``.
+
+    Times ``element_bytes``."""
+    _check_n(n)
+    if scheme == "owner":
+        if not 0 < largest_owned <= psi:
+            raise ValueError(f"largest_owned={largest_owned!r}: the elements of the most "
+                             f"loaded owner, in (0, psi={psi}]")
+        return 2 * (n - 1) * largest_owned * element_bytes
+    if scheme == "gather":
+        return 3 * (n - 1) * -(-psi // n) * element_bytes
+    raise ValueError(f"scheme={scheme!r}; expected one of {MUON_SCHEMES}")
+
+
+def muon_ns_flops_per_rank(scheme: str, shapes, owned=(), steps: int = 5) -> int:
+    """Newton-Schulz FLOPs one rank runs in one distributed Muon step over the matrices of
+    ``shapes`` ((rows, cols) each): ``"gather"`` (Moonlight's Algorithm 1) every matrix on every
+    rank, so ``n`` times one process's work in all; ``"owner"`` only the matrices ``owned``
+    (indices into ``shapes``), so each matrix once over the ranks. Each matrix
+    :func:`muon_newton_schulz_flops`."""
+    if scheme not in MUON_SCHEMES:
+        raise ValueError(f"scheme={scheme!r}; expected one of {MUON_SCHEMES}")
+    mine = range(len(shapes)) if scheme == "gather" else owned
+    return sum(muon_newton_schulz_flops(*shapes[i], steps) for i in mine)
+
+
 def recompute_activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int,
                                          heads: int, policy: str = "none", tp: int = 1) -> float:
     """Activation bytes per transformer layer kept for backward under a recomputation

@@ -110,6 +110,35 @@ def test_distributed_muon_equals_muon(world_size):
         assert r.muon_bytes == round(2 * (world_size - 1) * r.segment * 4)
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_owner_and_moonlight_gather_side_by_side_bytes_and_flops_per_rank_as_theory(world_size):
+    """Issue 42: the owner scheme (Keller Jordan's, Essential AI's) and Moonlight's Algorithm 1
+    (every matrix gathered and orthogonalised on every rank), counted on real ranks against
+    engine.theory's formulas."""
+    single_params = single_muon(STEPS + 1, ROWS, SIZES, LR)
+    shapes = [(o, i) for i, o in SIZES]  # nn.Linear(i, o).weight is o x i
+    psi = sum(o * i for o, i in shapes)
+    owners = assign_owners([o * i for o, i in shapes], world_size)
+    largest = max(sum(o * i for (o, i), w in zip(shapes, owners) if w == r)
+                  for r in range(world_size))
+    for rank, r in enumerate(run_ranks(muon_vs_zero2, world_size, STEPS, ROWS, SIZES, LR)):
+        worst = max((p - q).abs().max().item() for p, q in zip(r.gather_params, single_params))
+        assert worst <= 1e-6  # the same steps as one process, like the owner scheme's
+        assert r.steps == STEPS + 1
+        assert r.muon_bytes == theory.muon_step_bytes("owner", psi, world_size, largest)
+        assert r.gather_bytes == theory.muon_step_bytes("gather", psi, world_size)
+        mine = [i for i, w in enumerate(owners) if w == rank]
+        assert r.ns_flops == r.steps * theory.muon_ns_flops_per_rank("owner", shapes, mine)
+        assert r.gather_ns_flops == r.steps * theory.muon_ns_flops_per_rank("gather", shapes)
+        assert r.gather_ns_flops == r.steps * sum(newton_schulz_flops(*s) for s in shapes)
+        assert r.chunk == -(-psi // world_size)
+    # at 2 ranks the owner scheme sends less; at 4 its padding to the busiest owner (768 of
+    # 2048 elements, 1.5x psi/4) costs exactly Moonlight's third collective
+    owner, gather = (theory.muon_step_bytes("owner", psi, world_size, largest),
+                     theory.muon_step_bytes("gather", psi, world_size))
+    assert (owner < gather) if world_size == 2 else (owner == gather)
+
+
 def test_the_naive_row_shard_muon_is_wrong():
     m = torch.randn(32, 24, generator=torch.Generator().manual_seed(0))
     errors = {n: naive_error(m, n) for n in (2, 4)}
