@@ -1,8 +1,12 @@
 """``parallelize(model, mesh, plan)``: one :class:`engine.compose.model.GPT` turned into this
 rank's part of a parallel layout, by functions applied in a fixed order.
 
-The order is torchtitan's (``parallelize_llama``: TP, then activation checkpointing and
-compile, then FSDP): each step changes modules the next one wraps, never the other way round.
+Only the last place is forced: the data-parallel wrapper flattens, buckets or shards the
+parameters that exist when it runs, so it comes after every step that replaces modules (tensor
+parallelism) or drops them (the pipeline split). The order of the first four is this engine's
+choice: torchtitan's trainer splits the pipeline first and applies ``parallelize_llama`` (TP,
+activation checkpointing, compile, then FSDP) to each stage, and its context parallelism is a
+context manager around each step (``context_parallel``), not a module rewrite.
 
 1. **Tensor parallelism** (Shoeybi et al. 2019), :func:`apply_tensor_parallel`: the embedding
    becomes vocab-parallel, the output layer column-parallel over the vocabulary (tied: the
