@@ -15,9 +15,12 @@ Every replica then continues from the new ``θ``. With ``H = 1``, an inner SGD, 
 
 **Streaming DiLoCo** (Douillard et al., "Streaming DiLoCo with overlapping communication:
 towards a distributed free lunch", 2025) cuts the model into ``fragments`` of whole layers and
-syncs them at staggered steps: fragment ``p`` syncs at the steps ``t`` with
-``t ≡ (p+1)·H/F (mod H)``, so each fragment still syncs every ``H`` steps but only ``1/F`` of
-the model crosses the link at once: the peak bandwidth falls by ``F``. With an overlap
+syncs them at staggered steps. The paper prefers *strided* fragments (layer ``i`` in fragment
+``i mod F``) to consecutive runs of layers; :func:`split_fragments` cuts consecutive runs, and
+``fragments`` given as modules (:func:`module_fragments`) can make any cut, strided too.
+Fragment ``p`` syncs at the steps ``t`` with ``t ≡ (p+1)·H/F (mod H)``, so each fragment
+still syncs every ``H`` steps but only ``1/F`` of the model crosses the link at once: the peak
+bandwidth falls by ``F``. With an overlap
 ``delay = τ`` the all-reduce is started at step ``t`` and its result applied at ``t + τ``
 while the inner steps go on; the fragment is then merged, ``θ_local <- α θ_local + (1-α) θ``
 (``mix = α``; the paper uses α = 0.5 with overlap; 0, the default, is a plain replace).
@@ -56,7 +59,9 @@ def model_layers(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]
 
 
 def split_fragments(model: nn.Module, fragments: int) -> list[list[nn.Parameter]]:
-    """The model's parameters in ``fragments`` groups of consecutive layers, equal in count.
+    """The model's parameters in ``fragments`` groups of consecutive layers, equal in count
+    (not the paper's strided cut, layer ``i`` in fragment ``i mod F``: the two agree only when
+    every fragment is one layer).
 
     A ValueError names both numbers when ``fragments`` does not divide the layers."""
     positive_int("fragments", fragments)

@@ -9,13 +9,17 @@ every step and takes an AdamW step; DiLoCo (:class:`engine.diloco.DiLoCo`, Douil
 2023) takes H AdamW steps per replica, then one outer Nesterov step (lr 0.7, momentum 0.9)
 on the averaged pseudo-gradients; streaming DiLoCo (2025) cuts the model into 4 fragments
 (the embeddings with the first block, then one block each, the last with the final norm) that
-sync at staggered steps.
+sync at staggered steps. With as many fragments as blocks, the paper's strided fragments
+(block i in fragment i mod F, which it prefers to consecutive runs of blocks) and consecutive
+ones are the same cut.
 
 For each run, :func:`diloco_experiment` returns the loss of the final (synced) model on a
-held-out batch of the same chain, the bytes each rank sent per token it trained on, and the
-largest number of bytes one rank sent at one step (the peak a slow link must carry). Bytes are
-counted on the wire (:class:`engine.comm.CommMeter`): every DiLoCo sync, and DDP's first step
-(its every step sends the same all-reduce), next to the formulas
+held-out batch of the same chain beside the untrained model's loss on it (every run starts
+there: without it a final loss cannot say whether the run trained), the bytes each rank sent
+per token it trained on, and the largest number of bytes one rank sent at one step (the peak
+a slow link must carry). Bytes are counted on the wire (:class:`engine.comm.CommMeter`):
+every DiLoCo sync, and DDP's first step (its every step sends the same all-reduce), next to
+the formulas
 (:func:`engine.theory.diloco_peak_sync_bytes`, :func:`engine.theory.ring_all_reduce_bytes`).
 """
 
@@ -63,8 +67,16 @@ def block_fragments(model: TinyGPT, fragments: int) -> list[nn.Module]:
     return [nn.ModuleList(p) for p in parts]
 
 
+def _held_out_loss(model: TinyGPT) -> float:
+    """The loss on 64 held-out sequences of the chain (a seed no training batch uses)."""
+    with torch.no_grad():
+        idx, targets = markov_tokens(64, CONFIG.seq_len, CONFIG.vocab, seed=10 ** 6)
+        return model.loss(idx, targets).item()
+
+
 def _train(rank, world, sync_every, fragments, batches, lr, seed):
     model = TinyGPT(CONFIG, seed=seed)
+    start = _held_out_loss(model)  # the untrained model: where every run starts
     inner = torch.optim.AdamW(model.parameters(), lr=lr)
     diloco = None if sync_every is None else DiLoCo(
         model, inner, sync_every, outer_lr=0.7, outer_momentum=0.9,
@@ -97,10 +109,8 @@ def _train(rank, world, sync_every, fragments, batches, lr, seed):
         per_step.append(meter.bytes_sent if diloco is not None or step == 0 else per_step[0])
     if diloco is not None:
         diloco.finish()
-    with torch.no_grad():
-        idx, targets = markov_tokens(64, CONFIG.seq_len, CONFIG.vocab, seed=10 ** 6)
-        held_out = model.loss(idx, targets).item()
-    return {"held_out": held_out, "train_last": sum(losses[-10:]) / 10, "per_step": per_step,
+    return {"start": start, "held_out": _held_out_loss(model),
+            "train_last": sum(losses[-10:]) / 10, "per_step": per_step,
             "numel": sum(p.numel() for p in params), "largest": largest}
 
 
@@ -114,8 +124,9 @@ def _rank(rank, world, steps, batch, lr, seed):
 def diloco_experiment(steps: int = 100, batch: int = 4, replicas: int = 4, lr: float = 3e-3,
                       seed: int = 0) -> list[dict]:
     """Every run of :data:`RUNS` on ``replicas`` Gloo ranks: one row each with ``run``, ``H``,
-    ``fragments``, ``held_out_loss`` (the final model on 64 held-out sequences, rank 0's: the
-    replicas agree after the last sync), ``train_loss`` (the last 10 steps' mean, rank 0's),
+    ``fragments``, ``start_loss`` (the untrained model on the same 64 held-out sequences),
+    ``held_out_loss`` (the final model on them, rank 0's: the replicas agree after the last
+    sync), ``train_loss`` (the last 10 steps' mean, rank 0's),
     ``bytes_per_token`` (sent by a rank per token it trained on), ``peak_bytes`` (the most a
     rank sent at one step, counted) and ``peak_formula`` (the ring all-reduce of the model, or
     of the largest fragment: the embeddings make the first fragment the largest, so the peak
@@ -133,13 +144,15 @@ def diloco_experiment(steps: int = 100, batch: int = 4, replicas: int = 4, lr: f
         formula = theory.ring_all_reduce_bytes(mine["largest"] * 4, replicas)
         assert f > 1 or formula == theory.diloco_peak_sync_bytes(numel, replicas, 4, 1)
         rows.append({"run": name, "H": h or 1, "fragments": f,
-                     "held_out_loss": mine["held_out"], "train_loss": mine["train_last"],
+                     "start_loss": mine["start"], "held_out_loss": mine["held_out"],
+                     "train_loss": mine["train_last"],
                      "bytes_per_token": sum(mine["per_step"]) / tokens,
                      "peak_bytes": max(mine["per_step"]), "peak_formula": formula})
     return rows
 
 
 def print_diloco_experiment(rows: list[dict]) -> None:
+    print(f"untrained model (every run's start): held-out loss {rows[0]['start_loss']:.4f}")
     print(f"{'run':<30} {'held-out loss':>13} {'bytes/token':>12} {'peak bytes/sync':>16} "
           f"{'(formula)':>12}")
     for r in rows:

@@ -898,9 +898,13 @@ def diloco_peak_sync_bytes(numel: int, n: int, dtype_bytes: float = 4,
 def hsdp_replica_bytes(numel: int, shard: int, replicas: int, dtype_bytes: float = 4) -> float:
     """Bytes each rank sends across the replica dimension per step in HSDP (hybrid sharding:
     ZeRO-3 inside a group of ``shard`` ranks, replicated over ``replicas`` groups; Zhao et al.,
-    "PyTorch FSDP", VLDB 2023, section 3.2.3): each rank all-reduces only its reduce-scattered
+    "PyTorch FSDP", VLDB 2023, section 3.2.2): each rank all-reduces only its reduce-scattered
     shard, ``2(R-1)/R · numel/S · dtype_bytes``, the ``S``-th of what data parallelism sends
-    across the same links (``2(R-1)/R · numel · dtype_bytes``)."""
+    across the same links (``2(R-1)/R · numel · dtype_bytes``). The paper gives the cross-host
+    traffic per GPU as ``2M(W-1)/(GW)`` for ``M`` bytes of model on ``W`` GPUs in hosts of
+    ``G``; with ``M = numel · dtype_bytes``, ``W = R·S`` and ``G = S`` the ring over the ``R``
+    replicas counted here is ``2M(W-S)/(SW)``, a little less, and the two meet as ``W/S``
+    grows."""
     positive_int("shard", shard)
     return ring_all_reduce_bytes(numel / shard * dtype_bytes, replicas)
 

@@ -90,11 +90,16 @@ def _ft_cross_mb(rng):
     live = total - 1
     sent = theory.hsdp_replica_bytes(millions * 1e6, g, live, 4)
     return (f"Per-step fault tolerance: {total} replica groups of {g} ranks train a "
-            f"{millions}M-parameter model (fp32 gradients); one group has died, so the quorum "
-            "holds the others. How many MB does each rank send across the groups this step?",
+            f"{millions}M-parameter model (fp32 gradients). Each group first reduces its "
+            f"gradient inside (HSDP's shape, as engine.ft does), so each of its G = {g} ranks "
+            "holds a 1/G slice of the group's gradient, and all-reduces only that slice across "
+            "the groups. One group has died, so the quorum holds the others. How many MB does "
+            "each rank send across the groups this step?",
             sent / 1e6,
-            "Inside a group the gradient is reduce-scattered; each rank all-reduces its 1/G "
-            "shard with the same shard of the live groups only: 2(L-1)/L x P/G x 4 bytes.")
+            "Inside a group the gradient is reduced first (HSDP reduce-scatters it; engine.ft "
+            "all-reduces it and keeps its slice: the same bytes cross the groups); each rank "
+            "all-reduces its 1/G slice with the same slice of the live groups only: "
+            "2(L-1)/L x P/G x 4 bytes.")
 
 
 def _young_multiple(rng):
@@ -175,12 +180,13 @@ CHOICES = [
            "Counted: the replica dimension carries 2(R-1)/R x P/S per rank; the all-gathers stay "
            "inside the site. FSDP over every rank would put them on the slow link too.", HSDP),
     Choice("ft-survivors", TOPIC,
-           "Per-step fault tolerance: a replica group is killed in the middle of an all-reduce. "
-           "What do the other groups do?",
+           "Per-step fault tolerance: a replica group is killed mid-step, after computing its "
+           "gradient and just before the gradient all-reduce. What do the other groups do?",
            ("Abort that round and redo the step without it, no restart; the next quorum leaves "
             "it out", "All restart from the last checkpoint", "Wait until it comes back"), 0,
-           "Measured: the survivors finish the step (a little over the quorum deadline lost) "
-           "and every later step without the dead group.", FT),
+           "Measured (group 2 SIGKILLed at step 3, just before the all-reduce): the survivors' "
+           "round fails, they redo the step without it (a little over the quorum deadline "
+           "lost) and every later step too, until it rejoins.", FT),
     Choice("ft-rejoin", TOPIC,
            "The killed replica group restarts. Where does it get its parameters and optimizer "
            "state?",
@@ -213,8 +219,10 @@ OUTLINES = [
              "fewer bytes",
              "streaming DiLoCo: fragments at staggered steps, overlapped, peak / F; bf16 or "
              "lower on the wire",
-             "not DDP for H > 1: it trains, behind DDP at equal tokens on short runs; the "
-             "outer lr and momentum are tuned per H"),
+             "not DDP for H > 1: on the tiny GPT every DiLoCo run ends far below the untrained "
+             "loss, behind DDP at equal tokens on a short run",
+             "the outer lr is tuned per H: the paper's 0.7 with momentum 0.9 overshoots when H "
+             "inner steps travel most of the way (the MLP at H = 100 ends worse than untrained)"),
             evidence=ANSWER),
     Outline("gpu-dies-answer", TOPIC,
             "What happens when a GPU dies at step 40 000 of a 10 000-GPU run?",

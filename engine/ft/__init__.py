@@ -1,5 +1,6 @@
 """Per-step fault tolerance from scratch: replica groups that drop out and rejoin without a
-restart of the others (torchft's design: Liang et al., "TorchFT", PyTorch 2025).
+restart of the others (torchft's design: the repository github.com/pytorch/torchft, PyTorch,
+2025).
 
 Each step the live replica groups agree on a *quorum* through a ``TCPStore``
 (:mod:`engine.ft.quorum`), all-reduce their gradients over a Gloo group built for that quorum

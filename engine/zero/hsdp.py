@@ -2,7 +2,7 @@
 groups.
 
 Zhao et al., "PyTorch FSDP: experiences on scaling fully sharded data parallel" (VLDB 2023),
-section 3.2.3 (``HYBRID_SHARD``); torchft runs one such group per replica group. The world of
+section 3.2.2 (``HYBRID_SHARD``); torchft runs one such group per replica group. The world of
 ``R x S`` ranks is cut into ``R`` *shard groups* of ``S`` consecutive ranks (a node, or a site:
 the fast links). Inside a shard group the model is ZeRO-3 (:class:`engine.zero.ZeroDataParallel`
 over ``shard_group``): every rank holds ``1/S`` of the parameters, gathers them unit by unit
@@ -15,18 +15,24 @@ The groups are views of the one mesh: :meth:`engine.topology.Mesh.split` cuts it
 dimension into ``dp_replicate x dp_shard`` (torchtitan's names, ``init_device_mesh``'s rank
 sets), ``Mesh(dp=world)`` unless a mesh is given.
 
-With ``stage=2`` the shard group runs ZeRO-2 instead (:class:`engine.zero.ZeroOptimizer`;
-PyTorch FSDP's ``ShardingStrategy._HYBRID_SHARD_ZERO2``): the parameters stay whole on every
-rank (no gather in forward or backward), the gradients are reduce-scattered over the shard
-group during backward, each rank all-reduces its gradient shard over the replica group, steps
-its shard of the optimizer state and all-gathers the updated parameters inside the shard
-group. The replica dimension sees the same bytes as with
-ZeRO-3; what differs is memory (whole parameters) against the shard group's traffic (no
-per-unit gathers in forward and backward).
+With ``stage=2`` the shard group runs ZeRO-2 instead (:class:`engine.zero.ZeroOptimizer`):
+in this engine's variant the parameters stay whole on every rank, between steps too (no
+gather in forward or backward), the gradients are reduce-scattered over the shard group
+during backward, each rank all-reduces its gradient shard over the replica group, steps its
+shard of the optimizer state and all-gathers the updated parameters inside the shard group
+right after the step. PyTorch FSDP's ``ShardingStrategy._HYBRID_SHARD_ZERO2`` (the
+``SHARD_GRAD_OP`` family) sends the same bytes at another time and holds other memory: it
+all-gathers the parameters before forward, keeps them through backward and frees them after
+it, so between steps a rank holds only its shard, and the gather moves to the next forward.
+The replica dimension sees the same bytes as with ZeRO-3; what differs is memory (whole
+parameters) against the shard group's traffic (no per-unit gathers in forward and
+backward).
 
 Bytes across the replica dimension per rank and step: ``2(R-1)/R · ψ/S`` elements
 (:func:`engine.theory.hsdp_replica_bytes`), the ``S``-th of data parallelism's all-reduce
-across the same links.
+across the same links (the paper's section 3.2.2 gives ``2M(W-1)/(GW)`` per GPU for ``M``
+bytes on ``W`` GPUs in hosts of ``G``; the ring over the ``R = W/G`` replicas sends
+``2M(W-G)/(GW)``, a little less).
 
 Both equal ZeRO-3 (and DDP) over all ``R·S`` ranks up to the order of the sums: a gradient
 element is summed over the ``S`` ranks of its shard group, divided by ``S``, then summed over
