@@ -4,11 +4,14 @@ on the solution and fails on the stub)."""
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
 import torch
 
 from engine.grading import run_checks
 from solutions import ch12_dim0_shard, ch12_fp8_tiles, ch12_loss_scaler, ch12_newton_schulz
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _failing(name, impl):
@@ -50,15 +53,38 @@ def _no_fp32_ceiling(scale, clean, found_inf, growth_factor=2.0, backoff_factor=
     return scale, clean, False
 
 
+def _count_kept_after_refused_growth(scale, clean, found_inf, growth_factor=2.0,
+                                     backoff_factor=0.5, growth_interval=2000):
+    if found_inf:
+        return scale * backoff_factor, 0, True
+    clean += 1
+    if clean == growth_interval:
+        if scale * growth_factor <= torch.finfo(torch.float32).max:
+            return scale * growth_factor, 0, False
+        return scale, clean, False  # the growth refused, the count not restarted
+    return scale, clean, False
+
+
 def test_loss_scaler_checks_catch_growth_every_step_no_backoff_and_a_count_not_reset():
     assert _failing("ch12.loss_scaler", _grows_every_step) == {
-        "grows_after_interval_clean_steps", "equals_grad_scaler"}
+        "grows_after_interval_clean_steps", "refused_growth_still_restarts_the_count",
+        "equals_grad_scaler"}
     assert _failing("ch12.loss_scaler", _no_backoff) == {"backs_off_and_skips_on_inf",
                                                          "equals_grad_scaler"}
     assert _failing("ch12.loss_scaler", _count_not_reset) == {"backs_off_and_skips_on_inf",
                                                               "equals_grad_scaler"}
-    # only GradScaler's own sequences show the fp32 ceiling
-    assert _failing("ch12.loss_scaler", _no_fp32_ceiling) == {"equals_grad_scaler"}
+    # the fp32 ceiling: the refused growth and GradScaler's own sequences show it
+    assert _failing("ch12.loss_scaler", _no_fp32_ceiling) == {
+        "refused_growth_still_restarts_the_count", "equals_grad_scaler"}
+
+
+def test_the_stubs_promise_that_the_count_still_restarts_after_a_refused_growth_is_checked():
+    # issue 42: exercises/ch12_loss_scaler.py promises it; GradScaler's scales alone cannot show
+    # it (the scale stays at the ceiling either way), so one check asserts the count
+    stub = " ".join((ROOT / "exercises" / "ch12_loss_scaler.py").read_text().split())
+    assert "the count still restarts" in stub
+    assert _failing("ch12.loss_scaler", _count_kept_after_refused_growth) == {
+        "refused_growth_still_restarts_the_count"}
 
 
 # -- the dim-0 shard and its gather ---------------------------------------------------------------
@@ -135,11 +161,12 @@ def test_fp8_checks_catch_a_whole_tensor_scale_int8s_127_and_a_silent_remainder(
 
 # -- Newton-Schulz -------------------------------------------------------------------------------
 
-def _ns_variant(coefficients=ch12_newton_schulz.COEFFICIENTS, normalise=True, transpose=True):
+def _ns_variant(coefficients=ch12_newton_schulz.COEFFICIENTS, normalise=True, transpose=True,
+                dtype=torch.float32):
     def newton_schulz(g, steps=5):
         a, b, c = coefficients
         tall = transpose and g.size(0) > g.size(1)
-        x = g.float().T if tall else g.float()
+        x = (g.T if tall else g).to(dtype)
         if normalise:
             x = x / (x.norm() + 1e-7)
         for _ in range(steps):
@@ -157,6 +184,28 @@ def test_newton_schulz_checks_catch_the_cubic_no_normalisation_and_no_transpose(
     # the same matrix either way (an odd polynomial: X p(X^T X) = p(X X^T) X), at more FLOPs
     assert _failing("ch12.newton_schulz", _ns_variant(transpose=False)) == {
         "uses_the_smaller_gram_matrix"}
+
+
+def _message(name, impl, check):
+    return next(r.message for r in run_checks(name, impl=impl).results if r.name == check)
+
+
+def test_newton_schulz_failure_names_fp32_for_bf16_and_inf_nan_only_when_not_finite():
+    # issue 42: Muon's own code runs the iteration in bf16; copying it was told "(inf/NaN:
+    # nothing normalised)" though it normalised. Now each mistake gets its own guidance.
+    bf16 = _message("ch12.newton_schulz", _ns_variant(dtype=torch.bfloat16),
+                    "matches_muons_iteration")
+    assert "fp32" in bf16 and "bfloat16" in bf16 and "inf/NaN" not in bf16
+    as_fp32 = _message("ch12.newton_schulz",
+                       lambda g, steps=5: _ns_variant(dtype=torch.bfloat16)(g).float(),
+                       "matches_muons_iteration")
+    assert "fp32" in as_fp32 and "inf/NaN" not in as_fp32  # by its size, about 1e-2
+    unnormalised = _message("ch12.newton_schulz", _ns_variant(normalise=False),
+                            "matches_muons_iteration")
+    assert "inf/NaN" in unnormalised and "Frobenius norm" in unnormalised
+    cubic = _message("ch12.newton_schulz", _ns_variant((1.5, -0.5, 0.0)),
+                     "matches_muons_iteration")
+    assert "inf/NaN" not in cubic and "fp32" not in cubic and "3.4445" in cubic
 
 
 def test_the_engines_own_answers_are_switched_off_while_graded():

@@ -84,6 +84,21 @@ def check_grows_after_interval_clean_steps(impl):
                               clean_steps=clean, found_inf=False, **kwargs)
 
 
+def check_refused_growth_still_restarts_the_count(impl):
+    """GradScaler's rule (``_amp_update_scale_``): at the ``growth_interval``-th clean step the
+    count restarts whether or not the grown scale is finite in fp32."""
+    kwargs = dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
+    top = 2.0**127  # times 2 is past fp32's largest value, about 3.4e38
+    got = _decide(impl, top, 2, False, kwargs)
+    if got != (top, 0, False):
+        raise CheckFailed(f"got (scale, clean_steps, skip) = {got}, expected {(top, 0, False)}: "
+                          "the growth_interval-th clean step would take the scale past fp32's "
+                          "largest value, so the scale stays; the count restarts all the same, "
+                          "as GradScaler's does", scale=top, clean_steps=2, found_inf=False,
+                          **kwargs)
+    return passed("the count after a refused growth", 0, scale="2^127")
+
+
 def check_equals_grad_scaler(impl):
     for i, (kwargs, steps, poisoned) in enumerate(HIDDEN_SEQUENCES):
         scales, skipped = grad_scaler_decisions(i)
@@ -263,7 +278,7 @@ EXERCISES = [
         module="ch12_loss_scaler",
         attr="update_scale",
         checks=(check_backs_off_and_skips_on_inf, check_grows_after_interval_clean_steps,
-                check_equals_grad_scaler),
+                check_refused_growth_still_restarts_the_count, check_equals_grad_scaler),
         hints=(
             "Two cases. An overflow (found_inf): skip the step, shrink the scale, forget the "
             "run of clean steps. A clean step: count it; after growth_interval of them in a "
