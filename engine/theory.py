@@ -989,8 +989,11 @@ def dim0_padding_rows(rows: int, n: int) -> int:
 def fp8_all_gather_bytes(shard_numel: int, n: int, element_bytes: float = 1,
                          scale_bytes: float = 4) -> float:
     """Bytes each rank sends in an all-gather of its ``shard_numel``-element shard cast to FP8
-    (``element_bytes`` = 1) with one fp32 scale beside it: ``(n-1) (numel + 4)``; bf16's is
-    ``(n-1) 2 numel`` (torchao's float8 all-gather for FSDP2; DeepSeek-V3, section 3.3.4)."""
+    (``element_bytes`` = 1) with its own fp32 scale gathered beside it (one scale per shard,
+    this engine's variant): ``(n-1) (numel + 4)``; bf16's is ``(n-1) 2 numel``
+    (``element_bytes=2, scale_bytes=0``). torchao's float8 all-gather for FSDP2 keeps one scale
+    per weight instead: ``scale_bytes=0`` here, plus the all-reduce of the amax before the cast
+    (:func:`ring_all_reduce_rank_bytes` of one fp32 element)."""
     _check_n(n)
     return (n - 1) * (shard_numel * element_bytes + scale_bytes)
 
@@ -1060,10 +1063,13 @@ def recompute_activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden:
                                          heads: int, policy: str = "none", tp: int = 1) -> float:
     """Activation bytes per transformer layer kept for backward under a recomputation
     ``policy``, with tensor and sequence parallelism ``tp`` (Korthikanti et al., "Reducing
-    activation recomputation in large transformer models", MLSys 2023, sections 4.2.2 and 5):
-    ``"none"`` ``34 s b h / t + 5 a s^2 b / t``; ``"selective"`` (recompute only the attention
-    core: softmax, its dropout, attention over values) ``34 s b h / t``; ``"full"`` (keep only
-    the layer's 16-bit input) ``2 s b h / t``."""
+    activation recomputation in large transformer models", MLSys 2023, sections 4.2.2 and 5,
+    Table 2): ``"none"`` ``34 s b h / t + 5 a s^2 b / t``; ``"selective"`` (recompute only the
+    attention core: ``Q K^T``, softmax, its dropout, attention over values) ``34 s b h / t``;
+    ``"full"`` (keep only the layer's 16-bit input) ``2 s b h / t``. For ``"full"`` Table 2
+    gives ``2 s b h``, undivided; ``/ t`` is Megatron-LM's implementation with sequence
+    parallelism, which checkpoints each rank's ``s / t`` shard of the input (an assumption
+    beyond the table; equal to it at ``tp = 1``)."""
     _check_n(tp)
     s, b, h, a, t = seq_len, micro_batch, hidden, heads, tp
     kept = {"none": 34 * s * b * h + 5 * a * s * s * b, "selective": 34 * s * b * h,

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from engine import theory
 from engine.comm import CommMeter
 from engine.precision import (DynamicLossScaler, Fp8Linear, bytes_per_parameter,
                               fp8_all_gather, fp8_matmul, gradient_underflow,
@@ -17,6 +18,7 @@ from engine.precision import (DynamicLossScaler, Fp8Linear, bytes_per_parameter,
                               relative_error, scaling_errors, small_mlp, to_fp8,
                               token_relative_error, train_lm, train_mixed,
                               underflow_experiment)
+from engine.precision.fp8_comm import fp8_cast
 from engine.precision.mixed import low_precision_grads
 from tests.helpers import run_ranks
 
@@ -199,6 +201,35 @@ def test_an_fp8_all_gather_sends_half_of_bf16s_bytes():
         assert payload.bytes_sent * 2 == bf16[0].bytes_sent == 2000
         assert scales.bytes_sent == 4  # one fp32 scale per rank besides
         assert error < 0.05
+
+
+def _both_scales(rank, world_size):
+    shard = torch.randn(1000, generator=torch.Generator().manual_seed(rank))
+    weight = torch.cat([torch.randn(1000, generator=torch.Generator().manual_seed(r))
+                        for r in range(world_size)])
+    out = {}
+    for scale in ("tensor", "shard"):
+        with CommMeter() as meter:
+            values = fp8_all_gather(shard, scale=scale)
+        out[scale] = (meter.bytes_sent, torch.equal(values, fp8_cast(weight)),
+                      relative_error(values, weight))
+    return out
+
+
+def test_one_scale_per_weight_is_one_devices_cast_and_per_shard_is_not():
+    """torchao's per-weight scale (an amax all-reduce before the cast) keeps single-device
+    semantics; the engine's per-shard variant gathers n scales and rounds otherwise."""
+    n = 4
+    for rank, out in enumerate(run_ranks(_both_scales, n)):
+        (tensor_bytes, tensor_same, tensor_error) = out["tensor"]
+        (shard_bytes, shard_same, shard_error) = out["shard"]
+        assert tensor_same and not shard_same
+        assert tensor_bytes == theory.fp8_all_gather_bytes(1000, n, 1, 0) + \
+            theory.ring_all_reduce_rank_bytes(1, 4, n, rank)
+        assert shard_bytes == theory.fp8_all_gather_bytes(1000, n)
+        assert shard_error <= tensor_error < 0.05  # finer scales, never coarser
+    with pytest.raises(ValueError, match="scale='row'"):
+        fp8_all_gather(torch.ones(4), scale="row")  # refused before any collective
 
 
 def test_an_fp8_linear_layers_gradients_are_close_to_fp32s():

@@ -33,12 +33,16 @@ def _bytes_per_parameter(rng):
 
 
 def _bytes_with_master_gradient(rng):
-    low, name = rng.choice([(2, "bf16"), (1, "FP8"), (4, "fp32")])
+    name = rng.choice(["bf16", "fp16"])
+    optimizer, state = rng.choice([("Adam's two fp32 moments", 8),
+                                   ("SGD's fp32 momentum", 4)])
     return (f"Mixed precision with a {name} working copy of the weights and its gradient, an "
-            "fp32 master, an fp32 master gradient and Adam's two fp32 moments: bytes per "
-            "parameter?", theory.mixed_precision_bytes_per_parameter(low, master_gradient=True),
-            "4 (master) + 2 x the working dtype's bytes (copy and its gradient) + 4 (master "
-            "gradient) + 8 (moments): the low precision shrinks only the two working tensors.")
+            f"fp32 master, an fp32 master gradient and {optimizer}: bytes per parameter?",
+            theory.mixed_precision_bytes_per_parameter(2, master_gradient=True,
+                                                       optimizer_bytes=state),
+            "4 (master) + 2 + 2 (the 16-bit copy and its gradient) + 4 (master gradient) + the "
+            "optimizer's fp32 state (8 for Adam's two moments, 4 for a momentum): the 16-bit "
+            "format shrinks only the two working tensors.")
 
 
 def _scale_after(rng):
@@ -65,17 +69,19 @@ def _padding_rows(rng):
 def _fp8_all_gather(rng):
     millions, n = rng.choice([4, 16, 64]), rng.choice([2, 4, 8])
     shard = millions * 10**6 // n
-    return (f"A {millions} M-element parameter sharded over {n} ranks is all-gathered in FP8 "
-            "with one fp32 scale per shard: MB each rank sends?",
+    return (f"A {millions} M-element parameter sharded over {n} ranks is all-gathered in FP8, "
+            "each shard cast with its own fp32 scale and the scales gathered beside it (the "
+            "chapter's per-shard variant): MB each rank sends?",
             theory.fp8_all_gather_bytes(shard, n) / 1e6,
             "(n-1) x (shard elements x 1 byte + 4 bytes of scale): half of bf16's "
-            "(n-1) x 2 x shard, plus the scales.", )
+            "(n-1) x 2 x shard, plus the scales. torchao keeps one scale per weight instead: "
+            "an all-reduce of the amax before the cast, no scales gathered.", )
 
 
 def _fp8_over_bf16(rng):
     shard, n = rng.choice([1000, 4096, 250_000]), rng.choice([2, 4, 8])
-    return (f"A shard of {shard:,} elements, all-gathered over {n} ranks: FP8 (with one fp32 "
-            "scale per rank) bytes as a fraction of bf16's?",
+    return (f"A shard of {shard:,} elements, all-gathered over {n} ranks: FP8 (each shard with "
+            "its own fp32 scale, gathered beside it) bytes as a fraction of bf16's?",
             theory.fp8_all_gather_bytes(shard, n) / theory.fp8_all_gather_bytes(shard, n, 2, 0),
             "1 byte against 2 per element, and 4 bytes of scale per rank: just over one half.")
 
@@ -121,8 +127,9 @@ def _selective_saving(rng):
     return (f"Sequence {s}, hidden {h}, {a} heads: what percent of a layer's activation "
             "memory does selective recomputation (recompute only the attention core) save?",
             100 * (none - selective) / none,
-            "It drops the 5 a s^2 b of softmax, its dropout and scores: 5as/h / (34 + 5as/h) of "
-            "the total, for a few percent more FLOPs.")
+            "It drops the 5 a s^2 b kept by the attention core (Q K^T, softmax, its dropout, "
+            "the product with V): 5as/h / (34 + 5as/h) of the total, for a few percent more "
+            "FLOPs.")
 
 
 def _none_over_full(rng):
@@ -130,11 +137,14 @@ def _none_over_full(rng):
     t = rng.choice([1, 8])
     ratio = (theory.recompute_activation_bytes_per_layer(s, 1, h, a, "none", t)
              / theory.recompute_activation_bytes_per_layer(s, 1, h, a, "full", t))
-    return (f"Sequence {s}, hidden {h}, {a} heads, tensor + sequence parallelism {t}: a layer "
-            "without recomputation keeps how many times the activations of full "
-            "recomputation?", ratio,
+    return ("Take full recomputation to keep each rank's sequence shard of the layer's "
+            "input, 2 s b h / t (Megatron-LM with sequence parallelism; Korthikanti et al.'s "
+            f"Table 2 lists 2 s b h). Sequence {s}, hidden {h}, {a} heads, tensor + sequence "
+            f"parallelism {t}: a layer without recomputation keeps how many times the "
+            "activations of full recomputation?", ratio,
             "(34 s b h + 5 a s^2 b) / t against 2 s b h / t: 17 + 2.5 a s / h. Selective "
-            "recomputation keeps 34 s b h / t, 17x full's, for far fewer FLOPs recomputed.")
+            "recomputation keeps 34 s b h / t, 17x full's, for far fewer FLOPs recomputed. "
+            "With the input kept whole (Table 2's 2 s b h), the ratio divides by t.")
 
 
 NUMERIC = [
@@ -160,8 +170,9 @@ CHOICE = [
            ("No: bf16 has fp32's 8 exponent bits, so small gradients do not underflow",
             "Yes: it has fewer mantissa bits than fp16, so it underflows sooner",
             "Yes, but only for the optimizer's moments"), 0,
-           "Measured: the MLP's fp16 backward flushes thousands of gradient elements to zero, "
-           "bf16's none; fp16 needs the scaler for its 5 exponent bits, not for precision.",
+           "Measured: the MLP's fp16 backward flushes 470 of its 16,640 non-zero gradient "
+           "elements (2.8%) to zero, bf16's none; fp16 needs the scaler for its 5 exponent "
+           "bits, not for precision.",
            (C12, UNDERFLOW)),
     Choice("what-stays-fp32", TOPIC,
            "In bf16 mixed-precision training with Adam, what stays in fp32?",
@@ -180,34 +191,47 @@ CHOICE = [
            "Our scaler and torch.amp.GradScaler skip the same steps and reach the same scales, "
            "measured on one gradient sequence.", (C12, SCALER)),
     Choice("fp8-tile-vs-tensor", TOPIC,
-           "Activations with one outlier channel in FP8 (E4M3): which scaling loses the least?",
-           ("1 x 128 tiles (DeepSeek-V3): the outlier sets the scale only of its own tile",
-            "One scale for the whole tensor: the fewest scales, the least rounding",
-            "They are the same: FP8's exponent covers the range"), 0,
-           "Measured on the outlier input: the per-tensor error is several times the tile "
-           "error; per-row sits in between or close to tiles.", (C12, FP8)),
+           "Activations with an outlier channel and tokens of very different norms, cast to "
+           "FP8 (E4M3): what does one scale for the whole tensor cost, against one scale per "
+           "token (row) or per 1 x 128 tile, under the same weight scaling?",
+           ("Several times the error: the largest values set the one scale and the small "
+            "tokens fall into subnormals or to zero; per-row and 1 x 128 tiles lose about the "
+            "same",
+            "Nothing: FP8's exponent covers the range",
+            "Less error: the fewest scales, the least rounding"), 0,
+           "Measured on the outlier input under 128 x 128 weight blocks: mean per-token error "
+           "0.0972 per tensor, 0.0299 per row, 0.0297 per 1 x 128 tile. A 100x outlier still "
+           "fits E4M3's range inside a row, so tiles gain little over rows here; DeepSeek-V3's "
+           "other reason for 1 x 128 is the hardware: its GEMMs promote partial sums to fp32 "
+           "every 128 elements of K, where each group's scale is applied.", (C12, FP8)),
     Choice("fsdp2-vs-fsdp1", TOPIC,
            "What does PyTorch's FSDP2 shard differently from FSDP1?",
            ("Each parameter on dim 0 as its own (DTensor) shard, where FSDP1 flattened a unit's "
             "parameters into one flat parameter",
             "FSDP2 shards activations as well", "FSDP2 shards only the optimizer state"), 0,
            "Per-parameter shards keep names, shapes on dims 1.., dtypes and requires_grad: the "
-           "user's optimizer steps them, TP composes, checkpoints need no flat surgery. The same "
-           "bytes held and sent as PyTorch's fully_shard, measured.", (C12, FSDP2)),
+           "user's optimizer steps them, TP composes, checkpoints need no flat surgery. Measured "
+           "beside PyTorch's fully_shard: the same bytes sent on every rank and the same bytes "
+           "held but on the last, whose shorter shards PyTorch keeps as views of padded storage "
+           "(ours keeps them and their gradients unpadded).", (C12, FSDP2)),
     Choice("muon-naive-shard", TOPIC,
            "Can each ZeRO rank run Muon's Newton-Schulz on its own row shard of a matrix?",
-           ("No: orthogonalising the pieces is not the piece of the orthogonalised matrix; one "
-            "owner must gather the whole matrix",
+           ("No: orthogonalising the pieces is not the piece of the orthogonalised matrix; the "
+            "whole matrix must be gathered, on one owner or on every rank",
             "Yes: Newton-Schulz works row by row",
             "Yes, if the shards are padded to equal size"), 0,
            "Measured: the stacked per-shard results are far from the whole matrix's (relative "
-           "error of order one); distributed Muon gives each matrix an owner.", (C12, MUON)),
+           "error of order one). Distributed Muon either gives each matrix an owner (Keller "
+           "Jordan's, Essential AI's) or gathers it on every rank and keeps a slice "
+           "(Moonlight's Algorithm 1).", (C12, MUON)),
     Choice("fp8-gather-bytes", TOPIC,
            "What does FSDP send when it gathers its parameters in FP8 instead of bf16?",
-           ("About half the bytes: one per element, plus one fp32 scale per rank",
+           ("About half the bytes: one per element, plus a few bytes of fp32 scale",
             "A quarter of the bytes", "The same bytes: Gloo and NCCL pad FP8 to 16 bits"), 0,
-           "Counted on the wire: 1000 elements per rank, FP8 1000 + 4 bytes against bf16's "
-           "2000.", (C12, FP8_LM)),
+           "Counted on the wire, 1000 elements a shard on 4 ranks: 3,012 B a rank in FP8 with "
+           "one scale per shard, 3,004 to 3,008 B with one scale per weight (torchao's: an "
+           "amax all-reduce instead of the gathered scales), against bf16's 6,000 B.",
+           (C12, FP8_LM)),
 ]
 
 # -- outline: 30-second answers ------------------------------------------------------------------
@@ -230,18 +254,22 @@ OUTLINE = [
     Outline("selective-recompute", TOPIC,
             "What does selective activation recomputation save, against full recomputation?",
             ("per layer 34 s b h + 5 a s^2 b bytes without recomputation (Korthikanti et al.)",
-             "selective recomputes only the attention core (softmax, dropout, scores x V): drops "
-             "5 a s^2 b, keeps 34 s b h, costs a few percent FLOPs",
+             "selective recomputes only the attention core (Q K^T, softmax, its dropout, the "
+             "product with V): drops 5 a s^2 b, keeps 34 s b h, costs a few percent FLOPs",
              "full keeps only the layer input (2 s b h) but reruns the whole forward (~33% more)",
-             "with TP + SP every term divides by t"),
+             "with TP + SP the 34 s b h and 5 a s^2 b terms divide by t; full's 2 s b h too when, "
+             "as in Megatron-LM, each rank keeps its sequence shard of the input"),
             evidence=(C12, CHECKPOINTING)),
     Outline("muon-sharding", TOPIC, "Why does Muon not shard like Adam?",
             ("Adam is elementwise: each rank updates its slice independently",
              "Muon orthogonalises whole matrices (Newton-Schulz on M M^T): a slice's result is "
              "not the slice of the result",
-             "so each matrix gets an owner: reduce-scatter the gradients by owner, "
-             "orthogonalise, all-gather the updates",
-             "bytes like ZeRO-2, padded to the busiest owner; NS FLOPs split by ownership"),
+             "owner scheme (Keller Jordan's, Essential AI's): each matrix orthogonalised once, "
+             "by its owner, then all-gathered; bytes padded to the busiest owner, NS FLOPs "
+             "uneven",
+             "Moonlight's Algorithm 1: ZeRO-1's even slices, every matrix gathered and "
+             "orthogonalised on every rank (N times the NS FLOPs), each keeping its slice; one "
+             "collective more"),
             evidence=(C12, MUON)),
 ]
 

@@ -3,9 +3,14 @@
 Adam's update is elementwise, so ZeRO can give each rank any 1/N slice of every tensor
 (:mod:`engine.zero`). Muon's is not: Newton-Schulz needs the whole momentum matrix, and
 orthogonalising each rank's slice gives another update altogether (:func:`row_shard_update`
-measures how far). So the sharding unit becomes the matrix (as in Moonlight's distributed Muon,
-Liu et al., "Muon is Scalable for LLM Training", 2025, section 2.3, and the owner-computes
-scheme of Essential AI's "Practical Efficiency of Muon for Pretraining", 2025):
+measures how far). Here the sharding unit becomes the matrix: each has an **owner**, as in
+Keller Jordan's reference implementation (github.com/KellerJordan/Muon, ``muon.py``: after
+DDP's all-reduce each rank updates every ``N``-th matrix and all-gathers it) and Essential AI's
+("Practical Efficiency of Muon for Pretraining", 2025). Moonlight's distributed Muon (Liu et
+al., "Muon is Scalable for LLM Training", 2025, section 2.3, Algorithm 1) is the other answer:
+every rank gathers every matrix and runs Newton-Schulz on it, keeping its ZeRO-1 slice
+(:class:`engine.optim.GatherMuon`). Here, with the all-reduce made a reduce-scatter to the
+owners:
 
 1. the gradients are packed by owner (greedy: largest matrix to the least loaded rank) into
    ``N`` equal segments, padded, and **reduce-scattered**: the owner receives the average of

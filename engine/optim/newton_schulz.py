@@ -1,13 +1,16 @@
-"""The Newton-Schulz iteration Muon orthogonalises its momentum with, and its FLOPs.
+"""The Newton-Schulz iteration Muon orthogonalises its update with, and its FLOPs.
 
-Muon replaces the update ``M`` (a matrix: the momentum of a weight's gradient) by the
-orthogonal matrix nearest to it, ``U V^T`` for ``M = U S V^T``, without an SVD: a few steps of
-the quintic ``X <- a X + b (X X^T) X + c (X X^T)^2 X`` drive every singular value of ``X``
-(normalised to spectral norm <= 1) towards 1. The coefficients ``(3.4445, -4.7750, 2.0315)``
-are Keller Jordan's ("Muon: An optimizer for hidden layers in neural networks", 2024,
-https://kellerjordan.github.io/posts/muon/), chosen to make the slope at 0 as steep as
-possible; they take singular values into roughly [0.7, 1.2] in 5 steps, which is all Muon needs.
-The matrix is transposed first when it is tall, so that ``X X^T`` is the smaller Gram matrix.
+Muon's update matrix ``M`` is the Nesterov-style blend of the gradient and the momentum
+(``grad.lerp(momentum, beta)``, :func:`engine.optim.muon_update`). The orthogonal matrix
+nearest to it is ``U V^T`` for ``M = U S V^T``; Muon does not compute it exactly but, without an
+SVD, a few steps of the quintic ``X <- a X + b (X X^T) X + c (X X^T)^2 X``, which keep the
+singular vectors and push every singular value of ``X`` (normalised to spectral norm <= 1)
+towards 1. The coefficients ``(3.4445, -4.7750, 2.0315)`` are Keller Jordan's ("Muon: An
+optimizer for hidden layers in neural networks", 2024, https://kellerjordan.github.io/posts/muon/),
+chosen to make the slope at 0 as steep as possible, beyond the point where the iteration still
+converges to 1: after 5 steps the result is approximately ``U S' V^T`` with the singular values
+``S'`` in about [0.7, 1.2], not ``U V^T``, which by his note is all Muon needs. The matrix is
+transposed first when it is tall, so that ``X X^T`` is the smaller Gram matrix.
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
 """FP8 matmuls, emulated: per-tensor, per-row and DeepSeek-V3's tile scaling.
 
 Numerics only, not speed: there is no FP8 hardware here. Values are cast to
-``torch.float8_e4m3fn`` (4 exponent bits, 3 mantissa bits, max 448: the format for forward
-tensors) or ``torch.float8_e5m2`` (max 57344, for gradients), each group of values first divided
-by a scale that maps its largest magnitude to the format's maximum; the product is then computed
-from the dequantized values in fp32, as a tensor core accumulates FP8 products in higher
-precision (Micikevicius et al., "FP8 Formats for Deep Learning", 2022).
+``torch.float8_e4m3fn`` (4 exponent bits, 3 mantissa bits, max 448) or ``torch.float8_e5m2``
+(max 57344), each group of values first divided by a scale that maps its largest magnitude to
+the format's maximum; the product is then computed from the dequantized values in fp32, as a
+tensor core accumulates FP8 products in higher precision. Which format for which tensor is a
+recipe's choice: E4M3 forward and E5M2 for gradients is the hybrid of Micikevicius et al.
+("FP8 Formats for Deep Learning", 2022) and Transformer Engine; DeepSeek-V3 uses E4M3 for every
+tensor, its fine-grained scales making E5M2's range unnecessary.
 
 Who shares a scale decides how much one outlier costs everyone else:
 
@@ -14,7 +16,12 @@ Who shares a scale decides how much one outlier costs everyone else:
 * ``"row"``: one per row of ``a`` (a token) and one per column of ``b`` (an output channel).
 * ``"block"``: DeepSeek-V3's fine-grained quantization (DeepSeek-AI, "DeepSeek-V3 Technical
   Report", 2024, section 3.3.2): ``a`` (activations, ``M x K``) in 1x128 tiles along ``K``,
-  ``b`` (weights, ``K x N``) in 128x128 blocks; an outlier costs only its own tile.
+  ``b`` (weights, ``K x N``) in 128x128 blocks. An outlier sets the scale of its own tile only;
+  and a group of 128 along ``K`` is the interval at which DeepSeek-V3 promotes the tensor
+  cores' partial sums to fp32 on the CUDA cores, where each group's scales are applied.
+
+The three differ in both operands at once; :func:`scaling_grid` varies the activations' scaling
+under one weight scaling at a time, to tell what each operand's scales cost.
 """
 
 from __future__ import annotations
@@ -117,3 +124,29 @@ def scaling_errors(a: torch.Tensor, b: torch.Tensor, fmt: str = "e4m3",
     """The error against fp32 (``metric``) of :func:`fp8_matmul` under each scaling."""
     exact = a.float() @ b.float()
     return {s: metric(fp8_matmul(a, b, s, fmt), exact) for s in SCALINGS}
+
+
+ACTIVATION_SCALINGS = ("tensor", "row", "tile")  # a: one scale, one per row, one per 1 x tile
+WEIGHT_SCALINGS = ("fp32", "tensor", "column", "block")  # b: none, one, per column, tile x tile
+
+
+def _operand_tile(scaling: str, shape, tile: int) -> tuple[int, int] | None:
+    rows, cols = shape
+    return {"fp32": None, "tensor": (rows, cols), "row": (1, cols), "tile": (1, tile),
+            "column": (rows, 1), "block": (tile, tile)}[scaling]
+
+
+def scaling_grid(a: torch.Tensor, b: torch.Tensor, fmt: str = "e4m3", tile: int = TILE,
+                 metric=token_relative_error) -> dict[str, dict[str, float]]:
+    """``{activation scaling: {weight scaling: error}}`` of ``a @ b`` against fp32 (``metric``),
+    ``a`` quantized per tensor, per row or in ``1 x tile`` tiles, under each scaling of ``b``:
+    none (``"fp32"``, the activations' error alone), per tensor, per column, ``tile x tile``
+    blocks. Within one column only the activations' scales change."""
+    exact = a.float() @ b.float()
+    weights = {}
+    for w in WEIGHT_SCALINGS:
+        shape = _operand_tile(w, b.shape, tile)
+        weights[w] = b.float() if shape is None else dequantize(*quantize(b, shape, fmt))
+    return {s: {w: metric(dequantize(*quantize(a, _operand_tile(s, a.shape, tile), fmt))
+                          @ weights[w], exact) for w in WEIGHT_SCALINGS}
+            for s in ACTIVATION_SCALINGS}

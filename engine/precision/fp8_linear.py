@@ -1,9 +1,11 @@
 """FP8 linear layers, emulated, and a small language model trained with them against bf16.
 
-The recipe of FP8 training (Micikevicius et al., "FP8 Formats for Deep Learning", 2022;
-DeepSeek-V3, section 3.3): the three matmuls of a linear layer run in FP8 with fp32
-accumulation, the forward operands in E4M3 and the output gradient in E5M2 (its wider range),
-the weights kept in fp32 (the optimizer never sees FP8). :class:`Fp8Linear` does that through
+The hybrid recipe of FP8 training (Micikevicius et al., "FP8 Formats for Deep Learning", 2022;
+Transformer Engine's ``Format.HYBRID``): the three matmuls of a linear layer run in FP8 with
+fp32 accumulation, the forward operands in E4M3 and the output gradient in E5M2 (its wider
+range), the weights kept in fp32 (the optimizer never sees FP8). DeepSeek-V3 (section 3.3)
+differs: E4M3 for every tensor, gradients included, its fine-grained tile scales making E5M2's
+range unnecessary. :class:`Fp8Linear` does that through
 :func:`engine.precision.fp8.fp8_matmul`: forward ``y = x W^T``, backward
 ``dx = dy W`` and ``dW = dy^T x``. Numerics, not speed: nothing here is faster.
 """
