@@ -4,7 +4,7 @@ Fill in ``update_scale``, save, then run ``check("ch12.loss_scaler")`` in
 course/12_precision_memory.ipynb (or ``make grade``). It is checked step by step on gradient
 sequences you do not see (some steps with an inf or a NaN), against the decisions
 ``torch.amp.GradScaler`` makes on the same gradients: the scale after every step, and which
-steps were skipped.
+steps were skipped; and on the count of clean steps after a growth fp32 refuses.
 """
 
 
