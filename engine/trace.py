@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -30,7 +30,7 @@ from engine.comm import ops
 from engine.comm.meter import CommMeter
 
 __all__ = ["TraceEvent", "Clock", "events_from_meter", "to_chrome_trace", "from_chrome_trace",
-           "as_dicts", "clock_offset", "on_clock"]
+           "clock_offset", "on_clock"]
 
 
 @dataclass(frozen=True)
@@ -133,11 +133,6 @@ def from_chrome_trace(source: str | Path | dict) -> list[TraceEvent]:
         for e in doc["traceEvents"]
         if e.get("ph") == "X"
     ]
-
-
-def as_dicts(events: Iterable[TraceEvent]) -> list[dict]:
-    """Plain dicts, handy to return from a rank or to build a table."""
-    return [asdict(e) for e in events]
 
 
 def clock_offset(device=None, group=None,

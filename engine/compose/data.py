@@ -15,8 +15,8 @@ The tokens are a language a model can learn: a first-order Markov chain over the
 whose transition table is drawn once from the data seed (:func:`transition_table`; each row a
 softmax of ``SHARPNESS`` x standard normal logits), sampled afresh for every step. Uniform random
 tokens would leave nothing to learn (the loss would stay at ln(vocab) whatever the layout); on
-the chain the loss falls from ln(vocab) towards the chain's entropy rate
-(:func:`entropy_rate`: the best loss any model can reach), so a run that trains shows it.
+the chain the loss falls from ln(vocab) towards the chain's entropy rate (the best loss any
+model can reach), so a run that trains shows it.
 
 ``varlen=True``: each row packs documents of random length (2 to ``S/2 + 1`` tokens) one after
 another until the next does not fit; the rest of the row is padding (id 0), and the loss
@@ -64,19 +64,6 @@ def transition_table(symbols: int, seed: int) -> torch.Tensor:
     distribution after a), drawn from ``seed`` alone: the same language at every step."""
     g = torch.Generator().manual_seed(seed)
     return torch.softmax(SHARPNESS * torch.randn(symbols, symbols, generator=g), dim=1)
-
-
-def entropy_rate(symbols: int, seed: int) -> float:
-    """The chain's entropy rate in nats, sum over a of pi(a) H(row a) with pi its stationary
-    distribution (Cover and Thomas, Elements of Information Theory, theorem 4.2.4): the
-    lowest mean next-token loss any model can reach on this data (the first token of a row,
-    drawn uniformly, aside)."""
-    table = transition_table(symbols, seed).double()
-    pi = torch.full((symbols,), 1.0 / symbols, dtype=torch.float64)
-    for _ in range(1000):  # power iteration: pi <- pi T
-        pi = pi @ table
-    rows = -(table * table.clamp_min(1e-300).log()).sum(dim=1)
-    return float(pi @ rows)
 
 
 def markov_rows(rows: int, length: int, symbols: int, seed: int, g: torch.Generator

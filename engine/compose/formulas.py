@@ -264,7 +264,7 @@ def dense_parameter_bytes(par) -> tuple[int, int, int]:
     over dp x cp, padded as the wrapper pads."""
     from engine.zero import ZeroDataParallel, ZeroOptimizer
 
-    module, optimizer, plan, mesh = par.module, par.optimizer, par.plan, par.mesh
+    module, optimizer, plan = par.module, par.optimizer, par.plan
     gpt = par.model
     tied_here = plan.pp > 1 and gpt.cfg.tied and tied_across_ranks(plan.schedule) and \
         (gpt.tok is not None or gpt.head is not None)

@@ -37,7 +37,6 @@ from engine.compose.state import dense_state
 from engine.compose.formulas import (dense_parameter_bytes, dp_formula, layout_formulas,
                                     late_unit_bytes, ring_index)
 from engine.compose.traffic import KINDS, bytes_by_kind
-from engine.zero import ZeroDataParallel
 
 # No bias on q, k, v: the key bias's gradient is exactly zero in exact arithmetic (each
 # query adds q . b_k to every score, and softmax ignores a shift), so in floating point it is
@@ -255,14 +254,6 @@ def count_crossing_rows(model) -> list[int]:
 def expert_biases(model) -> dict[str, torch.Tensor]:
     """The MoE layers' aux-loss-free biases (buffers), compared as parameters are."""
     return {n: b.detach().clone() for n, b in model.named_buffers() if n.endswith("expert_bias")}
-
-
-def parameter_bytes(par) -> int:
-    """The bytes of the parameters this rank's data-parallel wrapper reduces (ZeRO-3: its
-    units, padded to a multiple of the group)."""
-    if isinstance(par.module, ZeroDataParallel):
-        return sum(u.padded * u.shard.element_size() for u in par.module.all_units)
-    return sum(p.numel() * p.element_size() for p in par.model.parameters())
 
 
 def reference(cfg: ModelConfig, varlen: bool, steps: int = STEPS,

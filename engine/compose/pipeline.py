@@ -9,8 +9,8 @@ GPT` passes a hidden state through where the embedding is missing and returns it
 output layer is. A tied output layer lives on the first *and* the last stage: its gradient is
 summed over ``mesh.embedding_group`` before the step (Megatron-LM does the same).
 
-**The step** runs any schedule of the registry (:data:`engine.pp.SCHEDULES`; one chunk per
-rank for :data:`ONE_CHUNK`, :func:`chunks_per_rank` for the others) through the engine's
+**The step** runs any schedule of the registry (:data:`engine.pp.SCHEDULES`; :func:`chunks_per_rank` model
+chunks per rank) through the engine's
 runtime (:func:`engine.pp.run_pipeline`). The loss travels with the targets: each micro-batch's
 labels are ``[targets; mask]``, and the last stage's loss is the global-token one
 (:mod:`engine.compose.loss`), multiplied by ``m`` because the runtime divides by it.
@@ -31,7 +31,6 @@ from engine.pp.weight_grad import apply_weight_grads, linear_weight_grad
 from engine.topology import Mesh
 from engine.zero import ZeroDataParallel
 
-ONE_CHUNK = ("gpipe", "1f1b", "zb_h1")  # schedules with one model chunk per rank
 INTERLEAVED_CHUNKS = 2  # chunks per rank of the interleaved 1F1B (the caller's choice)
 
 

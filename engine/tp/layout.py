@@ -58,14 +58,6 @@ def dense_block_name(name: str) -> str:
     return name
 
 
-def tp_block_name(name: str) -> str:
-    """The inverse of :func:`dense_block_name`: ``"fc.weight"`` -> ``"mlp.fc.weight"``."""
-    for ours, dense in TP_BLOCK_NAMES.items():
-        if name.startswith(dense):
-            return ours + name.removeprefix(dense)
-    return name
-
-
 def qkv_sizes(heads: int, kv_heads: int, head_dim: int) -> list[int]:
     """The rows of q, of k and of v in a dense fused ``[q | k | v]`` weight (grouped-query
     attention: ``kv_heads < heads``)."""

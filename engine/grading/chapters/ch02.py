@@ -16,7 +16,7 @@ from torch import nn
 
 from engine.comm import CommMeter
 from engine.dp import DataParallel
-from engine.dp.buckets import assign_buckets
+from engine.grad_buckets import assign_buckets
 from engine.models import MLP, regression_data
 from engine.grading.chapters.drivers_ch02 import (
     DDP_SIZES, SIZES, accumulate_on_rank, adamw, averaging_on_rank, bucketed_on_rank,
