@@ -81,6 +81,16 @@ def test_muon_is_keller_jordans_update():
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("make", ["Muon", "DistributedMuon", "GatherMuon"])
+@pytest.mark.parametrize("bad, match", [(dict(lr=0.0), "lr must be positive, got 0.0"),
+                                        (dict(momentum=1.0), r"momentum must be in \[0, 1\)")])
+def test_every_muon_refuses_a_bad_lr_or_momentum_before_anything_else(make, bad, match):
+    import engine.optim as optim
+
+    with pytest.raises(ValueError, match=match):  # no process group needed to hear it
+        getattr(optim, make)([nn.Parameter(torch.ones(4, 4))], **bad)
+
+
 def test_muon_refuses_a_vector_and_points_to_adamw():
     with pytest.raises(ValueError, match=r"parameter 1 of group 0 has shape \(4,\).*AdamW"):
         Muon([nn.Parameter(torch.ones(4, 4)), nn.Parameter(torch.ones(4))])

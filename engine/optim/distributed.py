@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from engine.comm import ops
-from engine.optim.muon import check_matrix, muon_update
+from engine.optim.muon import check_hyperparameters, check_matrix, muon_update
 from engine.optim.newton_schulz import newton_schulz
 
 
@@ -52,6 +52,7 @@ class DistributedMuon(torch.optim.Optimizer):
 
     def __init__(self, params, group=None, lr: float = 0.02, momentum: float = 0.95,
                  nesterov: bool = True, ns_steps: int = 5):
+        check_hyperparameters(lr, momentum)
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov,
                                       ns_steps=ns_steps))
         self.group = group

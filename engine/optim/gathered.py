@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from engine.comm import ops
-from engine.optim.muon import check_matrix, shape_scale
+from engine.optim.muon import check_hyperparameters, check_matrix, shape_scale
 from engine.optim.newton_schulz import newton_schulz
 
 
@@ -41,6 +41,7 @@ class GatherMuon(torch.optim.Optimizer):
 
     def __init__(self, params, group=None, lr: float = 0.02, momentum: float = 0.95,
                  nesterov: bool = True, ns_steps: int = 5):
+        check_hyperparameters(lr, momentum)
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov,
                                       ns_steps=ns_steps))
         self.group = group

@@ -46,16 +46,21 @@ def muon_update(grad: torch.Tensor, momentum: torch.Tensor, beta: float, nestero
     return out.reshape(grad.shape).to(grad.dtype)
 
 
+def check_hyperparameters(lr: float, momentum: float) -> None:
+    """A clear error for an ``lr`` that is not positive or a ``momentum`` outside [0, 1)."""
+    if not lr > 0:
+        raise ValueError(f"lr must be positive, got {lr!r}")
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+
+
 class Muon(torch.optim.Optimizer):
     """Muon for matrices (2-D or more). Pair it with AdamW for the rest (:func:`split_params`).
     """
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95,
                  nesterov: bool = True, ns_steps: int = 5):
-        if not lr > 0:
-            raise ValueError(f"lr must be positive, got {lr!r}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+        check_hyperparameters(lr, momentum)
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov,
                                       ns_steps=ns_steps))
         for g, group in enumerate(self.param_groups):

@@ -39,6 +39,12 @@ def fp8_dtype(fmt: str) -> torch.dtype:
     return FORMATS[fmt]
 
 
+def scale_for(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The fp32 scale that maps ``amax`` onto ``dtype``'s largest finite value (1 where the
+    block is all zeros): every FP8 cast of this package divides by it."""
+    return torch.where(amax > 0, amax / torch.finfo(dtype).max, torch.ones_like(amax))
+
+
 def quantize(x: torch.Tensor, tile: tuple[int, int], fmt: str = "e4m3"
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (2-D) in FP8, one fp32 scale per ``tile`` (rows, cols) block: returns
@@ -53,7 +59,7 @@ def quantize(x: torch.Tensor, tile: tuple[int, int], fmt: str = "e4m3"
                          f"{rows} % {tr} = {rows % tr}, {cols} % {tc} = {cols % tc}")
     blocks = x.float().reshape(rows // tr, tr, cols // tc, tc)
     amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
-    scales = torch.where(amax > 0, amax / torch.finfo(dtype).max, torch.ones_like(amax))
+    scales = scale_for(amax, dtype)
     q = (blocks / scales).to(dtype).reshape(rows, cols)
     return q, scales
 

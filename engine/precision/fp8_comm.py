@@ -27,13 +27,9 @@ import torch
 import torch.distributed as dist
 
 from engine.comm import ops
-from engine.precision.fp8 import fp8_dtype
+from engine.precision.fp8 import dequantize, fp8_dtype, quantize, scale_for
 
 SCALES = ("shard", "tensor")
-
-
-def _scale_of(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.where(amax > 0, amax / torch.finfo(dtype).max, torch.ones_like(amax))
 
 
 def fp8_all_gather(shard: torch.Tensor, group=None, fmt: str = "e4m3",
@@ -50,7 +46,7 @@ def fp8_all_gather(shard: torch.Tensor, group=None, fmt: str = "e4m3",
     amax = flat.abs().max().reshape(1)
     if scale == "tensor":
         ops.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    mine = _scale_of(amax, dtype)
+    mine = scale_for(amax, dtype)
     payload = (flat / mine).to(dtype).view(torch.uint8)
     gathered = torch.empty(n * payload.numel(), dtype=torch.uint8, device=shard.device)
     ops.all_gather_into_tensor(gathered, payload, group=group)
@@ -66,10 +62,8 @@ def fp8_all_gather(shard: torch.Tensor, group=None, fmt: str = "e4m3",
 def fp8_cast(full: torch.Tensor, fmt: str = "e4m3") -> torch.Tensor:
     """One device's per-tensor FP8 cast of ``full``, dequantized (fp32): what
     ``fp8_all_gather(..., scale="tensor")`` gathers, value for value."""
-    dtype = fp8_dtype(fmt)
-    flat = full.detach().float().reshape(-1)
-    mine = _scale_of(flat.abs().max(), dtype)
-    return (flat / mine).to(dtype).float() * mine
+    row = full.detach().float().reshape(1, -1)
+    return dequantize(*quantize(row, row.shape, fmt)).reshape(-1)  # one tile: the tensor
 
 
 def plain_all_gather(shard: torch.Tensor, group=None, dtype=torch.bfloat16) -> torch.Tensor:
