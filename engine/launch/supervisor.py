@@ -306,8 +306,9 @@ FATAL = "Fatal Python error:"  # how faulthandler starts its dump of a dying pro
 
 def last_lines(text: str, n: int = 6) -> str:
     """What a rank that died printed last: its last ``n`` non-empty lines. When faulthandler
-    dumped its stacks (every rank enables it), the lines before the dump (an abort's
-    ``what(): ...``), the dump's first line, and the innermost frame of the thread that died."""
+    dumped its stacks (a rank inherits it from a launching process that enabled it, as pytest
+    does), the lines before the dump (an abort's ``what(): ...``), the dump's first line, and
+    the innermost frame of the thread that died."""
     before, fatal, dump = text.rpartition(FATAL)
     if not fatal:
         before, dump = text, ""
@@ -316,9 +317,8 @@ def last_lines(text: str, n: int = 6) -> str:
         dumped = dump.splitlines()
         lines.append(FATAL + dumped[0])
         current = next((i for i, line in enumerate(dumped) if line.startswith("Current thread")),
-                       None)
-        frame = next((line for line in dumped[current or 0:] if line.strip().startswith("File")),
-                     None) if current is not None else None
+                       len(dumped))
+        frame = next((line for line in dumped[current:] if line.strip().startswith("File")), None)
         if frame:
             lines.append(frame.strip() + " (innermost)")
     return "\n".join(lines)
