@@ -22,7 +22,7 @@ from torch import nn
 
 from engine import launch
 from engine.dp import DataParallel, NaiveDataParallel
-from engine.models import MLP
+from engine.model.mlp import MLP
 
 VARIANTS = ("naive", "bucketed, no overlap", "bucketed + overlap", "torch DDP")
 

@@ -8,8 +8,8 @@ their order rotated every repeat so that load drift hits all alike; a step's tim
 rank's (barrier before, MAX all-reduce after). Printed: each variant's median step time, the
 ratio ours / PyTorch's of the medians and the median of the paired ratios (both from one
 run), and the bytes each rank holds (shards, their gradients, AdamW's state) and sends in one
-step, counted by :func:`engine.fsdp.ours_side` (ours, on the wire) and
-:func:`engine.fsdp2.torch_side` (PyTorch's, fp32, by the ring formula).
+step, counted by :func:`engine.labs.fsdp2.ours_side` (ours, on the wire) and
+:func:`engine.labs.fsdp2.torch_side` (PyTorch's, fp32, by the ring formula).
 
     python benchmarks/fsdp2.py [--ranks 2 3] [--warmup 3] [--repeats 20] [--hidden 128]
 """
@@ -25,9 +25,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from engine import launch
-from engine.fsdp import MixedPrecisionPolicy, fully_shard, ours_side
-from engine.fsdp2 import torch_side
-from engine.models import GPTConfig, TinyGPT, token_data
+from engine.fsdp import MixedPrecisionPolicy, fully_shard
+from engine.labs.fsdp2 import ours_side
+from engine.labs.fsdp2 import torch_side
+from engine.model.gpt import GPTConfig, TinyGPT
+from engine.model.data import token_data
 
 POLICIES = {"fp32": (None, None), "bf16/fp32": (torch.bfloat16, torch.float32)}
 ROWS = 4  # sequences a rank

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine import launch
-from engine.models import MLP
+from engine.model.mlp import MLP
 from engine.zero import TunedZeroOptimizer, ZeroDataParallel, ZeroOptimizer
 
 BUCKETS_MB = (0.25, 1, 4, 16, 64)

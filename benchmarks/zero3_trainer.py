@@ -1,8 +1,8 @@
 """The ZeRO-3 ratio of ``engine train --zero 3 --impl both``, measured properly and taken apart.
 
 The trainer times 3 steps of each implementation one after the other; this script builds the
-same strategies the trainer builds (:func:`engine.strategy.build`: the composed engine's
-ZeRO-3 and PyTorch's FSDP, on the same GPT, :func:`engine.train_compose.model_config`, and the
+same strategies the trainer builds (:func:`engine.train.strategy.build`: the composed engine's
+ZeRO-3 and PyTorch's FSDP, on the same GPT, :func:`engine.train.composed.model_config`, and the
 same global batch and micro-batches), and two reference designs on that GPT, and times them
 interleaved (each repeat runs every variant once, the order rotating) after a warm-up:
 
@@ -14,13 +14,13 @@ interleaved (each repeat runs every variant once, the order rotating) after a wa
 * ``torch (trainer)``: ``engine train --zero 3 --impl torch``'s FSDP, each transformer block
   wrapped.
 
-The two reference designs step on :func:`engine.steps.global_batch`'s fixed batch, the
+The two reference designs step on :func:`engine.train.steps.global_batch`'s fixed batch, the
 trainer's two on the composed engine's batch of each step (:mod:`engine.compose.data`): the
 same shapes and token counts.
 
 Each step is the slowest rank's (times all-reduced with MAX); the table prints the median, the
 10th/90th percentiles, the number of units and the collectives per step (ZeRO-3's
-all-gathers and reduce-scatters, counted with :class:`engine.comm.CommMeter` for the engine,
+all-gathers and reduce-scatters, counted with :class:`engine.observe.meter.CommMeter` for the engine,
 the trainer's one all-reduce of the step's loss left out; for FSDP from its units: per micro-batch one
 all-gather per unit in forward and in backward, one reduce-scatter per unit on the last).
 ``--profile`` also runs ``cProfile`` over a few engine steps on rank 0 and prints the functions
@@ -42,14 +42,14 @@ import torch
 import torch.distributed as dist
 
 from engine import launch
-from engine.comm import CommMeter
+from engine.observe.meter import CommMeter
 from engine.pp import one_f_one_b
-from engine.presets import MODELS
-from engine.steps import Strategy, autocast, global_batch, pipeline_step
-from engine.strategy import build
+from engine.model.presets import MODELS
+from engine.train.steps import Strategy, autocast, global_batch, pipeline_step
+from engine.train.strategy import build
 from engine.topology import Mesh
-from engine.train import parse
-from engine.train_compose import model_config
+from engine.train.cli import parse
+from engine.train.composed import model_config
 
 ZERO3_OPS = ("all_gather", "reduce_scatter")  # what a ZeRO-3 step sends, per unit
 VARIANTS = ("engine, a unit per module", "engine (trainer)", "torch, one unit",
@@ -72,7 +72,7 @@ def _one_unit_torch(cfg, mesh, device, inputs, labels) -> Strategy:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     from engine.compose.model import GPT
-    from engine.steps import accumulate_step
+    from engine.train.steps import accumulate_step
 
     gpt = GPT(model_config(cfg), seed=cfg.seed)
     model = FSDP(gpt, device_id=device, process_group=mesh.dp_group)

@@ -1,7 +1,7 @@
 """A compact distributed-training engine that really runs: real ranks, real process groups.
 
 Start here: :func:`engine.launch` runs a function on N ranks (Gloo on CPU, NCCL on GPUs), and
-:class:`engine.comm.CommMeter` records what each rank sent and received.
+:class:`engine.observe.meter.CommMeter` records what each rank sent and received.
 """
 
 from engine.launch import (

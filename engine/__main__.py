@@ -5,7 +5,7 @@ experts over ep ranks borrowed from dp x cp), ``drill`` (the interview drill) an
 :func:`main` is the commands as Python calls them (a notebook, a test): a failed launch raises.
 :func:`command_line` is what the shell runs: there the lab's deliberate kill of a rank
 (``train --kill-at-step K``) ends with what happened and what to do, no traceback
-(:func:`engine.train_endings.killed_on_purpose`); any other failure keeps its traceback.
+(:func:`engine.train.endings.killed_on_purpose`); any other failure keeps its traceback.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"train": "engine.train", "drill": "engine.drill.cli",
+    commands = {"train": "engine.train.cli", "drill": "engine.drill.cli",
                 "parity": "engine.compose.parity"}
     if not argv or argv[0] not in commands:
         print("usage: python -m engine {" + ",".join(commands) + "} [options]\n"
@@ -40,8 +40,8 @@ def command_line(argv=None) -> int:
         if argv[:1] != ["train"]:
             raise
         from engine.launch import LaunchEnv
-        from engine.train import parse
-        from engine.train_endings import KILLED_EXIT, killed_on_purpose
+        from engine.train.cli import parse
+        from engine.train.endings import KILLED_EXIT, killed_on_purpose
 
         cfg, args, _ = parse(argv[1:])
         world = args.world_size or cfg.world_size

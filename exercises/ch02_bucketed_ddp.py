@@ -17,7 +17,7 @@ import torch.distributed as dist  # noqa: F401  (you will need it)
 from torch import nn
 
 from engine.comm import ops  # noqa: F401  (and this)
-from engine.grad_buckets import assign_buckets
+from engine.dp.buckets import assign_buckets
 from engine.dp.data_parallel import EndOfBackward, broadcast_module
 
 

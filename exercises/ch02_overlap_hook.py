@@ -14,7 +14,7 @@ course/02_data_parallel.ipynb (or ``make grade``).
 
 from torch import nn
 
-from engine.grad_buckets import GradBucket  # noqa: F401  (what a bucket holds: read it)
+from engine.dp.buckets import GradBucket  # noqa: F401  (what a bucket holds: read it)
 
 
 def on_grad_ready(p: nn.Parameter, buckets: list, bucket_of: dict, launch) -> None:

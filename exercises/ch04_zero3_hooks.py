@@ -11,7 +11,7 @@ What you can use, on ``self``:
 * ``self._gather(unit, event)``: all-gather the unit's shards and point its parameters'
   ``.data`` into the full buffer (nothing happens if it is gathered already);
 * ``self._free(unit, event)``: drop the full buffer, parameters empty again;
-* ``self.launcher``: the gradient buckets' launcher (``engine.grad_buckets.BucketLauncher``):
+* ``self.launcher``: the gradient buckets' launcher (``engine.dp.buckets.BucketLauncher``):
   ``self.launcher.bucket_of[p]`` is ``p``'s unit, ``self.launcher.grad_ready(p)`` marks
   ``p``'s gradient as in and launches its unit's reduce-scatter once the unit is complete,
   ``self.launcher.end.queue()`` makes sure the end of backward finishes every unit;

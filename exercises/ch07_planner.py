@@ -1,17 +1,17 @@
 """Exercise ch07.planner: memory per GPU of a layout, and the fastest layout that fits.
 
-``engine.planner`` sizes a real run from two models: the bytes each GPU holds (model states
+``engine.theory.planner`` sizes a real run from two models: the bytes each GPU holds (model states
 sharded by tensor and pipeline parallelism and by the ZeRO stage, plus the activations the
 first pipeline stage holds), and the time of a step (compute, the tensor-parallel
 all-reduces, the pipeline bubble and sends, the data-parallel all-reduce).
 
 Fill in ``memory_per_gpu`` and ``fastest_layout``, save, then run ``check("ch07.planner")`` in
 course/07_3d_parallelism.ipynb (or ``make grade``). Both are checked at random models,
-clusters and batch sizes against ``engine.planner``.
+clusters and batch sizes against ``engine.theory.planner``.
 """
 
 from engine import theory  # noqa: F401  (zero_model_state_bytes, activation_bytes_per_layer)
-from engine.planner import Cluster, ModelSpec, step_time  # noqa: F401  (the step-time model)
+from engine.theory.planner import Cluster, ModelSpec, step_time  # noqa: F401  (the step-time model)
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 ZERO_STAGES = (0, 1, 2, 3)

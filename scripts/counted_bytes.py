@@ -11,10 +11,12 @@ import torch
 from torch import nn
 
 from engine import launch, theory
-from engine.comm import CommMeter
+from engine.observe.meter import CommMeter
 from engine.compress import TopK
 from engine.dp import DataParallel
-from engine.models import MLP, GPTConfig, TinyGPT, regression_data, token_data
+from engine.model.mlp import MLP
+from engine.model.gpt import GPTConfig, TinyGPT
+from engine.model.data import regression_data, token_data
 from engine.tp import TensorParallelGPT
 from engine.zero import ZeroDataParallel, ZeroOptimizer
 

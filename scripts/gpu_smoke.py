@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from engine import RankError, launch
-from engine.device import rank_device
+from engine.launch.device import rank_device
 from engine.launch import is_global_rank_zero
 
 

@@ -5,7 +5,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.comm import ops
-from engine.grad_buckets import assign_buckets
+from engine.dp.buckets import assign_buckets
 from engine.dp.data_parallel import EndOfBackward, broadcast_module
 
 

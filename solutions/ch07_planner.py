@@ -1,7 +1,7 @@
-"""Reference for exercise ch07.planner (the engine's is engine/planner.py)."""
+"""Reference for exercise ch07.planner (the engine's is engine/theory/planner.py)."""
 
 from engine import theory
-from engine.planner import Cluster, ModelSpec, step_time
+from engine.theory.planner import Cluster, ModelSpec, step_time
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 ZERO_STAGES = (0, 1, 2, 3)

@@ -22,7 +22,7 @@ CUDA_TIMEOUT_S = 180  # spawned ranks initialise CUDA first
 #                 host copies, exactly as it is for CUDA tensors on Gloo: this machine tests
 #                 the staging code that a one-GPU lab runs;
 #   "cpu-nccl-rules" Gloo, CPU tensors, every op checked against NCCL's rules
-#                 (engine.comm.nccl_rules): a tensor made without a device and handed to a
+#                 (engine.observe.nccl_rules): a tensor made without a device and handed to a
 #                 collective, an any-source receive or a tag fails here as it would on NCCL;
 #   "cuda"        NCCL, one GPU per rank, where there are enough GPUs; otherwise Gloo with
 #                 CUDA tensors, every rank on GPU 0. Spawned ranks. Marked gpu: skipped, with
@@ -70,7 +70,7 @@ def _with_host_staging(rank, world_size, fn, *args):
 
 
 def _under_nccl_rules(rank, world_size, fn, *args):
-    from engine.comm.nccl_rules import nccl_rules
+    from engine.observe.nccl_rules import nccl_rules
 
     with nccl_rules("cpu"):
         return fn(rank, world_size, *args)

@@ -1,4 +1,4 @@
-"""engine train --save DIR --async-save (engine.checkpoints.AsyncSaver): the step waits only for
+"""engine train --save DIR --async-save (engine.checkpoint.trainer.AsyncSaver): the step waits only for
 a host snapshot, a background thread writes it by the same protocol. The checkpoints it writes
 equal the synchronous save's bit for bit, a run resumed from one ends equal to a run resumed
 from the other, and a rank killed during a background write leaves the previous checkpoint the
@@ -18,7 +18,7 @@ from engine import LaunchError
 from engine.__main__ import main as engine_main
 from engine.checkpoint import protocol
 from engine.checkpoint.snapshot import host_copy
-from engine.checkpoints import complete, step_dir
+from engine.checkpoint.trainer import complete, step_dir
 from tests.helpers import descendants
 from tests.test_resume import assert_same_checkpoint
 

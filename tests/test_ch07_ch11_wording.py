@@ -111,8 +111,8 @@ def test_the_corrections_are_there(path):
 
 def test_chapter_07s_run_has_no_qkv_bias_and_the_parity_matrix_runs_adamw_at_1e_4_and_sgd():
     from engine.compose.parity import LR, OPTIMIZERS, TOLERANCE
-    from engine.hybrid import model_of
-    from engine.models import GPTConfig
+    from engine.labs.hybrid import model_of
+    from engine.model.gpt import GPTConfig
 
     assert model_of(GPTConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32)).qkv_bias is False
     assert LR == 1e-4 and TOLERANCE == 1e-6 and set(OPTIMIZERS) == {"adamw", "sgd"}
@@ -213,8 +213,8 @@ def test_every_loss_the_diloco_prose_quotes_is_one_the_cell_prints(diloco_cells)
 
 
 def test_the_gpt_tables_start_is_the_untrained_models_loss_and_every_run_ends_below_it():
-    from engine.diloco_experiment import CONFIG, _held_out_loss
-    from engine.models import TinyGPT
+    from engine.labs.diloco import CONFIG, _held_out_loss
+    from engine.model.gpt import TinyGPT
 
     start = _held_out_loss(TinyGPT(CONFIG, seed=0))
     table = _cell(CH11, "ch11-diloco-gpt")

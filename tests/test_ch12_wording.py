@@ -15,7 +15,7 @@ import torch
 from engine import theory
 from engine.drill import precision as drill
 from engine.fsdp.shard import DimZeroShard
-from engine.models import GPTConfig, TinyGPT
+from engine.model.gpt import GPTConfig, TinyGPT
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "course" / "12_precision_memory.ipynb"

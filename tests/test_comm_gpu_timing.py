@@ -1,4 +1,4 @@
-"""The meter's times on a GPU (engine.comm.durations), checked on the CPU with fakes.
+"""The meter's times on a GPU (engine.observe.durations), checked on the CPU with fakes.
 
 No GPU here: a rank on Gloo reports its backend as NCCL (``dist.get_backend``), its tensors
 say they are on CUDA to the engine's wrappers (as in test_comm_meter), and every work's
@@ -15,9 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.comm import CommMeter, durations, ops
+from engine.observe.meter import CommMeter
+from engine.comm import ops
+from engine.observe import durations
 from engine.launch import backend as launch_backend
-from engine.trace import events_from_meter
+from engine.observe.trace import events_from_meter
 from tests.helpers import run_ranks
 
 FAKE_MS = 5.0
@@ -49,12 +51,12 @@ def _ops(rank, make):
 
 
 def _as_if_on_nccl(rank, world_size, nccl_times_itself):
-    import engine.device
-    from engine.clock import Clock
+    import engine.launch.device
+    from engine.observe.clock import Clock
 
     calls = dict(duration=0, synchronize=0)
     dist.get_backend = lambda group=None: "nccl"
-    engine.device.local_gpu = lambda index=None: torch.device("cpu")
+    engine.launch.device.local_gpu = lambda index=None: torch.device("cpu")
     if nccl_times_itself:  # else Gloo's own: "This Backend doesn't support getDuration"
         def duration(work):
             calls["duration"] += 1

@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from engine import theory
-from engine.comm import CommMeter, ops
+from engine.observe.meter import CommMeter
+from engine.comm import ops
 from tests.helpers import run_ranks
 
 NUMEL = 1200  # divisible by 2, 3 and 4: the ring formulas are exact in bytes
@@ -151,7 +152,8 @@ def _every_op(rank, world_size, make):
 
 
 def _what_is_made(rank, world_size):
-    from engine.comm import collectives, meter, p2p
+    from engine.comm import collectives, p2p
+    from engine.observe import meter
 
     made = dict(events=0, records=0, gpu_marks=0, cuda_events=0)
 

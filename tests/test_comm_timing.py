@@ -1,7 +1,7 @@
 """engine.comm.timing: its defaults run on the group's backend, NCCL included.
 
 No GPU here: a rank on Gloo reports its backend as NCCL (``dist.get_backend``) and its GPU as
-the CPU (``engine.device.local_gpu``), so every NCCL-only path of the engine (the tuned ring's
+the CPU (``engine.launch.device.local_gpu``), so every NCCL-only path of the engine (the tuned ring's
 refusal, ``nccl_rules``' checks, the rank's device) runs as it would on a GPU host.
 """
 
@@ -16,17 +16,17 @@ from tests.helpers import run_ranks
 
 
 def _as_if_on_nccl(fn, *args):
-    import engine.device
+    import engine.launch.device
 
-    get_backend, local_gpu = dist.get_backend, engine.device.local_gpu
+    get_backend, local_gpu = dist.get_backend, engine.launch.device.local_gpu
     dist.get_backend = lambda group=None: "nccl"
-    engine.device.local_gpu = lambda index=None: torch.device("cpu")
+    engine.launch.device.local_gpu = lambda index=None: torch.device("cpu")
     try:
         return fn(*args)
     except ValueError as e:
         return f"ValueError: {e}"
     finally:
-        dist.get_backend, engine.device.local_gpu = get_backend, local_gpu
+        dist.get_backend, engine.launch.device.local_gpu = get_backend, local_gpu
 
 
 def _timed_on_nccl(rank, world_size, *names):

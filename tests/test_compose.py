@@ -11,7 +11,7 @@ from engine.compose.data import global_batch, rank_slice
 from engine.compose.loss import masked_sum
 from engine.compose.model import GPT, ModelConfig
 from engine.compose.plan import Plan
-from engine.models import GPTConfig, TinyGPT
+from engine.model.gpt import GPTConfig, TinyGPT
 from tests.helpers import run_ranks
 
 CFG = ModelConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32, kv_heads=2,
@@ -190,14 +190,14 @@ def test_each_pipeline_stage_adds_its_own_router_losses():
 
 def test_every_gpt_of_the_engine_is_the_one_definition_with_its_dense_bits():
     """The MoE GPTs (compose's, TinyMoEGPT) and the context-parallel one are the one
-    :class:`engine.models.GPT`: the same attention class, and every dense parameter the dense
+    :class:`engine.model.gpt.GPT`: the same attention class, and every dense parameter the dense
     model's bits for the same seed; only the experts (drawn under seed + 1) differ."""
     import functools
 
     from engine.cp import ContextParallelGPT
     from engine.cp.ring import ring_attention
-    from engine.models import GPT as OneGPT
-    from engine.models import Attention
+    from engine.model.gpt import GPT as OneGPT
+    from engine.model.gpt import Attention
     from engine.moe import TinyMoEGPT
 
     sizes = GPTConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32, kv_heads=2,

@@ -20,8 +20,8 @@ import pytest
 from engine.__main__ import main as engine_main
 from engine.compose.parity import LR
 from engine.compose.reshard import universal_state
-from engine.train_compose import model_config
-from engine.train import TrainConfig
+from engine.train.composed import model_config
+from engine.train.cli import TrainConfig
 from tests.test_compose_resume import _losses
 
 TOLERANCE = 1e-6  # the parity matrix's (engine.compose.parity)

@@ -207,7 +207,7 @@ def _check_join(family, directory):
 
 
 def test_engine_train_resumes_moe_ep2_pp2_zero1_bit_identical_with_async_save(tmp_path):
-    """The command line's wiring (engine.checkpoints saving the composed rank's state, in the
+    """The command line's wiring (engine.checkpoint.trainer saving the composed rank's state, in the
     background with --async-save): tiny-MoE dp2 x ep2 x pp2 at ZeRO-1, 2 steps + 2 resumed
     against 4, every rank's file equal tensor for tensor."""
     from engine.checkpoint.per_rank import read_rank_state
@@ -249,10 +249,10 @@ def test_reshard_a_dp_only_change_at_zero0_and_refuse_compress(tmp_path, capsys)
     straight, resharded = _losses(tmp_path / "a"), _losses(tmp_path / "b")
     assert len(straight) == len(resharded) == 4 and straight[:2] == resharded[:2]
     assert max(abs(a - b) for a, b in zip(straight, resharded)) <= 1e-6, (straight, resharded)
-    from engine.train import TrainConfig
-    from engine.train_compose import check_composed
+    from engine.train.cli import TrainConfig
+    from engine.train.composed import check_composed
 
-    # (engine train refuses --save with --compress earlier still, in engine.train_checks)
+    # (engine train refuses --save with --compress earlier still, in engine.train.checks)
     compressed = TrainConfig(dp=2, zero=0, compress="topk:0.1", resume=True,
                              reshard=True, save=str(tmp_path / "b"))
     with pytest.raises(ValueError, match="--reshard with the composed engine") as refused:

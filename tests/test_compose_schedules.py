@@ -101,7 +101,7 @@ ZERO3_ROWS = 8
 
 
 def _zero3_under_w(rank, world_size):
-    from engine.comm.meter import CommMeter
+    from engine.observe.meter import CommMeter
     from engine.compose.formulas import layout_formulas
     from engine.compose.state import dense_state
     from engine.compose.traffic import bytes_by_kind
@@ -188,7 +188,7 @@ def test_engine_train_runs_zero3_under_zb_h1(capsys):
 
 
 def _zero2_small_buckets_under_w(rank, world_size):
-    from engine.comm.meter import CommMeter
+    from engine.observe.meter import CommMeter
     from engine.compose.formulas import layout_formulas
     from engine.compose.state import dense_state
     from engine.compose.traffic import bytes_by_kind

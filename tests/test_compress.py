@@ -9,10 +9,12 @@ import torch.distributed as dist
 from torch import nn
 
 from engine import theory
-from engine.comm import CommMeter, ops
+from engine.observe.meter import CommMeter
+from engine.comm import ops
 from engine.compress import BF16, FP16, PowerSGD, RandomK, TopK
 from engine.dp import DataParallel
-from engine.models import MLP, regression_data, shard
+from engine.model.mlp import MLP
+from engine.model.data import regression_data, shard
 from tests.helpers import BEYOND_CPU, DEVICE_WORLD_SIZES, rank_device, run_ranks
 
 SIZES = (16, 32, 32, 8)

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from engine import RankError, theory
-from engine.comm import CommMeter, ops, pairwise_all_to_all
+from engine.observe.meter import CommMeter
+from engine.comm import ops, pairwise_all_to_all
 from tests.helpers import run_ranks
 
 

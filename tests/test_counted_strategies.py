@@ -17,11 +17,13 @@ import pytest
 import torch
 from torch import nn
 
-from engine.comm import CommMeter
+from engine.observe.meter import CommMeter
 from engine.compress import FP16, PowerSGD, TopK
 from engine.dp import DataParallel
-from engine.hybrid import train_3d
-from engine.models import MLP, GPTConfig, TinyGPT, regression_data, shard, token_data
+from engine.labs.hybrid import train_3d
+from engine.model.mlp import MLP
+from engine.model.gpt import GPTConfig, TinyGPT
+from engine.model.data import regression_data, shard, token_data
 from engine.tp import TensorParallelGPT
 from engine.zero import ZeroDataParallel, ZeroOptimizer
 from tests.helpers import run_ranks

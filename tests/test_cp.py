@@ -19,12 +19,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from engine import RankError, theory
-from engine.comm import CommMeter
+from engine.observe.meter import CommMeter
 from engine.cp import (ContextParallelGPT, check_sequence_split, check_ulysses_heads,
                        context_parallel_group, gather_sequence, ring_attention, ring_schedule,
                        shard_indices, shard_sequence, ulysses_attention)
 from engine.dp import DataParallel
-from engine.models import GPTConfig, TinyGPT, token_data
+from engine.model.gpt import GPTConfig, TinyGPT
+from engine.model.data import token_data
 from tests.helpers import BEYOND_CPU, rank_device, run_ranks
 
 # per N: (heads, kv heads, zig-zag length, contiguous and Ulysses length); odd where it can be
@@ -289,7 +290,7 @@ def test_activation_forms_compose_tp_sp_and_cp():
 def test_the_planner_enumerates_context_and_sequence_parallelism():
     import dataclasses
 
-    from engine.planner import MODELS, Cluster, memory_per_gpu, plan, step_time
+    from engine.theory.planner import MODELS, Cluster, memory_per_gpu, plan, step_time
 
     spec = dataclasses.replace(MODELS["LLaMA 7B"], seq_len=131072)
     cluster = Cluster(64)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import theory
-from engine.comm import CommMeter
+from engine.observe.meter import CommMeter
 from engine.cp import (BufferCount, allgather_attention, check_sequence_split, gather_sequence,
                        ring_attention, ring_schedule, shard_indices, shard_sequence,
                        ulysses_attention, usp_attention, usp_groups, usp_indices)

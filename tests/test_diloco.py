@@ -1,4 +1,4 @@
-"""DiLoCo and streaming DiLoCo (engine.diloco): data parallelism at H = 1, the algorithm
+"""DiLoCo and streaming DiLoCo (engine.ft.diloco): data parallelism at H = 1, the algorithm
 written out in one process, and the bytes of its syncs."""
 
 from __future__ import annotations
@@ -8,10 +8,11 @@ import torch
 from torch import nn
 
 from engine import theory
-from engine.comm import CommMeter
-from engine.diloco import DiLoCo, split_fragments
+from engine.observe.meter import CommMeter
+from engine.ft.diloco import DiLoCo, split_fragments
 from engine.dp import DataParallel
-from engine.models import MLP, regression_data, shard
+from engine.model.mlp import MLP
+from engine.model.data import regression_data, shard
 from tests.helpers import run_ranks
 
 SIZES = (8, 8, 8, 8, 8)  # four Linear layers of 72 parameters: 288 in all
@@ -144,7 +145,7 @@ def test_bad_input_is_named():
 
 
 def test_a_tied_weight_is_in_one_fragment_only():
-    from engine.models import GPTConfig, TinyGPT
+    from engine.model.gpt import GPTConfig, TinyGPT
 
     model = TinyGPT(GPTConfig(layers=2))
     fragments = split_fragments(model, 1)

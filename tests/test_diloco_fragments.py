@@ -1,4 +1,4 @@
-"""Streaming DiLoCo's fragments given as modules (engine.diloco.module_fragments, torchft's
+"""Streaming DiLoCo's fragments given as modules (engine.ft.diloco.module_fragments, torchft's
 ``model_fragments``), and the chapter experiment's cut of the GPT into whole blocks: every
 trainable parameter in exactly one fragment, a tied weight in its first, bad parts named."""
 
@@ -8,9 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from engine.diloco import DiLoCo, module_fragments
-from engine.diloco_experiment import CONFIG, block_fragments, markov_tokens
-from engine.models import MLP, TinyGPT
+from engine.ft.diloco import DiLoCo, module_fragments
+from engine.labs.diloco import CONFIG, block_fragments, markov_tokens
+from engine.model.mlp import MLP
+from engine.model.gpt import TinyGPT
 
 
 def test_the_gpt_cut_into_blocks_holds_every_parameter_once():

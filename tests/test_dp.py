@@ -10,9 +10,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.comm import CommMeter
+from engine.observe.meter import CommMeter
 from engine.dp import DataParallel, NaiveDataParallel, assign_buckets
-from engine.models import MLP, regression_data, shard
+from engine.model.mlp import MLP
+from engine.model.data import regression_data, shard
 from tests.helpers import BEYOND_CPU, DEVICE_WORLD_SIZES, rank_device, run_ranks
 
 SIZES = (16, 64, 64, 8)  # 6 parameter tensors, 5.7 K parameters: 23 KB of fp32 gradients

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from engine.__main__ import main as engine_main
-from engine.checkpoints import step_dir
-from engine.elastic import check_restartable
+from engine.checkpoint.trainer import step_dir
+from engine.launch.elastic import check_restartable
 from tests.helpers import descendants, is_running
 from tests.test_resume import assert_same_checkpoint
 from tests.torchrun_agents import agent_pids, start_agent, stop

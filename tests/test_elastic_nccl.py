@@ -12,7 +12,7 @@ import sys
 
 import torch.distributed as dist
 
-from engine.elastic import Peer, PeerLostError, Peers, tell_how_nccl_loses_peers
+from engine.launch.elastic import Peer, PeerLostError, Peers, tell_how_nccl_loses_peers
 from tests.helpers import run_ranks
 
 NCCL_TIMEOUT = ("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=12, "

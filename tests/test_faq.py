@@ -15,9 +15,9 @@ from torch.distributed.run import get_args_parser
 
 from engine import theory
 from engine.cp.balance import rank_flops
-from engine.hardware import PEAK_TFLOPS
-from engine.presets import MODELS
-from engine.train import check_config, parse
+from engine.theory.hardware import PEAK_TFLOPS
+from engine.model.presets import MODELS
+from engine.train.cli import check_config, parse
 from tests.test_lab_guide import commands, trainer_flags
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,10 +10,10 @@ import torch.distributed as dist
 from torch import nn
 
 from engine import theory
-from engine.comm import CommMeter
-from engine.fsdp import (MixedPrecisionPolicy, full_state_dict, fully_shard, gather_full,
-                         side_by_side)
-from engine.models import GPTConfig, TinyGPT
+from engine.observe.meter import CommMeter
+from engine.fsdp import MixedPrecisionPolicy, full_state_dict, fully_shard, gather_full
+from engine.labs.fsdp2 import side_by_side
+from engine.model.gpt import GPTConfig, TinyGPT
 from tests.helpers import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("error")
@@ -227,10 +227,14 @@ def _padded(n: int, prefix: str) -> int:
     return total
 
 
+def _three_sides(rank, world_size, cfg):
+    return side_by_side(rank, world_size, cfg, sides=("ours", "torch", "zero3"))
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_the_tiny_gpt_as_pytorchs_fsdp2_and_beside_the_flat_bucket_zero3(world_size):
     n = world_size
-    for index, rank in enumerate(run_ranks(side_by_side, n, GPT)):
+    for index, rank in enumerate(run_ranks(_three_sides, n, GPT)):
         ours, torchs, zero3 = rank["ours"], rank["torch"], rank["zero3"]
         worst = _worst(ours.params, torchs.params)
         print(f"{n} ranks: |ours - PyTorch FSDP2| {worst:.2e}; bytes sent a step: ours "

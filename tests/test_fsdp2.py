@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine import theory
-from engine.fsdp2 import mesh_rank_sets, side_by_side
-from engine.models import GPTConfig
+from engine.labs.fsdp2 import mesh_rank_sets, side_by_side
+from engine.model.gpt import GPTConfig
 from tests.helpers import run_ranks
 
 CFG = GPTConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32)
@@ -25,7 +25,7 @@ def _key_bias(name: str) -> slice | None:
 
 def test_the_same_training_bit_for_bit_at_2_ranks():
     for rank in run_ranks(side_by_side, 2, CFG, STEPS, LR):
-        ours, torchs = rank["engine"], rank["torch"]
+        ours, torchs = rank["zero3"], rank["torch"]
         assert ours.losses == torchs.losses
         assert ours.params.keys() == torchs.params.keys()
         for name in ours.params:
@@ -35,7 +35,7 @@ def test_the_same_training_bit_for_bit_at_2_ranks():
 def test_the_same_training_at_4_ranks_the_same_bytes_held_and_the_same_collectives():
     n = 4
     for rank in run_ranks(side_by_side, n, CFG, STEPS, LR):
-        ours, torchs = rank["engine"], rank["torch"]
+        ours, torchs = rank["zero3"], rank["torch"]
         # the units' flat buckets and FSDP2's per-parameter shards put an element at other
         # places of the reduce-scatter's ring, so at 4 ranks sums round differently
         assert ours.losses == pytest.approx(torchs.losses, rel=1e-6)

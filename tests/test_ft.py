@@ -11,7 +11,8 @@ from torch import nn
 from engine import theory
 from engine.ft import check_replica_groups, reference_run, run_with_failure
 from engine.ft.state import pack_state, unpack_state
-from engine.models import MLP, regression_data
+from engine.model.mlp import MLP
+from engine.model.data import regression_data
 from tests.helpers import descendants
 
 SIZES = (8, 16, 8)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.diloco import DiLoCo, split_fragments
+from engine.ft.diloco import DiLoCo, split_fragments
 from engine.ft import check_replica_groups, run_with_failure
 from engine.ft.state import pack_state, unpack_state
-from engine.models import MLP
+from engine.model.mlp import MLP
 from tests.helpers import descendants
 from tests.test_ft import _loss, _model, _optimizer
 

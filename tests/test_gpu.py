@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from engine import launch
-from engine.comm import CommMeter, ops
+from engine.observe.meter import CommMeter
+from engine.comm import ops
 
 pytestmark = pytest.mark.gpu
 
@@ -53,8 +54,8 @@ def test_engine_train_on_one_gpu_with_nccl(capsys):
 
 
 def _tp_pp_on_cuda(rank, world_size):
-    from engine.hybrid import train_3d
-    from engine.models import GPTConfig
+    from engine.labs.hybrid import train_3d
+    from engine.model.gpt import GPTConfig
 
     cfg = GPTConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32)
     return train_3d(rank, world_size, 1, 1, 1, cfg, 2)["losses"]
@@ -66,7 +67,7 @@ def test_3d_trainer_at_world_size_1_on_nccl():
 
 
 def _where_am_i(rank, world_size):
-    from engine.device import rank_device
+    from engine.launch.device import rank_device
 
     return str(rank_device()), torch.cuda.current_device(), dist.get_backend()
 

@@ -323,7 +323,7 @@ def _load_smoke():
 
 
 def _smoke_backend_under_nccl_rules(rank, world_size):
-    from engine.comm.nccl_rules import nccl_rules
+    from engine.observe.nccl_rules import nccl_rules
 
     with nccl_rules("cpu"):  # a tensor made without a device is refused, as NCCL would
         try:
@@ -334,7 +334,7 @@ def _smoke_backend_under_nccl_rules(rank, world_size):
 
 def test_smoke_torchrun_check_hands_nccl_a_tensor_on_the_ranks_device():
     """gpu_smoke's torchrun check all-reduces on NCCL where there are GPUs enough: its tensor
-    must be on the rank's GPU (engine.device.rank_device), not where torch.ones puts it."""
+    must be on the rank's GPU (engine.launch.device.rank_device), not where torch.ones puts it."""
     from tests.helpers import run_ranks
 
     assert run_ranks(_smoke_backend_under_nccl_rules, 2) == [("gloo", 2.0)] * 2

@@ -409,7 +409,7 @@ def test_planner_checks_catch_wrong_answers(impl, failing):
 # -- the engine's own answer is switched off ----------------------------------------------------
 
 def _engine_launcher(p, buckets, bucket_of, launch):
-    from engine.grad_buckets import BucketLauncher, EndOfBackward
+    from engine.dp.buckets import BucketLauncher, EndOfBackward
 
     bucket = bucket_of[p]
     bucket.view_of(p, bucket.buffer).copy_(p.grad)
@@ -420,7 +420,7 @@ def _engine_launcher(p, buckets, bucket_of, launch):
 
 def _engine_powersgd(grad, q, error, group=None):
     from engine.compress import PowerSGD
-    from engine.grad_buckets import GradBucket
+    from engine.dp.buckets import GradBucket
 
     bucket = GradBucket([torch.nn.Parameter(torch.zeros_like(grad))], is_last=True)
     bucket.buffer = grad.reshape(-1).clone()
@@ -468,7 +468,7 @@ def _engine_mesh(dp, tp, pp):
 
 
 def _engine_planner():
-    from engine import planner  # its functions looked up when called, as a learner's would be
+    from engine.theory import planner  # its functions looked up when called, as a learner's would be
 
     def fastest(model, cluster, global_batch, mfu=0.5):
         best = planner.plan(model, cluster, global_batch, mfu=mfu)

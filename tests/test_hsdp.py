@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from engine import theory
-from engine.comm import CommMeter
-from engine.models import MLP, regression_data, shard
+from engine.observe.meter import CommMeter
+from engine.model.mlp import MLP
+from engine.model.data import regression_data, shard
 from engine.zero import ZeroDataParallel
 from engine.zero.hsdp import HybridShardedDataParallel, hsdp_rank_sets
 from tests.helpers import run_ranks

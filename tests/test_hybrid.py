@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from engine.comm import ops
-from engine.hybrid import train_3d, train_reference
-from engine.models import GPTConfig
+from engine.labs.hybrid import train_3d, train_reference
+from engine.model.gpt import GPTConfig
 from engine.topology import Mesh
 from tests.helpers import BEYOND_CPU, run_ranks
 
@@ -91,8 +91,8 @@ def test_zero2_in_a_pipeline_sums_the_tied_embedding_over_its_two_stages():
     places on the first and on the last stage; it used to crash (no .grad to sum). Now the
     run equals ZeRO-1's, and the extra bytes are the formula's."""
     from engine.launch import launch
-    from engine.train import TrainConfig
-    from engine.train_run import train_on_rank
+    from engine.train.cli import TrainConfig
+    from engine.train.run import train_on_rank
 
     runs = {zero: launch(train_on_rank, 4, TrainConfig(dp=2, pp=2, zero=zero, steps=2),
                          backend="gloo", timeout=60, quiet=True) for zero in (1, 2)}

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.presets import MODELS
-from engine.train import parse, parser
+from engine.model.presets import MODELS
+from engine.train.cli import parse, parser
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = ("docs/lab.md", "README.md")

@@ -406,9 +406,9 @@ def test_only_the_launch_environment_reads_the_rank_variables():
 
 def test_one_resolve_backend_with_nccl_preferred_only_when_asked(monkeypatch):
     """``engine train``'s auto (prefer_nccl) takes the GPUs when there is one per local rank;
-    the launcher's auto stays on Gloo and asks CUDA nothing. engine.train uses the same one."""
+    the launcher's auto stays on Gloo and asks CUDA nothing. engine.train.cli uses the same one."""
     from engine.launch import resolve_backend
-    from engine.train import resolve_backend as train_resolve_backend
+    from engine.train.cli import resolve_backend as train_resolve_backend
 
     assert train_resolve_backend is resolve_backend
     asked = _pretend_gpus(monkeypatch, 2)

@@ -152,7 +152,7 @@ def test_the_engines_answer_taken_from_an_engine_table_is_refused_too():
         return SCHEDULES["1f1b"][0](p, m)
 
     def through_the_trainers_table(p, m):
-        from engine import steps
+        from engine.train import steps
         return steps.SCHEDULES["1f1b"](p, m)
 
     for impl in (through_a_table, through_the_trainers_table):

@@ -1,4 +1,4 @@
-"""``engine.steps.accumulate_micro_batches`` reads its losses to the host once, after the last
+"""``engine.train.steps.accumulate_micro_batches`` reads its losses to the host once, after the last
 micro-batch (on a GPU every read waits for the device: a read per micro-batch would idle it
 inside the timed step), and reports the very same loss as one ``.item()`` per micro-batch did,
 bit for bit."""
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from engine.steps import accumulate_micro_batches
+from engine.train.steps import accumulate_micro_batches
 
 # what copies a tensor's value to the host (on a GPU: a synchronisation)
 HOST_READS = {"item", "tolist", "__float__", "__int__", "__bool__", "__index__", "numpy", "cpu"}

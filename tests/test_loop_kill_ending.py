@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-import engine.train
+import engine.train.cli
 from engine.__main__ import command_line
 from engine.launch import RankDiedError
-from engine.train_endings import KILLED_EXIT
+from engine.train.endings import KILLED_EXIT
 from tests.helpers import descendants
 from tests.torchrun_agents import REPO
 
@@ -61,7 +61,7 @@ KILL_LINE = {1: "rank 1: killed by --kill-at-step 2 (a lab/test option)\n"}
     RankDiedError("rank 1 exited with code 3 without returning a result", [1], KILL_LINE),
 ], ids=["another-rank", "another-signal", "no-kill-line", "an-exit"])
 def test_an_unexpected_death_keeps_its_traceback(error, monkeypatch, capsys):
-    monkeypatch.setattr(engine.train, "main", _dies(error))
+    monkeypatch.setattr(engine.train.cli, "main", _dies(error))
     with pytest.raises(RankDiedError) as raised:
         command_line(["train", "--world-size", "2", "--dp", "2", "--kill-at-step", "2"])
     assert raised.value is error and capsys.readouterr().err == ""
@@ -69,14 +69,14 @@ def test_an_unexpected_death_keeps_its_traceback(error, monkeypatch, capsys):
 
 def test_without_kill_at_step_a_death_keeps_its_traceback(monkeypatch):
     error = RankDiedError("rank 1 was killed by signal SIGKILL", [1], KILL_LINE)
-    monkeypatch.setattr(engine.train, "main", _dies(error))
+    monkeypatch.setattr(engine.train.cli, "main", _dies(error))
     with pytest.raises(RankDiedError):
         command_line(["train", "--world-size", "2", "--dp", "2"])
 
 
 def test_the_kill_without_save_says_nothing_can_be_resumed(monkeypatch, capsys):
     error = RankDiedError("rank 1 was killed by signal SIGKILL", [1], KILL_LINE)
-    monkeypatch.setattr(engine.train, "main", _dies(error))
+    monkeypatch.setattr(engine.train.cli, "main", _dies(error))
     assert command_line(["train", "--world-size", "2", "--dp", "2", "--steps", "5",
                          "--kill-at-step", "2"]) == KILLED_EXIT
     err = capsys.readouterr().err

@@ -1,5 +1,5 @@
-"""``engine.comm.nccl_rules`` makes no text while nothing is refused: an unbatched send and a
-tensor made without a device are noted as a :class:`~engine.comm.nccl_rules.Site` (a code
+"""``engine.observe.nccl_rules`` makes no text while nothing is refused: an unbatched send and a
+tensor made without a device are noted as a :class:`~engine.observe.nccl_rules.Site` (a code
 object and a line), turned into ``file:line in function`` only when a refusal names them, and
 that text names the very line that posted the send or made the tensor."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import RankError
-from engine.comm import nccl_rules as rules
+from engine.observe import nccl_rules as rules
 from engine.comm import ops
 from tests.helpers import run_ranks
 

@@ -1,13 +1,14 @@
-"""engine.memory: model-state bytes by unique storage, and the activation tracker."""
+"""engine.observe.memory: model-state bytes by unique storage, and the activation tracker."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.memory import (ActivationTracker, StateTensors, model_state_bytes,
+from engine.observe.memory import (ActivationTracker, StateTensors, model_state_bytes,
                            unique_storage_bytes)
-from engine.models import MLP, GPTConfig, TinyGPT
+from engine.model.mlp import MLP
+from engine.model.gpt import GPTConfig, TinyGPT
 
 
 def _one_adam_step(model, **kwargs):

@@ -1,11 +1,13 @@
-"""engine.models: deterministic weights and data, the shapes a chapter relies on."""
+"""engine.model.gpt: deterministic weights and data, the shapes a chapter relies on."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.models import MLP, GPTConfig, TinyGPT, regression_data, shard, token_data
+from engine.model.mlp import MLP
+from engine.model.gpt import GPTConfig, TinyGPT
+from engine.model.data import regression_data, shard, token_data
 
 
 def _weights(model):
@@ -69,8 +71,9 @@ def test_too_long_a_sequence_and_bad_sizes_are_clear_errors():
 
 
 def test_activation_checkpointing_keeps_less_and_gives_the_same_gradients():
-    from engine.memory import ActivationTracker
-    from engine.models import GPTConfig, TinyGPT, token_data
+    from engine.observe.memory import ActivationTracker
+    from engine.model.gpt import GPTConfig, TinyGPT
+    from engine.model.data import token_data
 
     cfg = GPTConfig(vocab=64, seq_len=32, layers=4, heads=4, hidden=64)
     x, y = token_data(8, 32, 64, seed=0)
@@ -91,7 +94,7 @@ def test_activation_checkpointing_keeps_less_and_gives_the_same_gradients():
 def test_causal_attention_is_eq_1_of_attention_is_all_you_need_with_the_causal_mask():
     import torch.nn.functional as F
 
-    from engine.attention import causal_attention, causal_mask
+    from engine.model.attention import causal_attention, causal_mask
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 8, 16, generator=g) for _ in range(3))
@@ -108,7 +111,7 @@ def test_causal_attention_is_eq_1_of_attention_is_all_you_need_with_the_causal_m
 def test_context_parallel_diagonal_block_is_the_same_causal_attention():
     import math
 
-    from engine.attention import causal_attention
+    from engine.model.attention import causal_attention
     from engine.cp.blocks import DIAGONAL, block_forward
 
     g = torch.Generator().manual_seed(1)
@@ -120,7 +123,8 @@ def test_context_parallel_diagonal_block_is_the_same_causal_attention():
 def test_gpt2_init_draws_weights_at_std_0_02_and_zeroes_biases():
     from torch import nn
 
-    from engine.models import gpt2_init, seeded
+    from engine.model.gpt import gpt2_init
+    from engine.model.seed import seeded
 
     with seeded(0):
         layer, embedding = nn.Linear(256, 256), nn.Embedding(256, 64)
@@ -169,7 +173,8 @@ def test_bad_architecture_choices_are_clear_errors(bad, message):
 def test_feed_forward_layers_are_injected_under_the_next_seed_and_replace_the_mlp():
     from torch import nn
 
-    from engine.models import GPT, seeded
+    from engine.model.gpt import GPT
+    from engine.model.seed import seeded
 
     def linears(layers):
         return [nn.Linear(32, 32) for _ in range(layers)]

@@ -16,8 +16,10 @@ import torch
 import torch.distributed as dist
 
 from engine import theory
-from engine.comm import CommMeter, ops
-from engine.models import GPTConfig, token_data
+from engine.observe.meter import CommMeter
+from engine.comm import ops
+from engine.model.gpt import GPTConfig
+from engine.model.data import token_data
 from engine.moe import (ExpertMesh, MoE, TinyMoEGPT, check_layout, expert_parallel,
                         expert_parameters, load_balancing_loss, reduce_gradients, route,
                         router_z_loss, single_rank_group)
@@ -566,7 +568,7 @@ def test_the_capacity_widget_draws_each_experts_load_and_drops():
 # -- the planner learns an expert-parallel degree ----------------------------------------------
 
 def test_the_planner_ranks_expert_parallel_layouts_for_an_moe_model():
-    from engine.planner import MODELS, Cluster, memory_per_gpu, plan, step_time
+    from engine.theory.planner import MODELS, Cluster, memory_per_gpu, plan, step_time
     mixtral = MODELS["Mixtral 8x7B"]
     assert round(mixtral.params / 1e9, 1) == 46.7
     plans = plan(mixtral, Cluster(64), 512)

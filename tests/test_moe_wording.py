@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine import hardware
+from engine.theory import hardware
 from engine.drill import BANK
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,7 +17,7 @@ OLD_CLAIMS = (
     "smallest, ``alpha``, when both are uniform",
     "is alpha at perfect balance and grows with imbalance",
     "10-20x slower",  # NVLink against 400G InfiniBand is about 9x
-    "InfiniBand, 25 GB/s per GPU",  # chapter 09 and engine.hardware: 50 GB/s for 400G
+    "InfiniBand, 25 GB/s per GPU",  # chapter 09 and engine.theory.hardware: 50 GB/s for 400G
     "grows more than 10x when",
 )
 

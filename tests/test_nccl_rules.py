@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from engine import RankError
-from engine.comm import CommMeter, ops
-from engine.comm.nccl_rules import nccl_rules
+from engine.observe.meter import CommMeter
+from engine.comm import ops
+from engine.observe.nccl_rules import nccl_rules
 from tests.helpers import run_ranks
 
 
@@ -127,8 +128,8 @@ def _stack_walks(rank, world_size, where):
 
     import torch.distributed as dist
 
-    import engine.device
-    from engine.comm import nccl_rules as rules
+    import engine.launch.device
+    from engine.observe import nccl_rules as rules
 
     walks = []
     caller, stack = rules.caller, inspect.stack
@@ -136,7 +137,7 @@ def _stack_walks(rank, world_size, where):
     inspect.stack = lambda *a, **k: walks.append("inspect.stack") or stack(*a, **k)
     if where == "on nccl":  # the backend reported as NCCL, the rank's GPU as the CPU
         dist.get_backend = lambda group=None: "nccl"
-        engine.device.local_gpu = lambda index=None: torch.device("cpu")
+        engine.launch.device.local_gpu = lambda index=None: torch.device("cpu")
     rules_on = nccl_rules("cpu") if where == "inside nccl_rules()" else contextlib.nullcontext()
     with rules_on:
         t = torch.ones(8, device="cpu")

@@ -1,11 +1,11 @@
-"""engine.planner: only configurations that fit, ranked by the step-time model."""
+"""engine.theory.planner: only configurations that fit, ranked by the step-time model."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine import theory
-from engine.planner import MODELS, Cluster, memory_per_gpu, plan, step_time
+from engine.theory.planner import MODELS, Cluster, memory_per_gpu, plan, step_time
 
 
 @pytest.mark.parametrize("model, gpus, batch", [("GPT-3 175B", 1024, 1536),
@@ -52,10 +52,10 @@ def test_bad_cluster_is_a_clear_error():
 
 
 def test_the_planner_and_the_trainers_report_read_one_gpu_table():
-    """engine.hardware holds the peaks and links once: the planner's GPUs and its default
+    """engine.theory.hardware holds the peaks and links once: the planner's GPUs and its default
     cluster, and the report's MFU peaks, are rows of it."""
-    from engine.hardware import GPU_SPECS, peak_flops
-    from engine.planner import GPUS
+    from engine.theory.hardware import GPU_SPECS, peak_flops
+    from engine.theory.planner import GPUS
 
     for label, device in (("A100 80GB", "NVIDIA A100-SXM4-80GB"),
                           ("H100 80GB", "NVIDIA H100 80GB HBM3"), ("H200 141GB", "NVIDIA H200")):

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.comm import ops
-from engine.comm.nccl_rules import nccl_rules
+from engine.observe.nccl_rules import nccl_rules
 from engine.pp.actions import actions_of
 from engine.pp.experiments import schedule_by_name
 from engine.pp.link import plan_rounds, rendezvous_deadlock

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from engine import theory
-from engine.comm import CommMeter
+from engine.observe.meter import CommMeter
 from engine.precision import (DynamicLossScaler, Fp8Linear, bytes_per_parameter,
                               fp8_all_gather, fp8_matmul, gradient_underflow,
                               outlier_activations, plain_all_gather, quantize, regression_data,

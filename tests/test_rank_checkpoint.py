@@ -1,4 +1,4 @@
-"""engine.rank_checkpoint: every rank's own state back bit for bit, and a checkpoint that does
+"""engine.checkpoint.per_rank: every rank's own state back bit for bit, and a checkpoint that does
 not fit refused by name on every rank."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.rank_checkpoint import load_per_rank, read_rank_state, save_per_rank
+from engine.checkpoint.per_rank import load_per_rank, read_rank_state, save_per_rank
 from engine.zero.checkpoint import CheckpointError
 from tests.helpers import run_ranks
 

@@ -10,7 +10,8 @@ import torch
 import torch.utils.checkpoint
 
 from engine import theory
-from engine.models import GPTConfig, TinyGPT, token_data
+from engine.model.gpt import GPTConfig, TinyGPT
+from engine.model.data import token_data
 from engine.precision.recompute import (PLANS, SavedBytes, budget_plan, gpt_forward, measure,
                                         pareto, per_block_costs, tiny_gpt_bytes_per_layer,
                                         tiny_gpt_flops_per_layer)

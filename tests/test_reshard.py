@@ -10,7 +10,7 @@ import json
 import pytest
 
 from engine.__main__ import main as engine_main
-from engine.checkpoints import step_dir
+from engine.checkpoint.trainer import step_dir
 
 
 def _train(*args) -> None:

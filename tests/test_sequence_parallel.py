@@ -15,9 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import RankError, theory
-from engine.comm import CommMeter
-from engine.memory import ActivationTracker
-from engine.models import GPTConfig, TinyGPT, token_data
+from engine.observe.meter import CommMeter
+from engine.observe.memory import ActivationTracker
+from engine.model.gpt import GPTConfig, TinyGPT
+from engine.model.data import token_data
 from engine.tp import (ColumnParallelLinear, RowParallelLinear, TensorParallelGPT, dense_state,
                        scatter_to_sequence_parallel)
 from engine.tp.mappings import check_sequence_split

@@ -1,4 +1,4 @@
-"""The state-accounting contract: ``engine.memory.model_state_bytes`` counts what every strategy
+"""The state-accounting contract: ``engine.observe.memory.model_state_bytes`` counts what every strategy
 holds on each of 2 ranks, and refuses what it cannot count.
 
 Every expected number here is written from the dense model's shapes and the ZeRO paper's
@@ -17,8 +17,8 @@ from torch import nn
 
 from engine import theory
 from engine.dp import DataParallel, NaiveDataParallel
-from engine.memory import model_state_bytes
-from engine.models import MLP
+from engine.observe.memory import model_state_bytes
+from engine.model.mlp import MLP
 from engine.zero import TunedZeroOptimizer, ZeroDataParallel, ZeroOptimizer
 from tests.helpers import run_ranks
 

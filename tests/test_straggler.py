@@ -1,4 +1,4 @@
-"""The straggler detector (engine.straggler): a rank slowed 2x is named within 10 steps; no rank
+"""The straggler detector (engine.ft.straggler): a rank slowed 2x is named within 10 steps; no rank
 is named in 500 healthy steps with realistic jitter."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from engine.comm.nccl_rules import nccl_rules
-from engine.straggler import StragglerDetector, gather_step_times
+from engine.observe.nccl_rules import nccl_rules
+from engine.ft.straggler import StragglerDetector, gather_step_times
 from tests.helpers import run_ranks
 
 RANKS = 8

@@ -1,6 +1,6 @@
-"""engine.timed_steps asks the strategy how to name its bytes: every
-:class:`engine.steps.Strategy` carries its bookkeeper (``traffic``), the older paths
-:func:`engine.steps.traffic_by_group` by default, the composed engine
+"""engine.train.timed_steps asks the strategy how to name its bytes: every
+:class:`engine.train.steps.Strategy` carries its bookkeeper (``traffic``), the older paths
+:func:`engine.train.steps.traffic_by_group` by default, the composed engine
 :func:`engine.compose.traffic.strategy_traffic`; the loop has no branch per engine."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import torch
 
-from engine import timed_steps
+from engine.train import timed_steps
 from engine.comm import ops
-from engine.steps import Strategy, traffic_by_group
+from engine.train.steps import Strategy, traffic_by_group
 from engine.topology import Mesh
 from tests.helpers import run_ranks
 

@@ -1,4 +1,4 @@
-"""engine.timed_steps: "allocated once sharded" is read when the optimizer's state exists
+"""engine.train.timed_steps: "allocated once sharded" is read when the optimizer's state exists
 (after the first step; AdamW creates its state at its first step), not before it."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from engine import timed_steps
+from engine.train import timed_steps
 from engine.topology import Mesh
 from tests.helpers import run_ranks
 

@@ -1,4 +1,4 @@
-"""engine.timed_steps: every group the timed steps use has run a built-in collective before
+"""engine.train.timed_steps: every group the timed steps use has run a built-in collective before
 the first timed mark.
 
 NCCL connects a group at its first built-in collective. The first step runs counted on the
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine import timed_steps
+from engine.train import timed_steps
 from engine.comm import ops
 from engine.topology import Mesh
 from tests.helpers import run_ranks

@@ -1,4 +1,4 @@
-"""engine.diloco beside torchft's ``torchft.local_sgd.DiLoCo`` (the optional extra
+"""engine.ft.diloco beside torchft's ``torchft.local_sgd.DiLoCo`` (the optional extra
 ``pip install -e ".[ft]"``; skipped, with the reason, where torchft is not installed).
 
 The same configuration both ways: two replicas of the same MLP, AdamW inside, an outer SGD
@@ -64,8 +64,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.diloco import DiLoCo
-from engine.models import MLP, regression_data
+from engine.ft.diloco import DiLoCo
+from engine.model.mlp import MLP
+from engine.model.data import regression_data
 from tests.helpers import run_ranks
 
 torchft = pytest.importorskip(

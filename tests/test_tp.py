@@ -9,9 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import theory
-from engine.comm import CommMeter
+from engine.observe.meter import CommMeter
 from engine.compose.model import ModelConfig
-from engine.models import GPTConfig, TinyGPT, token_data
+from engine.model.gpt import GPTConfig, TinyGPT
+from engine.model.data import token_data
 from engine.tp import (ColumnParallelLinear, RowParallelLinear, TensorParallelGPT,
                        VocabParallelEmbedding, check_tp_degree, copy_to_tp, dense_state,
                        reduce_from_tp, vocab_parallel_cross_entropy)

@@ -1,4 +1,4 @@
-"""engine.trace: events from the meter, exported to Chrome trace JSON and loaded back."""
+"""engine.observe.trace: events from the meter, exported to Chrome trace JSON and loaded back."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import json
 import pytest
 import torch
 
-from engine.comm import CommMeter, ops
-from engine.trace import TraceEvent, events_from_meter, from_chrome_trace, to_chrome_trace
+from engine.observe.meter import CommMeter
+from engine.comm import ops
+from engine.observe.trace import TraceEvent, events_from_meter, from_chrome_trace, to_chrome_trace
 from tests.helpers import run_ranks
 
 
@@ -55,7 +56,7 @@ def test_lanes_become_threads_and_bad_events_are_rejected():
 def test_the_cpu_clock_is_perf_counter_and_marks_are_ordered():
     import time
 
-    from engine.trace import Clock
+    from engine.observe.trace import Clock
 
     clock = Clock("cpu")
     before = time.perf_counter()
@@ -69,7 +70,7 @@ def test_the_cuda_clock_times_execution_not_launch():
 
     import torch
 
-    from engine.trace import Clock
+    from engine.observe.trace import Clock
 
     clock = Clock("cuda")
     a = torch.randn(4096, 4096, device="cuda")

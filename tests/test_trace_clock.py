@@ -1,4 +1,4 @@
-"""engine.trace.clock_offset: ranks whose clocks disagree (two nodes) are put on the first
+"""engine.observe.trace.clock_offset: ranks whose clocks disagree (two nodes) are put on the first
 rank's clock, so their timelines and the pipeline's idle share line up. Checked on CPU ranks
 whose clock is shifted by 1000 s per rank."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from engine.comm import ops
 from engine.pp import measured_idle
-from engine.trace import TraceEvent, clock_offset, on_clock
+from engine.observe.trace import TraceEvent, clock_offset, on_clock
 from tests.helpers import run_ranks
 
 SHIFT_S = 1000.0

@@ -1,4 +1,4 @@
-"""Every composed byte named by the purpose it was sent for (engine.comm.comm_purpose), not only
+"""Every composed byte named by the purpose it was sent for (engine.observe.meter.comm_purpose), not only
 by the ranks of its group: where two dimensions of the mesh hold the same ranks, the ranks
 cannot tell them apart (engine.compose.traffic). Bytes below: one step, summed over ranks.
 
@@ -52,7 +52,8 @@ def _issue_and_backward_on_a_thread(mesh):
     """Ulysses attention and an MoE dispatch/combine on the same two ranks, forward here and
     backward on another thread, then an untagged all-reduce over dp x cp (the same ranks):
     ``[(phase, op, purpose, kind)]`` of every event this rank recorded."""
-    from engine.comm import CommMeter, ops
+    from engine.observe.meter import CommMeter
+    from engine.comm import ops
     from engine.compose.traffic import kind_of
     from engine.cp.ulysses import ulysses_attention
     from engine.moe.dispatch import combine, dispatch
@@ -88,7 +89,7 @@ def _issue_and_backward_on_a_thread(mesh):
 
 def _tags_in_backward(rank, world_size):
     import engine.comm.autograd
-    from engine.comm.meter import current_purpose
+    from engine.observe.meter import current_purpose
     from engine.topology import Mesh
 
     mesh = Mesh(cp=2, ep=2)  # dp = 1: cp, ep and dp x cp are the same two ranks
@@ -129,8 +130,8 @@ def test_the_purpose_reaches_collectives_issued_in_backward_on_another_thread():
 def test_a_purpose_belongs_to_its_thread_and_nests():
     """A gradient hook on autograd's thread must not take the purpose a forward on the main
     thread has set, and an inner purpose gives way to the outer one when it ends."""
-    from engine.comm import comm_purpose
-    from engine.comm.meter import current_purpose
+    from engine.observe.meter import comm_purpose
+    from engine.observe.meter import current_purpose
 
     seen = []
     with comm_purpose("cp"):

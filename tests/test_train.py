@@ -198,7 +198,7 @@ def _help_entries(text: str) -> dict[str, str]:
 
 
 def test_help_gives_every_flag_its_text_choices_and_default(capsys):
-    from engine.train import parser
+    from engine.train.cli import parser
 
     with pytest.raises(SystemExit) as exit_:
         engine_main(["train", "--help"])
@@ -227,7 +227,7 @@ def test_help_gives_every_flag_its_text_choices_and_default(capsys):
 
 
 def test_gpu_lab_cells_check_their_configuration_and_print_the_commands_on_a_cpu(capsys):
-    from engine.train import run_on_gpus
+    from engine.train.cli import run_on_gpus
 
     args = ["--world-size", "2", "--dp", "2", "--zero", "3", "--impl", "both"]
     assert run_on_gpus(args, gpus_needed=10**6) is None
@@ -243,7 +243,7 @@ def test_gpu_lab_cells_check_their_configuration_and_print_the_commands_on_a_cpu
 
 
 def test_peak_table_is_keyed_by_the_exact_gpu_name_and_precision():
-    from engine.train_report import peak_flops
+    from engine.train.report import peak_flops
 
     assert peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989e12  # SXM
     assert peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12
@@ -260,7 +260,7 @@ def test_the_trainer_reads_the_pipeline_layer_s_header_size_and_schedule_registr
     registry's one-chunk entries."""
     from engine.pp.link import SHAPE_HEADER_BYTES
     from engine.pp.registry import SCHEDULES as REGISTRY
-    from engine.steps import SCHEDULES, TRAINER_SCHEDULES, trainer_schedule
+    from engine.train.steps import SCHEDULES, TRAINER_SCHEDULES, trainer_schedule
 
     assert SHAPE_HEADER_BYTES == 72
     assert all(SCHEDULES[name] is REGISTRY[name].make for name in TRAINER_SCHEDULES)
@@ -283,7 +283,7 @@ def test_a_cpu_run_on_a_gpu_machine_reports_no_gpu_mfu(capsys, monkeypatch):
 def _under_nccl_rules(rank, world_size, fn, cfg):
     """``fn`` inside ``nccl_rules()``: engine.comm.ops and torch.distributed's own collectives
     refuse what NCCL would."""
-    from engine.comm.nccl_rules import nccl_rules
+    from engine.observe.nccl_rules import nccl_rules
 
     with nccl_rules():
         return fn(rank, world_size, cfg)
@@ -292,8 +292,8 @@ def _under_nccl_rules(rank, world_size, fn, cfg):
 @pytest.mark.parametrize("layout", [dict(dp=2, tp=2), dict(pp=2),
                                     dict(dp=2, zero=0, impl="both", compress="fp16")])
 def test_every_tensor_the_trainer_hands_a_collective_is_on_the_rank_device(layout):
-    from engine.train import TrainConfig
-    from engine.train_run import train_on_rank
+    from engine.train.cli import TrainConfig
+    from engine.train.run import train_on_rank
 
     cfg = TrainConfig(steps=1, **layout)
     results = launch(_under_nccl_rules, cfg.world_size, train_on_rank, cfg, backend="gloo",
@@ -345,7 +345,7 @@ def test_under_torchrun_only_global_rank_0_reports_and_writes_the_trace(tmp_path
 
 def test_a_compute_share_gap_between_identical_ranks_is_noted_only_beyond_the_noise(capsys):
     from engine.topology import Coordinates
-    from engine.train_report import _compute_share_note
+    from engine.train.report import _compute_share_note
 
     def runs(*compute_per_rank):
         return [{"coords": Coordinates(dp=rank, tp=0, pp=0), "device_type": "cpu",

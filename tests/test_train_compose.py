@@ -1,4 +1,4 @@
-"""``python -m engine train`` on the composed engine (engine.train_compose): every layout trains
+"""``python -m engine train`` on the composed engine (engine.train.composed): every layout trains
 on the same global batch of step k as one process, and its loss per step (the mean over every
 non-padding token of the global batch) equals one process's within 1e-6; what the composed
 engine cannot carry is refused before any rank starts, naming the flags."""
@@ -46,7 +46,7 @@ ACCEPTANCE = {
                           "--micro-batch", "2"],
                          ["--varlen", "--world-size", "1", "--microbatches", "2",
                           "--micro-batch", "4"]),
-    # MoE (dropless, no router losses: engine.train_compose) with ep borrowed from dp
+    # MoE (dropless, no router losses: engine.train.composed) with ep borrowed from dp
     "tiny-moe ep2 x pp2": (["--model", "tiny-moe", "--dp", "2", "--ep", "2",
                             "--pp", "2", "--microbatches", "2", "--micro-batch", "2"],
                            ["--model", "tiny-moe", "--world-size", "1",

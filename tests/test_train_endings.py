@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from engine.__main__ import main as engine_main
-from engine.train_endings import resume_command
+from engine.train.endings import resume_command
 from tests.helpers import descendants, is_running
 from tests.torchrun_agents import REPO, agent_pids, free_port, start_agent, stop
 
@@ -77,8 +77,8 @@ def test_the_resume_command_drops_the_labs_kill_and_keeps_everything_else():
 
 
 def test_ctrl_c_without_save_says_nothing_can_be_resumed():
-    from engine.train import parse
-    from engine.train_endings import interrupted
+    from engine.train.cli import parse
+    from engine.train.endings import interrupted
 
     cfg, _, _ = parse(["--steps", "10"])
     assert interrupted(cfg, ["--steps", "10"], 3) == (

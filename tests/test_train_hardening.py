@@ -1,8 +1,8 @@
 """``python -m engine train`` refuses what it cannot finish before any rank starts, with one
-line naming the flag, the value given and what was expected (engine.train_checks); a loss
-that is not finite stops the run naming the step, rank and layer (engine.train_nonfinite); a
+line naming the flag, the value given and what was expected (engine.train.checks); a loss
+that is not finite stops the run naming the step, rank and layer (engine.train.nonfinite); a
 damaged checkpoint is one line naming its file and field, or its rank and file, and
-``--resume-fallback`` resumes from the one before it, saying so (engine.train_run)."""
+``--resume-fallback`` resumes from the one before it, saying so (engine.train.run)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from engine.__main__ import main as engine_main
-from engine.checkpoints import complete, step_dir
-from engine.train import TrainConfig
-from engine.train_checks import check_world
-from engine.train_nonfinite import NonFiniteLoss, NonFiniteWatch, first_nonfinite
+from engine.checkpoint.trainer import complete, step_dir
+from engine.train.cli import TrainConfig
+from engine.train.checks import check_world
+from engine.train.nonfinite import NonFiniteLoss, NonFiniteWatch, first_nonfinite
 from tests.helpers import descendants
 
 
@@ -78,7 +78,7 @@ def test_out_of_range_values_are_refused_in_one_line_before_any_rank_starts(
 
 
 def test_the_seed_s_bound_is_one_the_data_generator_takes():
-    from engine.train_checks import MAX_SEED
+    from engine.train.checks import MAX_SEED
 
     # the data of step k is seeded with (seed + 1) x 1,000,003 + k (engine.compose.data)
     torch.Generator().manual_seed((MAX_SEED + 1) * 1_000_003 + 10**9)
@@ -87,7 +87,7 @@ def test_the_seed_s_bound_is_one_the_data_generator_takes():
 
 def test_the_world_is_bounded_by_the_machine_s_cores_unless_told(capsys, no_ranks,
                                                                   monkeypatch):
-    import engine.train_checks as checks
+    import engine.train.checks as checks
 
     monkeypatch.setattr(checks, "usable_cores", lambda: 1)  # 4 per core, at least 8: 8
     err = refused(["--dp", "100000", "--microbatches", "1", "--micro-batch", "1"], capsys)
@@ -108,7 +108,7 @@ def test_the_world_is_bounded_by_the_machine_s_cores_unless_told(capsys, no_rank
 
 
 def test_allow_oversubscribe_runs_more_ranks_than_the_limit(capsys, monkeypatch):
-    import engine.train_checks as checks
+    import engine.train.checks as checks
 
     monkeypatch.setattr(checks, "rank_limit", lambda: 1)
     assert "runs at most 1" in refused(["--dp", "2", "--steps", "1"], capsys)
@@ -204,7 +204,7 @@ def test_the_detector_names_the_first_layer_with_a_nonfinite_output():
 
 def test_the_detector_finds_the_layer_in_the_gpt_by_its_name():
     from engine.compose.model import GPT
-    from engine.train_compose import model_config
+    from engine.train.composed import model_config
 
     gpt = GPT(model_config(TrainConfig()))
     ids = torch.randint(0, 64, (2, 16))

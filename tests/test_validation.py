@@ -50,7 +50,7 @@ def test_one_of_and_divides_say_what_was_expected():
 
 
 def test_the_trainer_refuses_a_bool_degree_before_any_rank_starts():
-    from engine.train import TrainConfig, check_config
+    from engine.train.cli import TrainConfig, check_config
 
     with pytest.raises(ValueError, match="--dp must be a positive int, got True"):
         check_config(TrainConfig(dp=True))

@@ -40,7 +40,7 @@ def test_every_figure_draws_and_labels_its_axes():
 
 
 def test_timeline_draws_lanes_and_rejects_nothing():
-    from engine.trace import TraceEvent
+    from engine.observe.trace import TraceEvent
     from engine.viz.timeline import timeline_figure
 
     events = [TraceEvent("backward", 0, 0.0, 0.01, lane="compute"),
@@ -92,7 +92,7 @@ def test_tp_split_figure_draws_both_splits():
 
 def test_pipeline_gantt_and_explorer():
     from engine.pp import interleaved_1f1b, simulate
-    from engine.trace import TraceEvent
+    from engine.observe.trace import TraceEvent
     from engine.viz.pipeline import gantt_figure, pipeline_explorer, timeline_rows
 
     result = simulate(interleaved_1f1b(2, 4, 2))
@@ -104,7 +104,7 @@ def test_pipeline_gantt_and_explorer():
 
 
 def test_planner_table_figure_and_explorer():
-    from engine.planner import MODELS, Cluster, plan
+    from engine.theory.planner import MODELS, Cluster, plan
     from engine.viz.planner import planner_explorer, plans_figure, plans_table
 
     plans = plan(MODELS["GPT-3 175B"], Cluster(1024), 1536)

@@ -8,9 +8,11 @@ import torch
 from torch import nn
 
 from engine import theory
-from engine.comm import CommMeter
+from engine.observe.meter import CommMeter
 from engine.dp import DataParallel
-from engine.models import MLP, GPTConfig, TinyGPT, regression_data, shard, token_data
+from engine.model.mlp import MLP
+from engine.model.gpt import GPTConfig, TinyGPT
+from engine.model.data import regression_data, shard, token_data
 from engine.zero import ZeroDataParallel, ZeroOptimizer
 from tests.helpers import BEYOND_CPU, DEVICE_WORLD_SIZES, rank_device, run_ranks
 

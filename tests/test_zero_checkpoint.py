@@ -10,7 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from engine.models import MLP, GPTConfig, TinyGPT, regression_data, shard
+from engine.model.mlp import MLP
+from engine.model.gpt import GPTConfig, TinyGPT
+from engine.model.data import regression_data, shard
 from engine.pp import gpipe, run_pipeline
 from engine.topology import Mesh
 from engine.tp.layers import ColumnParallelLinear, RowParallelLinear

@@ -18,9 +18,11 @@ import torch.distributed as dist
 from torch import nn
 
 from engine import theory
-from engine.comm import CommMeter, ops
+from engine.observe.meter import CommMeter
+from engine.comm import ops
 from engine.dp import DataParallel
-from engine.models import MLP, regression_data
+from engine.model.mlp import MLP
+from engine.model.data import regression_data
 from engine.zero import ZeroDataParallel, ZeroOptimizer
 from tests.helpers import run_ranks
 

@@ -10,9 +10,10 @@ import torch.distributed as dist
 from torch import nn
 
 from engine import theory
-from engine.comm import CommMeter
+from engine.observe.meter import CommMeter
 from engine.dp import DataParallel
-from engine.models import MLP, regression_data, shard
+from engine.model.mlp import MLP
+from engine.model.data import regression_data, shard
 from engine.zero import TunedZeroOptimizer, ZeroOptimizer
 from tests.helpers import BEYOND_CPU, DEVICE_WORLD_SIZES, rank_device, run_ranks
 

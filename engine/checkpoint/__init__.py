@@ -17,7 +17,7 @@ Layers, each importing only those above it in this list:
 
 Built on them, above this package: ZeRO's sharded save and load
 (:mod:`engine.zero.checkpoint`) and the re-cutting of a whole state into ZeRO's buckets
-(:mod:`engine.zero.recut`), the trainer's checkpoints (:mod:`engine.checkpoints`), and
+(:mod:`engine.zero.recut`), the trainer's checkpoints (:mod:`engine.checkpoint.trainer`), and
 resharding (:mod:`engine.compose.reshard`).
 """
 

@@ -127,7 +127,7 @@ def save_files(directory, prepare: Callable[[], RankFile],
     into ``directory``; global rank 0 then writes ``manifest(entries)``, every rank's
     :class:`FileEntry` in rank order. Call on every rank; returns once the checkpoint is
     complete, or raises on every rank. ``group``: the process group the agreements use
-    (default: the world's); an asynchronous save (:class:`engine.checkpoints.AsyncSaver`)
+    (default: the world's); an asynchronous save (:class:`engine.checkpoint.trainer.AsyncSaver`)
     agrees on a group of its own, so its thread never shares one with the training."""
     directory = Path(directory)
     first = dist.get_rank() == 0

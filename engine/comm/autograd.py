@@ -17,13 +17,13 @@ from __future__ import annotations
 import torch
 
 from engine.comm import ops
-from engine.comm.meter import comm_purpose, current_purpose
+from engine.observe.meter import comm_purpose, current_purpose
 
 
 class AllToAll(torch.autograd.Function):
     """All-to-all of rows (split along dim 0); backward is the same all-to-all with the splits
     swapped. Splits ``None``: equal pieces. The backward's events carry the purpose the
-    forward's did (:class:`engine.comm.meter.comm_purpose`), whichever thread runs it."""
+    forward's did (:class:`engine.observe.meter.comm_purpose`), whichever thread runs it."""
 
     @staticmethod
     def forward(ctx, rows, output_splits, input_splits, group):

@@ -3,7 +3,7 @@
 ``all_reduce``, ``broadcast``, ``reduce``, ``reduce_scatter_tensor``,
 ``all_gather_into_tensor``, ``all_to_all_single`` and ``barrier``, with the arguments and
 semantics of the ``torch.distributed`` functions of the same name, each reported to the open
-meters as one :class:`~engine.comm.meter.CommEvent`. Normally the built-in collective of Gloo or
+meters as one :class:`~engine.observe.meter.CommEvent`. Normally the built-in collective of Gloo or
 NCCL runs and the event holds the wire model's bytes (:func:`engine.theory.collective_wire_bytes`).
 Inside ``CommMeter(count="wire")`` the same call runs the engine's own algorithm of
 :mod:`engine.comm.counted`, built from point-to-point messages, and the event holds the bytes
@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 from engine import theory
-from engine.comm import counted, durations, nccl_rules
-from engine.comm.meter import (OPEN, CommEvent, collecting_messages, counting_wire, record,
+from engine.comm import counted
+from engine.observe import durations, nccl_rules
+from engine.observe.meter import (OPEN, CommEvent, collecting_messages, counting_wire, record,
                                recording)
 from engine.comm.p2p import (MeteredWork, group_ranks, mark_gpu_end, nbytes, nccl_times,
                              staged)

@@ -7,7 +7,7 @@ is a facade and holds no code: the point-to-point ops, counted exactly, are
 :mod:`engine.comm.p2p`; the collectives, which run the built-in and record modeled wire bytes
 except inside ``CommMeter(count="wire")``, where they run on the engine's own point-to-point
 algorithms (:mod:`engine.comm.counted`) and their bytes are counted, are
-:mod:`engine.comm.collectives` (see :mod:`engine.comm.meter`).
+:mod:`engine.comm.collectives` (see :mod:`engine.observe.meter`).
 
 **Gloo with CUDA tensors.** Gloo takes CUDA tensors only in ``all_reduce`` and ``broadcast``;
 for every other op the data goes through host memory and back (:mod:`engine.comm.p2p`), which

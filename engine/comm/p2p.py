@@ -26,8 +26,8 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from engine.comm import durations, nccl_rules
-from engine.comm.meter import OPEN, CommEvent, record, recording
+from engine.observe import durations, nccl_rules
+from engine.observe.meter import OPEN, CommEvent, record, recording
 
 P2POp = dist.P2POp
 
@@ -105,7 +105,7 @@ class MeteredWork:
 def nccl_times(tensor: torch.Tensor, group=None) -> bool:
     """True where the op's work can time itself (a CUDA tensor on an NCCL group): its events
     keep the work, asked for NCCL's own duration when the meter closes
-    (:mod:`engine.comm.durations`). Asked only while a meter is open."""
+    (:mod:`engine.observe.durations`). Asked only while a meter is open."""
     return tensor.is_cuda and dist.get_backend(group) == "nccl"
 
 

@@ -19,7 +19,7 @@ The two phases are also functions of their own, :func:`ring_reduce_scatter_pipel
 :func:`ring_all_gather_pipelined` (what :class:`engine.zero.TunedZeroOptimizer` runs).
 
 Every message goes through :func:`engine.comm.p2p.isend` / ``irecv``, the same send path as the
-readable ring, so a :class:`~engine.comm.CommMeter` counts both the same way. On NCCL use the
+readable ring, so a :class:`~engine.observe.meter.CommMeter` counts both the same way. On NCCL use the
 readable ring: unbatched receives posted ahead of their sends can block a two-rank ring there.
 """
 

@@ -6,11 +6,11 @@ with the algorithms interleaved inside each repeat so drift in the machine's loa
 them alike, in an order reversed every other repeat so none always runs right after another.
 Module-level, so it can be started with spawn (NCCL) as well as fork. The times are the host's
 clock around the call, after a barrier and a device synchronisation on each side: the whole
-collective as the caller waits for it (a :class:`engine.comm.CommMeter` on NCCL reports NCCL's
-own timing of each op instead, labelled ``timed_by="nccl"``: :mod:`engine.comm.durations`).
+collective as the caller waits for it (a :class:`engine.observe.meter.CommMeter` on NCCL reports NCCL's
+own timing of each op instead, labelled ``timed_by="nccl"``: :mod:`engine.observe.durations`).
 
 By default every algorithm the group's backend can run is timed, on the rank's device
-(:func:`engine.device.rank_device`: its GPU on NCCL, else the CPU): on NCCL that is all but the
+(:func:`engine.launch.device.rank_device`: its GPU on NCCL, else the CPU): on NCCL that is all but the
 tuned ring, which posts receives ahead of their sends and could block there
 (:data:`NOT_ON_NCCL`).
 """
@@ -69,7 +69,7 @@ def all_reduce_samples(rank: int, world_size: int, sizes, names=None, repeats: i
         raise ValueError(f"{refused[0]!r} cannot run on NCCL: {NOT_ON_NCCL[refused[0]]}; "
                          f"time some of {default_algorithms()} there")
     if device is None:
-        from engine.device import rank_device
+        from engine.launch.device import rank_device
 
         device = str(rank_device())
     if device == "cuda":

@@ -9,7 +9,7 @@ reads (:mod:`engine.tp`, :mod:`engine.cp`, :mod:`engine.moe`, :mod:`engine.dp`,
 * :mod:`~engine.compose.plan`: :class:`Plan`, the degrees and choices of one layout, checked
   against the model and the batch before any rank starts;
 * :mod:`~engine.compose.model`: :class:`GPT`, the one GPT definition
-  (:class:`engine.models.GPT`: grouped-query attention, dense or MoE feed-forward layers, tied
+  (:class:`engine.model.gpt.GPT`: grouped-query attention, dense or MoE feed-forward layers, tied
   or untied embeddings) with its MoE layers built from :class:`ModelConfig`;
 * :mod:`~engine.compose.data`: the global batch of step k, the same sequences whatever the
   layout (``varlen``: packed documents, padding, a loss mask), and each rank's slice of it;

@@ -1,7 +1,7 @@
-"""``GPT``: the one GPT definition (:class:`engine.models.GPT`) with its MoE layers built from
+"""``GPT``: the one GPT definition (:class:`engine.model.gpt.GPT`) with its MoE layers built from
 the configuration, for the composed engine.
 
-:class:`engine.models.GPT` holds the model: grouped-query attention (``kv_heads``), tied or
+:class:`engine.model.gpt.GPT` holds the model: grouped-query attention (``kv_heads``), tied or
 untied embeddings, ``qkv_bias``, ``ffn_hidden``, the positions argument a context-parallel
 rank needs. This module adds what lives above the foundation layer:
 
@@ -12,7 +12,7 @@ rank needs. This module adds what lives above the foundation layer:
 * the scatter of the positions under **sequence parallelism** (:mod:`engine.tp.mappings`).
 
 With ``kv_heads = heads``, ``tied=True`` and no experts, ``GPT(cfg, seed)`` has the same
-parameters, names and bits as :class:`engine.models.TinyGPT` (tests/test_compose.py).
+parameters, names and bits as :class:`engine.model.gpt.TinyGPT` (tests/test_compose.py).
 
 The parallel layouts change modules, not this file:
 :func:`engine.compose.parallelize.parallelize` replaces the linear layers, the embedding and
@@ -26,8 +26,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from engine.models import GPT as OneGPT
-from engine.models import Attention, Block, GPTConfig, grouped_causal_attention
+from engine.model.gpt import GPT as OneGPT
+from engine.model.gpt import Attention, Block, GPTConfig, grouped_causal_attention
 from engine.moe.gpt import moe_feed_forward
 from engine.tp.mappings import scatter_to_sequence_parallel
 from engine.validation import non_negative_int, positive_int
@@ -37,7 +37,7 @@ __all__ = ["ModelConfig", "GPT", "Attention", "Block", "grouped_causal_attention
 
 @dataclass(frozen=True)
 class ModelConfig(GPTConfig):
-    """:class:`engine.models.GPTConfig` (sizes, ``kv_heads``, ``tied``, ``qkv_bias``,
+    """:class:`engine.model.gpt.GPTConfig` (sizes, ``kv_heads``, ``tied``, ``qkv_bias``,
     ``ffn_hidden``) with 4 heads by default, and the mixture-of-experts numbers."""
 
     heads: int = 4
@@ -57,13 +57,13 @@ class ModelConfig(GPTConfig):
 
     @classmethod
     def from_gpt(cls, cfg: GPTConfig, **choices) -> "ModelConfig":
-        """``cfg``'s sizes and choices (a :class:`engine.models.GPTConfig`), with
+        """``cfg``'s sizes and choices (a :class:`engine.model.gpt.GPTConfig`), with
         ``choices`` over them."""
         return cls(**{f.name: getattr(cfg, f.name) for f in fields(GPTConfig)} | choices)
 
 
 class GPT(OneGPT):
-    """:class:`engine.models.GPT` of ``cfg``, its MoE layers (``cfg.num_experts > 0``) built
+    """:class:`engine.model.gpt.GPT` of ``cfg``, its MoE layers (``cfg.num_experts > 0``) built
     over ``expert_group`` (:class:`engine.moe.MoE`'s ``group``). Inside launched ranks pass a
     one-rank group (:func:`engine.moe.layer.single_rank_group`): every rank then builds every
     expert, from the same seed, and expert parallelism keeps its share

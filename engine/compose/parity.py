@@ -9,7 +9,7 @@ parallelize` and :func:`engine.compose.loop.train`. The reference is a plain sin
 loop: the whole global batch, the mean over its tokens that count, ``loss.backward()``, the
 optimizer step. A row reports the largest difference of the loss at any step and of any
 parameter on any rank, the seconds it took (launch included), and the bytes each kind of group
-(dp, cp, ep, tp, pp) sent, counted on the wire by a :class:`engine.comm.CommMeter` (its
+(dp, cp, ep, tp, pp) sent, counted on the wire by a :class:`engine.observe.meter.CommMeter` (its
 collectives run on the engine's point-to-point rings) and summed over the ranks, beside the
 formula for each kind (:mod:`engine.compose.formulas`; the experts' all-to-alls take the rows
 the routers sent to other ranks, counted by a hook on each MoE layer, as input).
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from engine.comm import CommMeter
-from engine.comm.nccl_rules import nccl_rules
+from engine.observe.meter import CommMeter
+from engine.observe.nccl_rules import nccl_rules
 from engine.compose.data import global_batch
 from engine.compose.experts import balance_bytes
 from engine.compose.loss import masked_sum
@@ -214,7 +214,7 @@ def run_layout(rank: int, world_size: int, row: Row, steps: int = STEPS) -> dict
     optimizer_cls, kwargs = OPTIMIZERS[row.optimizer]
     par = parallelize(GPT(cfg, seed=SEED, expert_group=alone), mesh, plan, optimizer_cls,
                       **kwargs)
-    # under NCCL's rules (engine.comm.nccl_rules) on Gloo too: every tensor handed to a
+    # under NCCL's rules (engine.observe.nccl_rules) on Gloo too: every tensor handed to a
     # collective is on the rank's device, as a GPU run of the same row needs
     crossing = count_crossing_rows(par.model) if plan.ep > 1 else None
     with nccl_rules(), CommMeter(count="wire") as meter:

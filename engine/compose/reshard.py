@@ -31,7 +31,7 @@ recorded under their global index (:func:`engine.compose.state.global_expert_nam
 ZeRO shards with the expert-data-parallel ranks, and cut by expert parallelism's own split.
 The losses after it equal one process's within the parity matrix's 1e-6, not bit for bit: the
 new layout sums in another order (tests/test_compose_reshard.py). What stays refused, by name:
-``--compress`` (:func:`engine.train_compose.check_composed_reshard`, and a compressed
+``--compress`` (:func:`engine.train.composed.check_composed_reshard`, and a compressed
 checkpoint when it is joined), as the error-feedback residual is one rank's memory of its own
 gradients: no rank of another layout continues it; a model with buffers (DeepSeek-V3's
 expert bias, ``bias_update_rate``: the trainer's models have none), which this state does not

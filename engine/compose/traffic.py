@@ -1,9 +1,9 @@
 """Bytes on the wire per kind of group (dp, cp, ep, tp, pp) of a composed run: the one
 bookkeeper of composed bytes, for ``python -m engine parity`` and ``engine train`` alike.
 
-A :class:`engine.comm.CommMeter` opened with ``count="wire"`` counts every message this rank
+A :class:`engine.observe.meter.CommMeter` opened with ``count="wire"`` counts every message this rank
 sends, each event naming the ranks of its group and, where the layer that issued it said so,
-its purpose (:class:`engine.comm.comm_purpose`, set at the call, forward and backward): ring
+its purpose (:class:`engine.observe.meter.comm_purpose`, set at the call, forward and backward): ring
 attention's, all-gather attention's and Ulysses' (USP's) traffic is tagged ``cp``, the MoE
 dispatch and combine all-to-alls (and their token counts) ``ep``. :func:`kind_of` takes that
 tag first. The ranks cannot tell these apart, since :class:`engine.topology.Mesh` reuses one
@@ -44,7 +44,7 @@ def group_kinds(mesh: Mesh) -> list[tuple[tuple[int, ...], str]]:
 
 
 def kind_of(event, mesh: Mesh, moe: bool) -> str:
-    """The dimension ``event`` (a :class:`engine.comm.CommEvent`) travelled on: its
+    """The dimension ``event`` (a :class:`engine.observe.meter.CommEvent`) travelled on: its
     ``purpose`` when that names a dimension of more than one rank of ``mesh``, else found
     from its ranks and operation (module docstring)."""
     if tagged(event.purpose, mesh):
@@ -106,8 +106,8 @@ def report_traffic(events, mesh: Mesh, moe: bool) -> dict[str, int]:
 
 
 def strategy_traffic(events, mesh: Mesh, groups: dict | None = None) -> dict[str, int]:
-    """The composed engine's :attr:`engine.steps.Strategy.traffic` (set by
-    :func:`engine.train_compose.composed_strategy`): :func:`report_traffic`, an all-to-all
+    """The composed engine's :attr:`engine.train.steps.Strategy.traffic` (set by
+    :func:`engine.train.composed.composed_strategy`): :func:`report_traffic`, an all-to-all
     over the ep group being the experts' wherever they are spread (``mesh.ep > 1``). The
     strategy's ``groups`` add nothing: the mesh names every group a composed run uses."""
     return report_traffic(events, mesh, moe=mesh.ep > 1)

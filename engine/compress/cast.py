@@ -32,7 +32,7 @@ class Cast:
         return Then(work, lambda: bucket.buffer.copy_(wire))
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """What it keeps between steps (see :mod:`engine.memory`): nothing."""
+        """What it keeps between steps (see :mod:`engine.observe.memory`): nothing."""
         return []
 
     def __repr__(self) -> str:

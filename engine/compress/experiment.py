@@ -16,12 +16,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.comm import CommMeter
+from engine.observe.meter import CommMeter
 from engine.compress.cast import BF16, FP16
 from engine.compress.powersgd import PowerSGD
 from engine.compress.topk import RandomK, TopK
 from engine.dp import DataParallel
-from engine.models import MLP, seeded
+from engine.model.mlp import MLP
+from engine.model.seed import seeded
 
 STUDENT = (32, 256, 256, 10)
 TEACHER = (32, 64, 10)

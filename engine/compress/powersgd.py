@@ -77,7 +77,7 @@ class PowerSGD:
         self.elements_before = self.elements_after = 0  # per bucket, summed over calls
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """What it keeps between steps (see :mod:`engine.memory`): the error-feedback memory
+        """What it keeps between steps (see :mod:`engine.observe.memory`): the error-feedback memory
         and the warm-start P and Q of each bucket."""
         return [*self.errors.values(), *self.p_memory.values(), *self.q_memory.values()]
 

@@ -48,7 +48,7 @@ class TopK:
         return vector.abs().topk(self.k(vector.numel()), sorted=False).indices
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """What it keeps between steps (see :mod:`engine.memory`): the error-feedback residuals
+        """What it keeps between steps (see :mod:`engine.observe.memory`): the error-feedback residuals
         and the last selection of each bucket."""
         return [*self.residuals.values(), *self.last_sent.values()]
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from engine.comm import ops
-from engine.comm.meter import comm_purpose
+from engine.observe.meter import comm_purpose
 from engine.cp.blocks import accumulation_dtype, block_backward, block_forward, merge
 from engine.cp.buffers import hold
 from engine.cp.checks import check_attention_inputs, check_same_on_every_rank

@@ -22,7 +22,7 @@ blocks expand K and V here, and fold dK and dV back, so only ``kv_heads`` travel
 The arithmetic runs in :func:`accumulation_dtype`: the wider of the input dtype and fp32 (fp16
 and bf16 inputs accumulate in fp32, as FlashAttention does; fp64 stays fp64, so the blocks
 agree with fp64 ``scaled_dot_product_attention`` to rounding). A block on the causal diagonal
-is masked by :func:`engine.attention.causal_mask`, as the dense GPT's attention is: this is the
+is masked by :func:`engine.model.attention.causal_mask`, as the dense GPT's attention is: this is the
 same attention (Vaswani et al. 2017, eq. 1), computed block by block. The striped layout
 (Brandon et al. 2023) adds a third kind, ``BELOW``: query ``i`` sees keys ``0 .. i-1`` of the
 block (strictly below the diagonal), so its first row sees no key at all; that row's ``lse`` is
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import causal_mask
+from engine.model.attention import causal_mask
 
 FULL, DIAGONAL = "full", "diagonal"  # a block entirely visible, or on the causal diagonal
 BELOW = "below"  # strictly below the diagonal: query i sees keys 0 .. i-1 (striped layout)

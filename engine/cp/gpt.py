@@ -35,7 +35,7 @@ ATTENTIONS = ("ring", "ulysses", "allgather")
 
 
 def context_parallel_core(group=None, layout: str = "zigzag", attention: str = "ring"):
-    """The attention ``core(q, k, v)`` of an :class:`engine.models.Attention` that spans the
+    """The attention ``core(q, k, v)`` of an :class:`engine.model.gpt.Attention` that spans the
     tokens of ``group``: ring, all-gather or Ulysses attention, causal."""
     one_of("attention", attention, ATTENTIONS)
     if attention == "ring":
@@ -46,7 +46,7 @@ def context_parallel_core(group=None, layout: str = "zigzag", attention: str = "
 
 
 class ContextParallelGPT(nn.Module):
-    """A copy ``.gpt`` of ``gpt`` (an :class:`engine.models.TinyGPT`) that takes this rank's
+    """A copy ``.gpt`` of ``gpt`` (an :class:`engine.model.gpt.TinyGPT`) that takes this rank's
     tokens: each attention's ``core`` spans the group (:func:`context_parallel_core`), the
     positions are the ones this rank holds. Nothing else changes.
 

@@ -32,7 +32,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from engine.comm.meter import comm_purpose
+from engine.observe.meter import comm_purpose
 from engine.comm.ring import exchange, ring_position, start_exchange
 from engine.cp.buffers import hold
 from engine.cp.blocks import (BELOW, DIAGONAL, FULL, accumulation_dtype, block_backward,

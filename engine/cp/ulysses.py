@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from engine import theory
 from engine.comm.autograd import all_to_all
-from engine.comm.meter import comm_purpose
+from engine.observe.meter import comm_purpose
 from engine.cp.buffers import hold
 from engine.cp.checks import check_attention_inputs, check_same_on_every_rank
 from engine.validation import positive_int

@@ -1,7 +1,7 @@
 """Data parallelism: naive and bucketed/overlapped, from the engine's metered collectives."""
 
 from engine.dp.async_ps import async_sgd
-from engine.grad_buckets import assign_buckets
+from engine.dp.buckets import assign_buckets
 from engine.dp.data_parallel import DataParallel, NaiveDataParallel, broadcast_module
 from engine.dp.local_sgd import LocalSGD, average_parameters
 

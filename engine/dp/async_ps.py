@@ -33,7 +33,8 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from engine.comm import ops
-from engine.models import MLP, regression_data, shard
+from engine.model.mlp import MLP
+from engine.model.data import regression_data, shard
 
 SIZES = (16, 32, 8)
 _HEADER = 2  # worker -> server: [clock, version used, grad...]; back: [stop, version, params...]

@@ -7,7 +7,7 @@ parameter's gradient accumulation notices when a bucket is complete, and that bu
 all-reduce starts at once, asynchronously, while backward goes on computing earlier layers. At
 the end of backward (an autograd callback, no call needed from the user) every bucket is
 waited on and the averaged gradients are written back to ``param.grad``. The buckets and that
-launch logic are :mod:`engine.grad_buckets`, shared with ZeRO.
+launch logic are :mod:`engine.dp.buckets`, shared with ZeRO.
 
 Buckets are launched strictly in bucket order on every rank, so the ranks' collectives always
 pair up, even when a parameter is unused on some ranks (its gradient counts as zero).
@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.comm import ops
-from engine.grad_buckets import BucketLauncher, EndOfBackward, GradBucket, assign_buckets
-from engine.memory import StateTensors, module_state_tensors
+from engine.dp.buckets import BucketLauncher, EndOfBackward, GradBucket, assign_buckets
+from engine.observe.memory import StateTensors, module_state_tensors
 from engine.validation import positive_number
 
 # PyTorch's DDP defaults (2.13): 25 MiB buckets, and a first bucket of 1 MiB when the cap is
@@ -149,7 +149,7 @@ class DataParallel(nn.Module):
             self._sync = previous
 
     def state_tensors(self) -> StateTensors:
-        """What this rank holds (see :mod:`engine.memory`): the replica's parameters and
+        """What this rank holds (see :mod:`engine.observe.memory`): the replica's parameters and
         gradients; as buffers, the bucket buffers (a second copy of the gradients, what
         PyTorch's ``gradient_as_bucket_view=True`` saves) and what the compressor keeps between
         steps (error feedback, warm starts). A compressor object that cannot say what it keeps

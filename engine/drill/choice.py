@@ -273,7 +273,7 @@ CHOICE = [
             "GPU's network link has about 9x less bandwidth than its NVLink",
             "Experts cannot be copied across nodes",
             "All-to-all is impossible over InfiniBand"), 0,
-           "engine.hardware, per GPU and direction: H100 NVLink 450 GB/s against one 400G "
+           "engine.theory.hardware, per GPU and direction: H100 NVLink 450 GB/s against one 400G "
            "InfiniBand NIC, 50 GB/s (9x; an A100 with HDR 200G: 300 against 25, 12x). The "
            "planner: the same layout's all-to-all time grows that much when the group crosses "
            "nodes.",

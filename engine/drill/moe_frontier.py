@@ -6,7 +6,8 @@ the chapter (choice items); every item names the chapter section that teaches it
 
 from __future__ import annotations
 
-from engine import hardware, theory
+from engine.theory import hardware
+from engine import theory
 from engine.drill.items import Choice, Numeric
 from engine.moe.redundant import imbalance_floor
 
@@ -82,7 +83,7 @@ def _a2a_over_the_network(rng):
             f"layer take at 400G InfiniBand's {gpu.network_gbps:g} GB/s per GPU (bandwidth term "
             "only)?", sent / (gpu.network_gbps * 1e9) * 1e3,
             "4 x (n-1)/n x T k h x 2 bytes over 50 GB/s; inside an H100 node NVLink's 450 GB/s "
-            "makes it 9x shorter (engine.hardware), which is why the group stays in a node. "
+            "makes it 9x shorter (engine.theory.hardware), which is why the group stays in a node. "
             "Chapter 10, 'Why all-to-all across nodes hurts'.")
 
 

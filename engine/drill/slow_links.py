@@ -156,7 +156,7 @@ CHOICES = [
            "What is DiLoCo with H = 1, inner SGD, and outer SGD at lr 1 without momentum?",
            ("data parallelism: the same step, up to rounding", "worse than DDP by a factor "
             "of 2 in bytes", "local SGD with H = 2"), 0,
-           "theta - mean(theta - (theta - lr g_i)) = theta - lr mean(g_i); engine.diloco's test "
+           "theta - mean(theta - (theta - lr g_i)) = theta - lr mean(g_i); engine.ft.diloco's test "
            "holds it within 1e-6.", DILOCO),
     Choice("diloco-outer-nesterov", TOPIC,
            "In DiLoCo, what is the outer optimizer and what is its gradient?",

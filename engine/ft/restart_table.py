@@ -32,9 +32,10 @@ from pathlib import Path
 import torch
 
 from engine.ft.harness import run_with_failure
-from engine.models import GPTConfig, TinyGPT, token_data
+from engine.model.gpt import GPTConfig, TinyGPT
+from engine.model.data import token_data
 
-# engine train's "tiny" preset (engine.presets.MODELS), kept here as numbers: the ft layer
+# engine train's "tiny" preset (engine.model.presets.MODELS), kept here as numbers: the ft layer
 # does not import the training layer; engine train is run as a command
 TINY = GPTConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32)
 SEQUENCES_PER_RANK = 8  # engine train's default: 2 micro-batches of 4
@@ -64,7 +65,7 @@ def torchrun_seconds(directory: Path, steps: int, save_every: int, kill_step: in
                "--save", str(directory), "--save-every", str(save_every), "--resume"]
     if kill_step is not None:
         command += ["--kill-at-step", str(kill_step)]
-    # each torchrun attempt its own rendezvous store (engine.elastic.check_restartable)
+    # each torchrun attempt its own rendezvous store (engine.launch.elastic.check_restartable)
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     began = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)

@@ -91,7 +91,7 @@ def _text(e: BaseException) -> str:
 # Modules whose functions a submission must leave alone: what the checks compare with, what
 # counts the traffic, how the ranks talk, and the grader's own code.
 _GUARDED_MODULES = ("builtins", "torch", "torch.distributed", "torch.distributed.distributed_c10d",
-                    "torch.nn.functional", "engine.comm", "engine.comm.meter", "engine.comm.ops",
+                    "torch.nn.functional", "engine.comm", "engine.observe.meter", "engine.comm.ops",
                     "engine.comm.p2p", "engine.launch", "engine.grading.core",
                     "engine.grading.wire", "engine.grading.worker")
 _GUARDED_CLASSES = (torch.Tensor, torch.nn.Module, torch.nn.Parameter)
@@ -122,9 +122,9 @@ class Guard:
         seen = {}
         owners: list[tuple[str, dict]] = [(m.__name__, vars(m)) for m in _guarded_modules()]
         owners += [(f"{c.__module__}.{c.__qualname__}", vars(c)) for c in _GUARDED_CLASSES]
-        meter = sys.modules.get("engine.comm.meter")
+        meter = sys.modules.get("engine.observe.meter")
         if meter is not None:
-            owners += [(f"engine.comm.meter.{name}", vars(obj)) for name, obj in vars(meter).items()
+            owners += [(f"engine.observe.meter.{name}", vars(obj)) for name, obj in vars(meter).items()
                        if isinstance(obj, type) and obj.__module__ == meter.__name__]
         for owner, namespace in owners:
             for name, value in list(namespace.items()):

@@ -14,7 +14,7 @@ Which backend, and how ranks start:
   first launch imports ``torch._dynamo`` (which the first optimizer step needs) in the parent,
   so forked ranks inherit it instead of each importing it again.
 * **NCCL, only when asked for: spawn**, one GPU per rank, each bound to ``cuda:LOCAL_RANK``
-  (:mod:`engine.device`). ``fn`` must be importable (defined at module level in a file).
+  (:mod:`engine.launch.device`). ``fn`` must be importable (defined at module level in a file).
 * **CUDA in a forked rank** works only if the parent never touched CUDA: once the parent has
   called ``torch.cuda.is_available()`` (or anything that initialises the CUDA driver), a forked
   child cannot. The Gloo path of ``launch`` asks CUDA nothing, and a rank that hits the error
@@ -48,7 +48,7 @@ The layers, each its own module, each importing only those above it in this list
   torchelastic's restart count), read into one frozen record, :class:`LaunchEnv`.
 * :mod:`~engine.launch.errors`: :class:`LaunchError` and its kinds, and the failure
   classification (a rank at fault, or a symptom of another's failure) that
-  :mod:`engine.elastic` shares.
+  :mod:`engine.launch.elastic` shares.
 * :mod:`~engine.launch.reaper`: a subreaper, and ending every process below it (/proc).
 * :mod:`~engine.launch.backend`: the one :func:`resolve_backend`, and joining the group.
 * :mod:`~engine.launch.rank`: the rank body, inside each started process: its keeper, which

@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine.device import local_gpu
+from engine.launch.device import local_gpu
 from engine.validation import one_of
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -66,7 +66,7 @@ def resolve_backend(backend: str, ranks_here: int, ranks_name: str = "world_size
 
 # ProcessGroupNCCL records a start event around every op only with this set when a group is
 # created; then ``Work._get_duration()`` is NCCL's own timing of the op, which the CommMeter
-# reports (engine.comm.durations). Its cost, in PyTorch's ProcessGroupNCCL.hpp: one more CUDA
+# reports (engine.observe.durations). Its cost, in PyTorch's ProcessGroupNCCL.hpp: one more CUDA
 # event per op, and the watchdog's queries of it. The older name is honoured as torch does.
 NCCL_TIMING_VARIABLES = ("TORCH_NCCL_ENABLE_TIMING", "NCCL_ENABLE_TIMING")
 

@@ -4,8 +4,8 @@ torchrun (and :func:`engine.launch`, in each rank it starts) describes a rank th
 environment variables: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``, and torchelastic's ``TORCHELASTIC_*``. This module is the
 only one that reads (or, for a rank :func:`engine.launch` starts, writes) them:
-:meth:`LaunchEnv.read` turns them into a frozen record, and the launcher, :mod:`engine.device`,
-:mod:`engine.elastic` and ``engine train`` ask it instead of ``os.environ``.
+:meth:`LaunchEnv.read` turns them into a frozen record, and the launcher, :mod:`engine.launch.device`,
+:mod:`engine.launch.elastic` and ``engine train`` ask it instead of ``os.environ``.
 
 The record is read when asked for, never cached: a forked rank inherits its parent's memory
 but gets its own variables (:meth:`LaunchEnv.export`), and a test may set them. A caller reads

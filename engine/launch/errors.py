@@ -9,7 +9,7 @@ of their own: a collective that lost its peer ("connection closed by peer") or w
 past the process group's timeout. :func:`is_symptom` tells such a failure from a cause, so the
 supervisor (:mod:`engine.launch.supervisor`) names the rank at fault, and
 :func:`says_peer_is_missing` reads the same signs in an error's text for
-:mod:`engine.elastic`, which names the lost peers under torchrun.
+:mod:`engine.launch.elastic`, which names the lost peers under torchrun.
 """
 
 from __future__ import annotations

@@ -283,7 +283,7 @@ def capture_output(path: str) -> None:
 def die_with_parent(signum: int = signal.SIGKILL) -> None:
     """Ask Linux to send this process ``signum`` (SIGKILL) if its parent dies first (no
     orphans, even on kill -9): a rank :func:`engine.launch` started (its keeper gets SIGTERM,
-    to end what is below it first), or a torchrun worker (:func:`engine.elastic.
+    to end what is below it first), or a torchrun worker (:func:`engine.launch.elastic.
     die_with_agent`)."""
     if sys.platform.startswith("linux"):
         try:

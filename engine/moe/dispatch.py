@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from engine.comm import ops
 from engine.comm.autograd import all_to_all  # differentiable; re-exported by engine.moe
-from engine.comm.meter import comm_purpose
+from engine.observe.meter import comm_purpose
 from engine.validation import divides
 
 

@@ -1,6 +1,6 @@
 """A tiny GPT whose MLPs are mixture-of-experts layers (the shape of Switch, GShard, Mixtral).
 
-``TinyMoEGPT`` is :class:`engine.models.TinyGPT` (same attention, norms, embeddings and
+``TinyMoEGPT`` is :class:`engine.model.gpt.TinyGPT` (same attention, norms, embeddings and
 initialisation) with each block's MLP replaced by an :class:`engine.moe.MoE`: the one GPT
 definition given the MoE layers as its ``feed_forward`` (blocks ``ln1``, ``attn``, ``ln2``,
 ``moe``). Its ``loss`` adds every layer's load-balancing loss and router z-loss to the
@@ -15,7 +15,7 @@ from typing import Callable
 
 from torch import nn
 
-from engine.models import GPTConfig, TinyGPT, gpt2_init
+from engine.model.gpt import GPTConfig, TinyGPT, gpt2_init
 from engine.moe.layer import MoE
 
 TINY_MOE = dict(num_experts=4, top_k=2, capacity_factor=1.25)
@@ -26,7 +26,7 @@ def moe_feed_forward(hidden: int, ffn_hidden: int, num_experts: int, top_k: int 
                      capacity_factor: float | None = 1.25, group=None,
                      aux_loss_coef: float = 0.01, z_loss_coef: float = 1e-3, **options
                      ) -> Callable[[int], list[MoE]]:
-    """The ``feed_forward`` of an MoE :class:`engine.models.GPT`: given the number of blocks,
+    """The ``feed_forward`` of an MoE :class:`engine.model.gpt.GPT`: given the number of blocks,
     one :class:`MoE` per block (``options``: its frontier options), each drawn and then given
     GPT-2's initialisation before the next is drawn. The one order every MoE GPT of the engine
     draws its experts in (:class:`TinyMoEGPT`, :class:`engine.compose.model.GPT`), so the same

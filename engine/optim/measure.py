@@ -2,7 +2,7 @@
 
 :func:`muon_vs_zero2` trains a bias-free tanh MLP of the given matrix shapes: one step with
 :class:`engine.optim.DistributedMuon` (each matrix owned by one rank) under a
-:class:`engine.comm.CommMeter` (bytes counted), ``steps`` more; the same with
+:class:`engine.observe.meter.CommMeter` (bytes counted), ``steps`` more; the same with
 :class:`engine.optim.GatherMuon` (Moonlight's Algorithm 1: every matrix gathered and
 orthogonalised on every rank); and one step of ZeRO-2 AdamW (:class:`engine.zero.ZeroOptimizer`,
 stage 2) on the same model and data, metered too. Compare ``params`` and ``gather_params`` with
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.comm import CommMeter
+from engine.observe.meter import CommMeter
 from engine.optim.distributed import DistributedMuon
 from engine.optim.gathered import GatherMuon
 from engine.optim.muon import Muon

@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.models import Block, GPTConfig, seeded
+from engine.model.gpt import Block, GPTConfig
+from engine.model.seed import seeded
 from engine.pp.actions import virtual_stages
 from engine.pp.registry import build_schedule
 from engine.pp.runtime import run_pipeline, split_model, uniform_boundaries
@@ -31,7 +32,7 @@ NAMES = ("1f1b", "zb_h1", "zb_h2", "zb_v", "dualpipe_v")
 
 def transformer_layers(blocks: int, cfg: GPTConfig = GPTConfig(hidden=64, heads=4, seq_len=32),
                        seed: int = 0) -> nn.Sequential:
-    """``blocks`` transformer blocks of :class:`engine.models.Block` (attention and MLP, each
+    """``blocks`` transformer blocks of :class:`engine.model.gpt.Block` (attention and MLP, each
     behind a LayerNorm and a residual), taking and giving ``(batch, seq, hidden)``."""
     with seeded(seed):
         return nn.Sequential(*[Block(cfg) for _ in range(blocks)])

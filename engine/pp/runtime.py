@@ -30,13 +30,13 @@ import torch
 from torch import nn
 
 from engine.comm import ops
-from engine.memory import ActivationTracker
+from engine.observe.memory import ActivationTracker
 from engine.pp.actions import actions_of, rank_of, shape, splits_backward, virtual_stages
 from engine.pp.link import Link
 from engine.pp.schedules import validate
 from engine.pp.stage_memory import StageMemory
 from engine.pp.weight_grad import apply_weight_grads, deferred_weight_grads
-from engine.trace import Clock, TraceEvent
+from engine.observe.trace import Clock, TraceEvent
 
 
 def uniform_boundaries(n_layers: int, parts: int) -> list[int]:

@@ -2,7 +2,7 @@
 the micro-batches in flight, counted as the actions happen.
 
 :func:`engine.pp.run_pipeline` feeds a :class:`StageMemory` once per action: after a forward
-``F`` the activations autograd keeps (measured by :class:`engine.memory.ActivationTracker`);
+``F`` the activations autograd keeps (measured by :class:`engine.observe.memory.ActivationTracker`);
 after a backward ``B`` those are freed, and in a schedule that splits the backward
 (:mod:`engine.pp.zero_bubble`) what the deferred weight gradient needs is held instead, each
 linear layer's input and output gradient (:mod:`engine.pp.weight_grad`); after ``W`` that is
@@ -11,7 +11,7 @@ freed too. Peaks are taken after every action, so they are the most the rank hel
 
 from __future__ import annotations
 
-from engine.memory import unique_storage_bytes
+from engine.observe.memory import unique_storage_bytes
 
 
 class StageMemory:

@@ -18,7 +18,7 @@ shares a scale is again the question, and two answers are built here:
 DeepSeek-V3 (technical report, section 3.3.3) stores and communicates in FP8 too, but
 activations: those dispatched to the MoE experts, not FSDP's weights. Gloo has no FP8 type, so
 the bytes travel as ``uint8`` (a view, no copy). Every collective goes through
-:mod:`engine.comm.ops`, so a :class:`engine.comm.CommMeter` counts them.
+:mod:`engine.comm.ops`, so a :class:`engine.observe.meter.CommMeter` counts them.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models import GPTConfig, TinyGPT, token_data
+from engine.model.gpt import GPTConfig, TinyGPT
+from engine.model.data import token_data
 from engine.precision.fp8 import fp8_matmul
 
 PRECISIONS = ("fp32", "bf16", "fp8-tensor", "fp8-row", "fp8-block")

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from engine.memory import unique_storage_bytes
-from engine.models import seeded
+from engine.observe.memory import unique_storage_bytes
+from engine.model.seed import seeded
 from engine.precision.loss_scaler import DynamicLossScaler
 
 LOW = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,

@@ -1,6 +1,6 @@
 """Activation checkpointing measured: the bytes a policy keeps for backward, the FLOPs it pays.
 
-Four policies on :class:`engine.models.TinyGPT`, each block choosing one of ``PLANS``:
+Four policies on :class:`engine.model.gpt.TinyGPT`, each block choosing one of ``PLANS``:
 
 * ``none``: every block keeps what its ops save for backward;
 * ``full`` (Chen et al. 2016, "Training deep nets with sublinear memory cost"): each block runs
@@ -43,8 +43,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
-from engine.attention import causal_attention
-from engine.models import GPTConfig, TinyGPT, token_data
+from engine.model.attention import causal_attention
+from engine.model.gpt import GPTConfig, TinyGPT
+from engine.model.data import token_data
 
 PLANS = ("none", "selective", "full")
 
@@ -79,7 +80,7 @@ class SavedBytes:
 
 
 def block_forward(block, x: torch.Tensor, plan: str, counter: SavedBytes) -> torch.Tensor:
-    """:class:`engine.models.Block`'s forward, op for op, under ``plan``."""
+    """:class:`engine.model.gpt.Block`'s forward, op for op, under ``plan``."""
     if plan == "full":
         counter.add(x)  # what the checkpoint holds to run the block again
         return checkpoint(block, x, use_reentrant=False)
@@ -99,7 +100,7 @@ def block_forward(block, x: torch.Tensor, plan: str, counter: SavedBytes) -> tor
 
 
 def gpt_forward(model: TinyGPT, idx: torch.Tensor, plans, counter: SavedBytes) -> torch.Tensor:
-    """:meth:`engine.models.TinyGPT.forward` with one plan per block; the bytes each block
+    """:meth:`engine.model.gpt.TinyGPT.forward` with one plan per block; the bytes each block
     saves are counted under its index."""
     b, s = idx.shape
     x = model.tok(idx) + model.pos(torch.arange(s, device=idx.device))

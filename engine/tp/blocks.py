@@ -1,4 +1,4 @@
-"""Tensor-parallel transformer pieces for :class:`engine.models.TinyGPT`.
+"""Tensor-parallel transformer pieces for :class:`engine.model.gpt.TinyGPT`.
 
 Per layer (Megatron-LM, section 3, Figure 3): the MLP is column-parallel ``fc`` (each rank
 4h/t of the hidden units), a local GeLU, then row-parallel ``out``; attention splits the
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import causal_attention
+from engine.model.attention import causal_attention
 from engine.tp.layers import (ColumnParallelLinear, RowParallelLinear,
                               SequenceParallelLayerNorm, VocabParallelEmbedding, check_divisible,
                               tp_rank_and_size, vocab_parallel_cross_entropy)
@@ -103,7 +103,7 @@ COMPOSED = "use engine.compose's parallelize, which splits every GPT the engine 
 
 def check_tp_degree(cfg, t: int) -> None:
     """Raise a clear error, naming the value and what was expected, if :class:`TensorParallelGPT`
-    cannot split ``cfg`` (a :class:`engine.models.GPTConfig`, or a
+    cannot split ``cfg`` (a :class:`engine.model.gpt.GPTConfig`, or a
     :class:`engine.compose.model.ModelConfig`) ``t`` ways. Pure: call it before any rank starts.
 
     This readable layer splits GPT-2's shape only: multi-head attention (``kv_heads`` 0 or
@@ -134,7 +134,7 @@ def check_dense_feed_forward(num_experts: int) -> None:
 
 
 class TensorParallelGPT(nn.Module):
-    """A :class:`engine.models.TinyGPT` split over the tensor-parallel group: vocab-parallel
+    """A :class:`engine.model.gpt.TinyGPT` split over the tensor-parallel group: vocab-parallel
     embedding (tied to a vocab-parallel output layer), parallel blocks, vocab-parallel loss.
     ``sequence_parallel=True``: the embedding is reduce-scattered along the sequence, every
     LayerNorm runs on ``s/t`` tokens, and the final one's output is gathered for the logits."""
@@ -210,7 +210,7 @@ def block_dense_state(block: ParallelBlock, prefix: str, group, grads: bool = Fa
 
 def dense_state(model: TensorParallelGPT, grads: bool = False) -> dict[str, torch.Tensor]:
     """The whole model's parameters (or their gradients), gathered from every rank and laid
-    out like the dense :class:`engine.models.TinyGPT`'s ``state_dict``. Call on every rank."""
+    out like the dense :class:`engine.model.gpt.TinyGPT`'s ``state_dict``. Call on every rank."""
     group = model.group
 
     def gathered(name, p):

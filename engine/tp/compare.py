@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.comm import CommMeter
-from engine.models import GPTConfig, TinyGPT, token_data
+from engine.observe.meter import CommMeter
+from engine.model.gpt import GPTConfig, TinyGPT
+from engine.model.data import token_data
 from engine.tp.blocks import TensorParallelGPT
 from engine.zero.stage3 import ZeroDataParallel
 

@@ -14,7 +14,7 @@ dense tensor; under grouped-query attention (Ainslie et al. 2023) q has more row
 (:func:`qkv_sizes`). Everything else (LayerNorms, the position embedding, the row-parallel
 biases, the experts of an MoE layer) is replicated: every rank holds the whole tensor.
 
-Names are the dense :class:`engine.models.GPT`'s. Pure: no communication.
+Names are the dense :class:`engine.model.gpt.GPT`'s. Pure: no communication.
 """
 
 from __future__ import annotations

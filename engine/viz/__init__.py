@@ -1,4 +1,4 @@
-"""Figures and widgets, built only on :mod:`engine.theory`, :mod:`engine.trace` and results.
+"""Figures and widgets, built only on :mod:`engine.theory`, :mod:`engine.observe.trace` and results.
 
 Every widget has a plain function that draws the same figure statically, so a notebook shows a
 picture in nbval, on GitHub, and anywhere widgets do not render.

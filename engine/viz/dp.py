@@ -5,7 +5,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import torch
 
-from engine.grad_buckets import assign_buckets
+from engine.dp.buckets import assign_buckets
 from engine.viz.style import apply_style, full_labels
 
 

@@ -12,7 +12,7 @@ KIND_COLORS = {"F": "#1f77b4", "B": "#2ca02c", "W": "#ff7f0e"}
 
 
 def timeline_rows(events) -> list[tuple]:
-    """Measured :class:`engine.trace.TraceEvent` s from :func:`engine.pp.run_pipeline` as the
+    """Measured :class:`engine.observe.trace.TraceEvent` s from :func:`engine.pp.run_pipeline` as the
     simulator's rows ``(stage, kind, mb, chunk, start, end)``."""
     return [(e.rank, e.args["kind"], e.args["mb"], e.args["chunk"], e.start, e.end)
             for e in events]

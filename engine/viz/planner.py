@@ -6,7 +6,7 @@ import dataclasses
 
 import matplotlib.pyplot as plt
 
-from engine.planner import GPUS, MODELS, Cluster, plan
+from engine.theory.planner import GPUS, MODELS, Cluster, plan
 from engine.viz.style import apply_style, full_labels
 from engine.viz.zero import PART_COLORS
 

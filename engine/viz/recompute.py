@@ -7,7 +7,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 
 from engine import theory
-from engine.models import GPTConfig
+from engine.model.gpt import GPTConfig
 from engine.precision.recompute import PLANS, pareto
 from engine.viz.style import COLORS, apply_style
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from engine.trace import TraceEvent
+from engine.observe.trace import TraceEvent
 from engine.viz.style import apply_style
 
 LANE_COLORS = {"compute": "#1f77b4", "comm": "#ff7f0e"}

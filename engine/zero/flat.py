@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from engine.comm import ops
-from engine.grad_buckets import GradBucket, assign_buckets
+from engine.dp.buckets import GradBucket, assign_buckets
 from engine.validation import positive_number
 
 

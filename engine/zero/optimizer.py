@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.comm import ops
-from engine.memory import StateBytes, StateTensors, count_state_bytes, optimizer_tensors
+from engine.observe.memory import StateBytes, StateTensors, count_state_bytes, optimizer_tensors
 from engine.validation import positive_int
 from engine.zero.flat import check_params, make_buckets
 from engine.zero.stage2 import GradientSharding
@@ -170,7 +170,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # -- measuring -----------------------------------------------------------------------------
 
     def state_tensors(self) -> StateTensors:
-        """What this rank holds (see :mod:`engine.memory`): parameters (the flat buckets,
+        """What this rank holds (see :mod:`engine.observe.memory`): parameters (the flat buckets,
         padding included), gradients (full ones and stage 2's shards) and optimizer state (the
         inner optimizer's, and fp32 master weights in mixed precision). With ``offload`` the
         optimizer state and the masters are in host memory: ``offloaded``."""

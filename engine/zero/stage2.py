@@ -3,7 +3,7 @@
 Rajbhandari et al., "ZeRO: Memory optimizations toward training trillion parameter models"
 (SC 2020), section 5.2. Stage 1 (:class:`engine.zero.ZeroOptimizer`) reduce-scatters the full
 gradients once, at the step, so every rank holds all of them through backward. Stage 2 moves
-that reduce-scatter into backward, bucket by bucket (:class:`engine.grad_buckets.BucketLauncher`
+that reduce-scatter into backward, bucket by bucket (:class:`engine.dp.buckets.BucketLauncher`
 launches a bucket's as soon as its last gradient is ready, as DDP does with its all-reduce), and
 drops each full gradient once it is packed in its bucket: a rank keeps only its 1/N of the
 gradients, ``shard_grad``, accumulated over micro-batches until the step. The bytes sent are
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.grad_buckets import NOTHING_LAUNCHED, BucketLauncher
+from engine.dp.buckets import NOTHING_LAUNCHED, BucketLauncher
 from engine.zero.flat import FlatBucket
 from engine.zero.late import LateGradients
 

@@ -41,8 +41,8 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.comm import ops
-from engine.grad_buckets import NOTHING_LAUNCHED, BucketLauncher
-from engine.memory import (StateBytes, StateTensors, count_state_bytes, mark_held_by,
+from engine.dp.buckets import NOTHING_LAUNCHED, BucketLauncher
+from engine.observe.memory import (StateBytes, StateTensors, count_state_bytes, mark_held_by,
                            optimizer_tensors)
 from engine.validation import boolean
 from engine.zero.flat import ShardedBucket, check_params
@@ -333,7 +333,7 @@ class ZeroDataParallel(LateGradients, nn.Module):
     # -- measuring ------------------------------------------------------------------------------
 
     def state_tensors(self) -> StateTensors:
-        """What this rank holds (see :mod:`engine.memory`): shards of parameters and gradients,
+        """What this rank holds (see :mod:`engine.observe.memory`): shards of parameters and gradients,
         any unit still gathered, the optimizer state and the fp32 masters (where the shards
         are not fp32 themselves)."""
         params = [u.shard for u in self.all_units] + \

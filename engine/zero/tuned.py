@@ -24,7 +24,7 @@ import torch.distributed as dist
 from engine.comm.checks import SUPPORTED_DTYPES
 from engine.comm.ring_pipelined import (RingBuffers, ring_all_gather_pipelined,
                                         ring_reduce_scatter_pipelined)
-from engine.memory import StateTensors
+from engine.observe.memory import StateTensors
 from engine.zero.optimizer import ZeroOptimizer
 
 

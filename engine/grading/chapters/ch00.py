@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.comm import CommMeter
+from engine.observe.meter import CommMeter
 from engine.grading.core import POINT_TO_POINT, CheckFailed, Exercise, passed, run_ranks
 from engine.grading.drill import Drill
 

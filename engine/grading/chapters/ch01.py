@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 from engine import theory
-from engine.comm import CommMeter
+from engine.observe.meter import CommMeter
 from engine.comm import ops as engine_ops
-from engine.comm.patching import patched
+from engine.observe.patching import patched
 from engine.grading.core import POINT_TO_POINT, CheckFailed, Exercise, passed, run_ranks
 from engine.grading.drill import Drill
 

@@ -14,10 +14,11 @@ import functools
 import torch
 from torch import nn
 
-from engine.comm import CommMeter
+from engine.observe.meter import CommMeter
 from engine.dp import DataParallel
-from engine.grad_buckets import assign_buckets
-from engine.models import MLP, regression_data
+from engine.dp.buckets import assign_buckets
+from engine.model.mlp import MLP
+from engine.model.data import regression_data
 from engine.grading.chapters.drivers_ch02 import (
     DDP_SIZES, SIZES, accumulate_on_rank, adamw, averaging_on_rank, bucketed_on_rank,
     copied_params, make_optimizer, momentum_sgd, overlap_batch, overlap_model, overlap_on_rank)
@@ -129,7 +130,7 @@ EXERCISES = [
             "model.no_sync():` unless i is the last; add up loss.item(); step(); return the "
             "sum.",
         ),
-        blocks=("engine.steps.accumulate_step",),
+        blocks=("engine.train.steps.accumulate_step",),
     ),
     Exercise(
         name="ch02.average_gradients",
@@ -347,5 +348,5 @@ EXERCISES.append(Exercise(
         "copy p.grad into bucket.view_of(p, bucket.buffer); bucket.ready.add(p); then "
         "for b in buckets: if not b.complete: break; if b.work is None: b.work = launch(b)",
     ),
-    blocks=("engine.grad_buckets.BucketLauncher.grad_ready",),
+    blocks=("engine.dp.buckets.BucketLauncher.grad_ready",),
 ))

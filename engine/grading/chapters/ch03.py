@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from engine import theory
-from engine.comm import CommMeter
+from engine.observe.meter import CommMeter
 from engine.compress.experiment import train_compressed
 from engine.compress.powersgd import PowerSGD, orthogonalize
-from engine.grad_buckets import GradBucket
+from engine.dp.buckets import GradBucket
 from engine.grading.core import CheckFailed, Exercise, passed, run_ranks
 from engine.grading.drill import Drill
 

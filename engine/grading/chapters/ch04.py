@@ -15,10 +15,11 @@ import torch
 from torch import nn
 
 from engine import theory
-from engine.comm import CommMeter
+from engine.observe.meter import CommMeter
 from engine.dp import DataParallel
-from engine.memory import optimizer_tensors, unique_storage_bytes
-from engine.models import MLP, regression_data, shard
+from engine.observe.memory import optimizer_tensors, unique_storage_bytes
+from engine.model.mlp import MLP
+from engine.model.data import regression_data, shard
 from engine.zero import ZeroDataParallel
 from engine.grading.core import CheckFailed, Exercise, passed, run_ranks
 from engine.grading.drill import Drill

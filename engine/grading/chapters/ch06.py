@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import theory
-from engine.models import seeded
+from engine.model.seed import seeded
 from engine.pp import (interleaved_1f1b, run_pipeline, simulate, split_model,
                        uniform_boundaries, validate, weight_grad)
 from engine.pp.zero_bubble import zb_h1

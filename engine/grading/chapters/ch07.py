@@ -7,7 +7,7 @@ import random
 
 from engine.comm import ops
 from engine.grading.core import CheckFailed, Exercise, passed, run_ranks
-from engine.planner import GPUS, MODELS, Cluster, memory_per_gpu, plan, step_time
+from engine.theory.planner import GPUS, MODELS, Cluster, memory_per_gpu, plan, step_time
 from engine.topology import Mesh
 
 KINDS = ("tp", "dp", "pp")
@@ -117,7 +117,7 @@ def check_memory_per_gpu(module):
                 f"memory_per_gpu gives {got!r} bytes, the planner {expected:.6g} (model states "
                 f"{parts['params'] + parts['grads'] + parts['optimizer']:.4g}, activations "
                 f"{parts['activations']:.4g})", model=model.name, **layout)
-    return passed(f"{expected / 1e9:.1f} GB for {model.name}", "engine.planner's",
+    return passed(f"{expected / 1e9:.1f} GB for {model.name}", "engine.theory.planner's",
                   **{k: v for k, v in layout.items() if k in ("dp", "tp", "pp", "zero")})
 
 
@@ -223,6 +223,6 @@ EXERCISES = [
             "batch; for zero: memory = memory_per_gpu(...); skip if > 0.9 GPU; key = (time, "
             "memory); keep the smallest key's (dp, tp, pp, zero, mb).",
         ),
-        blocks=("engine.planner.plan", "engine.planner.memory_per_gpu"),
+        blocks=("engine.theory.planner.plan", "engine.theory.planner.memory_per_gpu"),
     ),
 ]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.comm import CommMeter
+from engine.observe.meter import CommMeter
 from engine.grading.core import CheckFailed, Exercise, run_here, run_ranks
 from engine.grading.drill import Drill
 from engine.moe.experiments import zipf_logits

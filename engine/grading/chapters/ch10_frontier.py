@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.comm import CommMeter
+from engine.observe.meter import CommMeter
 from engine.grading.core import CheckFailed, Exercise, run_here, run_ranks
 from engine.moe.balance import biased_top_k, update_bias
 from engine.moe.experiments import zipf_logits

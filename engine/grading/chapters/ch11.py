@@ -33,7 +33,7 @@ def _outer_inputs(numel, replicas, seed):
 
 
 def _torch_outer(start, ends, lr, momentum, buffer, nesterov):
-    """The engine's convention (engine.diloco.Fragment): torch.optim.SGD on the start point,
+    """The engine's convention (engine.ft.diloco.Fragment): torch.optim.SGD on the start point,
     fed the mean pseudo-gradient as its gradient."""
     theta = torch.nn.Parameter(start.clone())
     sgd = torch.optim.SGD([theta], lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
@@ -319,7 +319,7 @@ EXERCISES = [
             "delta = start - stack(ends).mean(0); m = momentum * buffer + delta; update = "
             "delta + momentum * m if nesterov else m; return start - outer_lr * update, m.",
         ),
-        blocks=("engine.diloco.DiLoCo.step", "engine.diloco.DiLoCo.finish"),
+        blocks=("engine.ft.diloco.DiLoCo.step", "engine.ft.diloco.DiLoCo.finish"),
     ),
     Exercise(
         name="ch11.quorum_average",

@@ -21,9 +21,11 @@ import time
 import torch
 from torch import nn
 
-from engine.comm import CommMeter
+from engine.observe.meter import CommMeter
 from engine.dp import DataParallel
-from engine.models import MLP, regression_data, seeded, shard
+from engine.model.mlp import MLP
+from engine.model.data import regression_data, shard
+from engine.model.seed import seeded
 
 SIZES = (16, 32, 8)
 DDP_SIZES = (16, 32, 32, 8)  # 1864 fp32 parameters, 7456 bytes

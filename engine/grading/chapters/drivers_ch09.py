@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from engine.comm import CommMeter
+from engine.observe.meter import CommMeter
 
 RING_BATCH, RING_HEADS, RING_HEAD_DIM, RING_SEQ_PER_RANK = 2, 2, 8, 3
 ULYSSES_BATCH, ULYSSES_PER_RANK, ULYSSES_HEAD_DIM = 2, 3, 4

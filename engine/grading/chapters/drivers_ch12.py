@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from engine.comm import CommMeter
+from engine.observe.meter import CommMeter
 
 
 def gather_on_rank(rank, world_size, module, chunks):

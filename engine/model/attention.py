@@ -1,0 +1,38 @@
+"""Causal scaled dot-product attention: the one kernel the dense, tensor- and context-parallel
+GPTs share.
+
+Vaswani et al., "Attention Is All You Need" (NeurIPS 2017), eq. 1:
+
+    Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V
+
+made causal (GPT, Radford et al. 2018; section 3.2.3 of the same paper): query ``i`` sees keys
+``0 .. i`` only, the later scores set to ``-inf`` before the softmax (:func:`causal_mask`).
+
+:func:`causal_attention` is written out rather than calling ``F.scaled_dot_product_attention``
+so it reads as the equation and gives the same bits on every backend: the dense
+:class:`engine.model.gpt.TinyGPT` and the tensor-parallel one (:mod:`engine.tp.blocks`, ``heads /
+t`` heads per rank) are compared to each other bit for bit. Context parallelism computes the
+same attention block by block (:mod:`engine.cp.blocks`) and masks its diagonal blocks with
+:func:`causal_mask`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def causal_mask(scores: torch.Tensor) -> torch.Tensor:
+    """``scores`` (``(..., s, s)``: query ``i``, key ``j``) with every key after its query set
+    to ``-inf``, so that softmax gives it no weight."""
+    s = scores.shape[-1]
+    visible = torch.ones(s, s, dtype=torch.bool, device=scores.device).tril()
+    return scores.masked_fill(~visible, float("-inf"))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``softmax(mask(q k^T / sqrt(d))) v`` for ``q, k, v`` of shape ``(batch, heads, seq,
+    d)``; returns ``(batch, heads, seq, d)``."""
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    return causal_mask(scores).softmax(dim=-1) @ v
