@@ -19,10 +19,10 @@ ROOT = Path(__file__).resolve().parent.parent
 CH07 = ROOT / "course" / "07_3d_parallelism.ipynb"
 CH11 = ROOT / "course" / "11_slow_links.ipynb"
 SOURCES = [CH07, CH11, *sorted((ROOT / "engine" / "drill").glob("*.py")),
-           *sorted((ROOT / "engine" / "ft").glob("*.py")), ROOT / "engine" / "diloco.py",
-           ROOT / "engine" / "diloco_experiment.py", ROOT / "engine" / "zero" / "hsdp.py",
-           ROOT / "engine" / "theory.py", ROOT / "engine" / "compose" / "parallelize.py",
-           ROOT / "engine" / "hybrid.py", ROOT / "README.md"]
+           *sorted((ROOT / "engine" / "ft").glob("*.py")),
+           *sorted((ROOT / "engine" / "theory").glob("*.py")),
+           *sorted((ROOT / "engine" / "labs").glob("*.py")), ROOT / "engine" / "zero" / "hsdp.py",
+           ROOT / "engine" / "compose" / "parallelize.py", ROOT / "README.md"]
 
 OLD = [
     # 1: the run's model has no q/k/v bias; now: SGD's step is the gradient's size, the bias was
@@ -88,10 +88,10 @@ CORRECTIONS = {
            "`pytorch/torchft`", "only when the quorum changes", "*strided* fragments",
            "the untrained model's 1.02", "the untrained model's 4.1552", "(the GPT table)",
            "Why the outer step overshoots here"],
-    ROOT / "engine" / "theory.py": ["section 3.2.2", "2M(W-1)/(GW)"],
+    ROOT / "engine" / "theory" / "slow_links.py": ["section 3.2.2", "2M(W-1)/(GW)"],
     ROOT / "engine" / "zero" / "hsdp.py": ["section 3.2.2", "SHARD_GRAD_OP", "2M(W-1)/(GW)"],
-    ROOT / "engine" / "diloco.py": ["*strided* fragments"],
-    ROOT / "engine" / "diloco_experiment.py": ["strided fragments"],
+    ROOT / "engine" / "ft" / "diloco.py": ["*strided* fragments"],
+    ROOT / "engine" / "labs" / "diloco.py": ["strided fragments"],
     ROOT / "engine" / "ft" / "__init__.py": ["github.com/pytorch/torchft"],
     ROOT / "engine" / "compose" / "parallelize.py": ["Only the last place is forced",
                                                     "``context_parallel``"],

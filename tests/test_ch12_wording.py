@@ -19,7 +19,8 @@ from engine.model.gpt import GPTConfig, TinyGPT
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "course" / "12_precision_memory.ipynb"
-SOURCES = [NOTEBOOK, ROOT / "README.md", ROOT / "docs" / "faq.md", ROOT / "engine" / "theory.py",
+SOURCES = [NOTEBOOK, ROOT / "README.md", ROOT / "docs" / "faq.md",
+           *sorted((ROOT / "engine" / "theory").glob("*.py")),
            *sorted((ROOT / "engine" / "drill").glob("*.py")),
            *sorted((ROOT / "engine" / "precision").glob("*.py")),
            *sorted((ROOT / "engine" / "optim").glob("*.py")),

@@ -12,7 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "course" / "09_long_context.ipynb"
 SOURCES = [NOTEBOOK, *sorted((ROOT / "engine" / "drill").glob("*.py")),
-           *sorted((ROOT / "engine" / "cp").glob("*.py")), ROOT / "engine" / "theory.py"]
+           *sorted((ROOT / "engine" / "cp").glob("*.py")),
+           *sorted((ROOT / "engine" / "theory").glob("*.py"))]
 
 OLD = [
     "fewer bytes, falling with",            # Ulysses: fewer only past N > 1 + h_q/h_kv
