@@ -41,8 +41,8 @@ from engine.pp import measured_bubble, simulate
 from engine.model.presets import MODELS
 from engine.train.steps import SCHEDULES
 from engine.train.strategy import build
-from engine.topology import Mesh
 from engine.train.cli import parse
+from engine.train.composed import plan_of
 
 
 def _clip(a: float, b: float, lo: float, hi: float) -> float:
@@ -100,8 +100,8 @@ def _run(rank, world_size, argv, warmup, repeats):
     torch.set_num_threads(1)
     cfg, _, _ = parse(argv)
     device = torch.device("cpu")
-    mesh = Mesh(dp=1, tp=1, pp=world_size)
-    strategy = build(cfg, None, "engine", mesh, device, "fp32")
+    plan = plan_of(cfg)
+    strategy = build(cfg, "engine", plan, device, "fp32", plan.mesh())
     runs = []
     with recorded_runs([]) as recorded:
         for i in range(warmup + repeats):

@@ -49,7 +49,7 @@ from engine.train.steps import Strategy, autocast, global_batch, pipeline_step
 from engine.train.strategy import build
 from engine.topology import Mesh
 from engine.train.cli import parse
-from engine.train.composed import model_config
+from engine.train.composed import model_config, plan_of
 
 ZERO3_OPS = ("all_gather", "reduce_scatter")  # what a ZeRO-3 step sends, per unit
 VARIANTS = ("engine, a unit per module", "engine (trainer)", "torch, one unit",
@@ -98,9 +98,9 @@ def _run(rank, world_size, argv, warmup, repeats, profile):
     inputs, labels = global_batch(MODELS[cfg.model], mesh, cfg.microbatches, cfg.micro_batch,
                                   device, seed=cfg.seed + 1)
     built = {VARIANTS[0]: _per_module_engine(cfg, mesh, device, inputs, labels),
-             VARIANTS[1]: build(cfg, None, "engine", mesh, device, "fp32"),
+             VARIANTS[1]: build(cfg, "engine", plan_of(cfg), device, "fp32", mesh),
              VARIANTS[2]: _one_unit_torch(cfg, mesh, device, inputs, labels),
-             VARIANTS[3]: build(cfg, None, "torch", mesh, device, "fp32")}
+             VARIANTS[3]: build(cfg, "torch", plan_of(cfg), device, "fp32", mesh)}
     taken = dict.fromkeys(VARIANTS, 0)  # the trainer's strategies step on step k's batch
 
     def step(name):

@@ -281,10 +281,8 @@ def defer_linear_gradients(module: nn.Module, optimizer, plan: Plan) -> list:
 def parallelize(model: GPT, mesh: Mesh, plan: Plan, optimizer_cls=torch.optim.AdamW,
                 **optimizer_kwargs) -> Parallel:
     """This rank's :class:`Parallel` of ``model`` (built whole, from the same seed, on every
-    rank; changed in place) for ``plan`` on ``mesh``, with ``optimizer_cls(**kwargs)``."""
-    if (mesh.dp, mesh.cp, mesh.tp, mesh.pp, mesh.ep) != (plan.dp, plan.cp, plan.tp, plan.pp,
-                                                         plan.ep):
-        raise ValueError(f"the plan {plan.name!r} does not match {mesh!r}")
+    rank; changed in place) for ``plan`` on ``mesh`` (``plan.mesh()``: the groups of the plan's
+    layout, built once), with ``optimizer_cls(**kwargs)``."""
     if plan.tp > 1:
         apply_tensor_parallel(model, mesh, plan.sequence_parallel)
     if plan.cp > 1:

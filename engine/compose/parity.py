@@ -204,12 +204,10 @@ def model_config(row: Row) -> ModelConfig:
 
 def run_layout(rank: int, world_size: int, row: Row, steps: int = STEPS) -> dict:
     """One rank's run of ``row``: its global losses and its whole parameters."""
-    from engine.topology import Mesh
-
     from engine.moe.layer import single_rank_group
 
     plan, cfg = row.plan, model_config(row)
-    mesh = Mesh(dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp, ep=plan.ep)
+    mesh = plan.mesh()
     alone = single_rank_group() if row.moe else None  # every rank builds every expert
     optimizer_cls, kwargs = OPTIMIZERS[row.optimizer]
     par = parallelize(GPT(cfg, seed=SEED, expert_group=alone), mesh, plan, optimizer_cls,

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 
 from engine.pp.registry import SCHEDULES, build_schedule
-from engine.topology import check_mesh
+from engine.topology import Mesh, check_mesh
 from engine.validation import one_of, positive_int
 
 CP_METHODS = ("ring-zigzag", "ring-contiguous", "ulysses", "allgather", "usp:UxR")
@@ -80,6 +80,12 @@ class Plan:
             raise ValueError(f"compress={self.compress!r} compresses the gradients' all-reduce: "
                              f"it needs zero = 0 (ZeRO-1 to 3 reduce-scatter), got zero = "
                              f"{self.zero}")
+
+    def mesh(self) -> Mesh:
+        """The process groups of this plan's layout: the one :class:`engine.topology.Mesh` of
+        the run, derived from the plan (building it is collective: every rank calls it once, at
+        the same point)."""
+        return Mesh(dp=self.dp, cp=self.cp, ep=self.ep, tp=self.tp, pp=self.pp)
 
     @property
     def world(self) -> int:

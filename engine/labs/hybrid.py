@@ -85,8 +85,9 @@ def train_3d(rank: int, world_size: int, dp: int, tp: int, pp: int, cfg, steps: 
     if pp > cfg.layers:
         raise ValueError(f"pp={pp} pipeline stages need at least {pp} transformer blocks, the "
                          f"model has {cfg.layers}")
-    mesh, model_cfg = Mesh(dp=dp, tp=tp, pp=pp), model_of(cfg)
+    model_cfg = model_of(cfg)
     plan = Plan(dp=dp, tp=tp, pp=pp, zero=1, schedule=schedule, micro_batches=micro_batches)
+    mesh = plan.mesh()
     global_rows = dp * micro_batches * rows
     plan.check(model_cfg, global_rows)
     par = parallelize(GPT(model_cfg, seed=seed).to(device), mesh, plan, torch.optim.SGD,

@@ -224,12 +224,13 @@ class ComputeTimer:
                                   args={"kind": "FB", "mb": 0, "chunk": 0})]
 
 
-def composed_strategy(cfg, mesh: Mesh, device: torch.device, precision: str) -> Strategy:
+def composed_strategy(cfg, plan: Plan, mesh: Mesh, device: torch.device, precision: str
+                      ) -> Strategy:
     """This rank's :class:`engine.train.steps.Strategy` on the composed engine: ``step(k)`` trains
     on the global batch of step k."""
     from engine.moe.layer import single_rank_group
 
-    model_cfg, plan = model_config(cfg), plan_of(cfg)
+    model_cfg = model_config(cfg)
     alone = single_rank_group() if model_cfg.num_experts else None  # every rank: every expert
     gpt = GPT(model_cfg, seed=cfg.seed, expert_group=alone).to(device)
     par = parallelize(gpt, mesh, plan, torch.optim.AdamW, lr=cfg.lr)

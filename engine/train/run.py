@@ -39,9 +39,9 @@ from engine.launch.elastic import Peers, kill_point, tell_how_nccl_loses_peers
 from engine.train.steps import resolve_precision
 from engine.train.strategy import build
 from engine.train.timed_steps import StepsRun, run_steps
-from engine.topology import Mesh
 from engine.observe.trace import clock_offset, on_clock
 from engine.train.endings import NONFINITE_EXIT, REFUSED_EXIT
+from engine.train.composed import plan_of
 from engine.train.formulas import composed_traffic_formulas, memory_formula
 from engine.train.nonfinite import NonFiniteLoss, NonFiniteWatch
 from engine.train.resume import ResumeFailed, ResumePoint, start, total_steps, trainer_record
@@ -80,12 +80,13 @@ def run_implementations(cfg, resume_from: ResumePoint | None, progress_fd: int |
     batch: its strategy, formulas and measurements (:func:`train_on_rank`)."""
     device = rank_device()
     precision = resolve_precision(cfg.precision, device)
-    # one mesh of every axis; each step draws the global batch of its index itself
-    mesh = Mesh(cfg.dp, cfg.tp, cfg.pp, cp=cfg.cp, ep=cfg.ep)
+    # one plan, its mesh of every axis; each step draws the global batch of its index itself
+    plan = plan_of(cfg)
+    mesh = plan.mesh()
     out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
            "precision": precision}
     for impl in cfg.implementations:
-        strategy = build(cfg, None, impl, mesh, device, precision)
+        strategy = build(cfg, impl, plan, device, precision, mesh)
         formulas = composed_traffic_formulas(strategy, cfg) if impl == "engine" else {}
         resumed: dict = {}
         try:

@@ -22,28 +22,25 @@ from engine.compose.data import global_batch as step_batch
 from engine.compose.data import rank_slice
 from engine.compose.loss import global_token_loss, masked_sum
 from engine.compose.model import GPT
-from engine.model.gpt import GPTConfig
 from engine.pp import PipelineRun
-from engine.model.presets import MODELS
 from engine.train.steps import Strategy, autocast, parameter_count
+from engine.compose.plan import Plan
 from engine.topology import Mesh
 from engine.train.composed import ComputeTimer, composed_strategy, global_rows, model_config
 
 
-def build(cfg, model: GPTConfig | None, impl: str, mesh: Mesh, device: torch.device,
-          precision: str) -> Strategy:
+def build(cfg, impl: str, plan: Plan, device: torch.device, precision: str,
+          mesh: Mesh) -> Strategy:
     """The strategy of ``impl`` ("engine" or "torch") for ``cfg`` (a
-    :class:`engine.train.cli.TrainConfig`) on ``mesh``: the composed engine, or PyTorch's
-    wrappers on the same GPT. ``model``: ``--model``'s sizes (``MODELS[cfg.model]``) or
-    None; the GPT is always :func:`engine.train.composed.model_config` of ``cfg``."""
-    if model is not None and model != MODELS[cfg.model]:
-        raise ValueError(f"build: the sizes given are not --model {cfg.model}'s; the GPT is "
-                         "built from cfg.model (pass model=None)")
+    :class:`engine.train.cli.TrainConfig`) and its ``plan``
+    (:func:`engine.train.composed.plan_of`) on ``mesh`` (``plan.mesh()``, built once for every
+    implementation): the composed engine, or PyTorch's wrappers on the same GPT
+    (:func:`engine.train.composed.model_config` of ``cfg``)."""
     if impl == "torch":
         return torch_strategy(cfg, mesh, device, precision)
     if impl != "engine":
         raise ValueError(f"--impl must be engine or torch here, got {impl!r}")
-    return composed_strategy(cfg, mesh, device, precision)
+    return composed_strategy(cfg, plan, mesh, device, precision)
 
 
 def torch_strategy(cfg, mesh: Mesh, device: torch.device, precision: str) -> Strategy:
