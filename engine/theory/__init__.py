@@ -32,7 +32,8 @@ from engine.theory.collectives import (all_reduce_critical_bytes, all_reduce_ste
 from engine.theory.compression import powersgd_elements, topk_bytes_per_rank, topk_kept
 from engine.theory.zero import (transformer_activation_bytes, zero_comm_elements,
                                 zero_model_state_bytes)
-from engine.theory.tensor import tp_comm_elements_per_layer, zero3_comm_elements_per_layer
+from engine.theory.tensor import (tp_comm_elements_per_layer, tp_zero3_crossover_tokens,
+                                  zero3_comm_elements_per_layer)
 from engine.theory.pipeline import (PEAK_ACTIVATIONS, bubble_fraction, one_f_one_b_bubble_time,
                                     pipeline_p2p_hops, pipeline_peak_activations,
                                     zb_h1_bubble_fraction, zb_h1_bubble_time, zb_h2_bubble_time)
@@ -63,6 +64,7 @@ __all__ = ["all_reduce_critical_bytes", "all_reduce_steps", "all_to_all_bytes", 
            "ring_reduce_scatter_bytes", "tree_all_reduce_bytes", "powersgd_elements",
            "topk_bytes_per_rank", "topk_kept", "transformer_activation_bytes",
            "zero_comm_elements", "zero_model_state_bytes", "tp_comm_elements_per_layer",
+           "tp_zero3_crossover_tokens",
            "zero3_comm_elements_per_layer", "PEAK_ACTIVATIONS", "bubble_fraction",
            "one_f_one_b_bubble_time", "pipeline_p2p_hops", "pipeline_peak_activations",
            "zb_h1_bubble_fraction", "zb_h1_bubble_time", "zb_h2_bubble_time",

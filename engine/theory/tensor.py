@@ -23,3 +23,12 @@ def zero3_comm_elements_per_layer(h: int, t: int) -> float:
     batch (Rajbhandari et al. 2020, section 7)."""
     check_n(t)
     return 3 * (t - 1) / t * 12 * h * h
+
+
+def tp_zero3_crossover_tokens(h: int) -> float:
+    """Tokens per micro-batch (``b*s``) at which tensor parallelism and ZeRO-3 send the same per
+    layer, whatever ``t``: :func:`tp_comm_elements_per_layer`'s ``8bsh(t-1)/t`` (Shoeybi et al.
+    2019, section 3) equals ``3(t-1)/t`` times the layer's ``12h^2 + 13h`` parameters (weights,
+    biases and two LayerNorms; two all-gathers and a reduce-scatter, Rajbhandari et al. 2020,
+    section 7) at ``b*s = 3(12h^2 + 13h) / (8h)``, about ``4.5 h``."""
+    return 3 * (12 * h * h + 13 * h) / (8 * h)
