@@ -25,8 +25,9 @@ from engine.compose.formulas import dp_formula  # re-exported: its home before
 from engine.topology import Mesh
 
 KINDS = ("dp", "cp", "ep", "tp", "pp")
-__all__ = ["KINDS", "P2P", "group_kinds", "kind_of", "tagged", "bytes_by_kind", "dp_formula",
-           "gradient_group_name", "report_names", "report_traffic", "strategy_traffic"]
+__all__ = ["KINDS", "P2P", "group_kinds", "kind_of", "on_embedding_group", "tagged",
+           "bytes_by_kind", "dp_formula",
+           "gradient_group_name", "report_names", "report_traffic"]
 P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 
 
@@ -43,10 +44,14 @@ def group_kinds(mesh: Mesh) -> list[tuple[tuple[int, ...], str]]:
     return [(tuple(ops.group_ranks(g)), kind) for kind, g in named if g is not None]
 
 
-def kind_of(event, mesh: Mesh, moe: bool) -> str:
+def kind_of(event, mesh: Mesh, moe: bool, embedding: bool = False) -> str:
     """The dimension ``event`` (a :class:`engine.observe.meter.CommEvent`) travelled on: its
     ``purpose`` when that names a dimension of more than one rank of ``mesh``, else found
-    from its ranks and operation (module docstring)."""
+    from its ranks and operation (module docstring). ``embedding=True``: the tied embedding's
+    gradient sum (a collective on ``mesh.embedding_group``, not the loss's broadcast) is a
+    kind of its own, ``embedding``, as chapter 07 shows it; else it counts as pp."""
+    if embedding and on_embedding_group(event, mesh):
+        return "embedding"
     if tagged(event.purpose, mesh):
         return event.purpose
     ranks = tuple(event.group)
@@ -61,6 +66,13 @@ def kind_of(event, mesh: Mesh, moe: bool) -> str:
     raise ValueError(f"{event.op} on ranks {ranks} is on no group of {mesh!r}")
 
 
+def on_embedding_group(event, mesh: Mesh) -> bool:
+    """Whether ``event`` is a collective (not the loss's broadcast) on the embedding group."""
+    return (mesh.embedding_group is not None and event.op not in P2P
+            and event.op != "broadcast"
+            and tuple(event.group) == tuple(ops.group_ranks(mesh.embedding_group)))
+
+
 def tagged(purpose: str, mesh: Mesh) -> bool:
     """Whether ``purpose`` names a dimension of ``mesh`` with more than one rank (dp: of dp x
     cp, the group the composed engine reduces gradients over)."""
@@ -69,12 +81,13 @@ def tagged(purpose: str, mesh: Mesh) -> bool:
     return (mesh.dp_cp_size if purpose == "dp" else getattr(mesh, purpose)) > 1
 
 
-def bytes_by_kind(events, mesh: Mesh, moe: bool) -> dict[str, int]:
-    """Bytes this rank sent, per kind of group (module docstring)."""
-    sent = dict.fromkeys(KINDS, 0)
+def bytes_by_kind(events, mesh: Mesh, moe: bool, embedding: bool = False) -> dict[str, int]:
+    """Bytes this rank sent, per kind of group (module docstring; ``embedding``:
+    :func:`kind_of`'s)."""
+    sent = dict.fromkeys(KINDS + (("embedding",) if embedding else ()), 0)
     for event in events:
         if event.bytes_sent:
-            sent[kind_of(event, mesh, moe)] += event.bytes_sent
+            sent[kind_of(event, mesh, moe, embedding)] += event.bytes_sent
     return sent
 
 
@@ -101,13 +114,7 @@ def report_names(by_kind: dict, mesh: Mesh, add=lambda a, b: a + b) -> dict:
 
 
 def report_traffic(events, mesh: Mesh, moe: bool) -> dict[str, int]:
-    """:func:`bytes_by_kind` under ``engine train``'s names (:func:`report_names`)."""
+    """:func:`bytes_by_kind` under ``engine train``'s names (:func:`report_names`), for the
+    composed engine and PyTorch's wrappers alike (``moe``: an all-to-all over the ep group is
+    the experts')."""
     return report_names(bytes_by_kind(events, mesh, moe), mesh)
-
-
-def strategy_traffic(events, mesh: Mesh, groups: dict | None = None) -> dict[str, int]:
-    """The composed engine's :attr:`engine.train.steps.Strategy.traffic` (set by
-    :func:`engine.train.composed.composed_strategy`): :func:`report_traffic`, an all-to-all
-    over the ep group being the experts' wherever they are spread (``mesh.ep > 1``). The
-    strategy's ``groups`` add nothing: the mesh names every group a composed run uses."""
-    return report_traffic(events, mesh, moe=mesh.ep > 1)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 
 from engine.observe.meter import CommMeter
-from engine.comm import ops
 from engine.compose.data import global_batch
 from engine.compose.loop import train_step
 from engine.compose.loss import masked_sum
@@ -30,12 +29,11 @@ from engine.compose.model import GPT, ModelConfig
 from engine.compose.parallelize import parallelize
 from engine.compose.plan import Plan
 from engine.compose.state import dense_state
-from engine.compose.traffic import P2P, kind_of
+from engine.compose.traffic import bytes_by_kind
 from engine.launch.device import rank_device
 from engine.model.gpt import GPTConfig
-from engine.topology import Mesh
 
-__all__ = ["train_3d", "train_reference", "model_of", "traffic_by_kind"]
+__all__ = ["train_3d", "train_reference", "model_of"]
 KINDS = ("dp", "tp", "pp", "embedding")  # what train_3d's traffic always reports
 
 
@@ -43,26 +41,6 @@ def model_of(cfg: GPTConfig) -> ModelConfig:
     """The composed GPT of ``cfg``'s sizes: tied embeddings, no bias on q, k, v (as
     ``engine train`` builds it: :func:`engine.train.composed.model_config`)."""
     return ModelConfig.from_gpt(cfg, qkv_bias=False)
-
-
-def traffic_by_kind(events, mesh: Mesh) -> dict[str, int]:
-    """Bytes sent in ``events`` per kind of group: ``dp``, ``tp``, ``pp`` (the activations
-    between stages, the loss's broadcast), ``embedding`` (the tied embedding's gradient summed
-    over the first and the last stage), ``other`` (none expected)."""
-    embedding = tuple(ops.group_ranks(mesh.embedding_group)) if mesh.embedding_group else None
-    sent = dict.fromkeys(KINDS, 0)
-    for event in events:
-        if not event.bytes_sent:
-            continue
-        if event.op not in P2P and event.op != "broadcast" and tuple(event.group) == embedding:
-            kind = "embedding"
-        else:
-            try:
-                kind = kind_of(event, mesh, moe=False)
-            except ValueError:
-                kind = "other"
-        sent[kind] = sent.get(kind, 0) + event.bytes_sent
-    return sent
 
 
 def train_3d(rank: int, world_size: int, dp: int, tp: int, pp: int, cfg, steps: int = 3,
@@ -74,7 +52,8 @@ def train_3d(rank: int, world_size: int, dp: int, tp: int, pp: int, cfg, steps: 
     sequences), so the loss goes down as the model learns it.
     Returns this rank's parameters, whole over tp and named as one process names them
     (``state``), the global loss of every step (``losses``), the rank's coordinates, and the
-    bytes it sent in the first step through each kind of group (:func:`traffic_by_kind`).
+    bytes it sent in the first step through each kind of group
+    (:func:`engine.compose.traffic.bytes_by_kind`, the tied embedding's sum apart).
     ``device``: "cuda" or "cpu"; by default :func:`engine.launch.device.rank_device` ("cuda" on
     Gloo: CUDA tensors, see :mod:`engine.comm.ops`)."""
     if device is None:
@@ -98,7 +77,8 @@ def train_3d(rank: int, world_size: int, dp: int, tp: int, pp: int, cfg, steps: 
         if k == 0:
             with CommMeter(count="wire") as meter:
                 losses.append(train_step(par, batch, k))
-            traffic = traffic_by_kind(meter.events, mesh)
+            by_kind = bytes_by_kind(meter.events, mesh, moe=False, embedding=True)
+            traffic = {kind: by_kind[kind] for kind in KINDS}
         else:
             losses.append(train_step(par, batch, k))
     return {"state": dense_state(par), "losses": losses, "coords": mesh.coords,

@@ -59,7 +59,6 @@ from engine.compose.model import GPT, ModelConfig
 from engine.compose.parallelize import parallelize
 from engine.compose.resume import rank_state
 from engine.compose.plan import CP_METHODS, Plan, check_cp_method
-from engine.compose.traffic import strategy_traffic
 from engine.moe.gpt import MOE_MODELS
 from engine.pp import SCHEDULES, PipelineRun
 from engine.model.presets import MODELS
@@ -258,8 +257,7 @@ def composed_strategy(cfg, plan: Plan, mesh: Mesh, device: torch.device, precisi
     strategy = Strategy(f"composed engine: {plan.name}" + (" varlen" if cfg.varlen else ""),
                         par.module, par.optimizer, step, psi_of(par), mesh,
                         device, engine=plan.ep == 1, groups=groups,
-                        per_rank_checkpoint=True, rank_state=rank_state(par),
-                        traffic=strategy_traffic)
+                        per_rank_checkpoint=True, rank_state=rank_state(par))
     if loads is not None:
         strategy.moe_stats = loads.moe_stats  # the report's expert loads and drop rates
     return strategy

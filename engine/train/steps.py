@@ -30,7 +30,6 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from engine.comm import ops
 from engine.observe.memory import ActivationTracker, StateBytes, model_state_bytes
 from engine.model.gpt import GPTConfig
 from engine.model.data import token_data
@@ -45,7 +44,6 @@ PRECISIONS = ("fp32", "bf16")
 # the schedules of engine.pp's registry that a one-chunk-per-rank pipeline step runs
 TRAINER_SCHEDULES = ("1f1b", "gpipe")
 SCHEDULES = {name: PIPELINE_SCHEDULES[name].make for name in TRAINER_SCHEDULES}
-GROUP_KINDS = ("dp", "tp", "pp", "embedding")  # what traffic_by_group always reports
 
 
 def trainer_schedule(name: str, p: int, m: int):
@@ -73,38 +71,14 @@ def global_batch(cfg: GPTConfig, mesh: Mesh, microbatches: int, micro_batch: int
             list(targets[mine].to(device).chunk(microbatches)))
 
 
-def traffic_by_group(events, mesh: Mesh, more: dict | None = None) -> dict[str, int]:
-    """The default :attr:`Strategy.traffic`: bytes sent, by the kind of mesh group each op
-    went through. Point-to-point traffic is the pipeline's (``pp``); a collective is ``dp``,
-    ``tp`` or ``embedding`` by its group's ranks (the pp and embedding groups can hold the
-    same two ranks: collectives there are the tied embedding's), or one of the strategy's
-    ``more`` groups (kind -> group: expert parallelism's ``ep`` and ``expert-dp``), ``other``
-    if none; an all-to-all is ``ep`` wherever there is an ``ep`` group."""
-    groups = {**(more or {}), "tp": mesh.tp_group, "dp": mesh.dp_group,
-              "embedding": mesh.embedding_group}  # the mesh's kind wins for the same ranks
-    kinds = {ops.group_ranks(g): kind for kind, g in groups.items() if g is not None}
-    traffic = dict.fromkeys(GROUP_KINDS, 0)
-    for event in events:
-        point_to_point = event.op in ("send", "recv", "isend", "irecv")
-        kind = kinds.get(event.group, "other")
-        if point_to_point:  # the older paths send point to point for the pipeline only
-            kind = "pp"
-        if event.op == "all_to_all" and "ep" in groups:  # dispatch and combine, even when
-            kind = "ep"  # the expert-parallel group is every rank
-        traffic[kind] = traffic.get(kind, 0) + event.bytes_sent
-    return traffic
-
-
 @dataclass
 class Strategy:
     """What one rank trains with. ``step(k)`` runs the run's optimizer step ``k`` over the
     micro-batches and returns the :class:`engine.pp.PipelineRun` (loss on the last stage,
     compute events, activation bytes). ``psi``: the parameters this rank's part of the model
-    has before any ZeRO sharding (its pipeline stage's, split over tp). ``traffic``: the
-    strategy's bookkeeper of bytes, ``(events of the counted step, mesh, groups) -> bytes
-    per kind of group``, called by :func:`engine.train.timed_steps.run_steps`: the paths of
-    :mod:`engine.train.strategy` count with :func:`traffic_by_group`, the composed engine with
-    :func:`engine.compose.traffic.strategy_traffic`."""
+    has before any ZeRO sharding (its pipeline stage's, split over tp). Its bytes are named by
+    the one classifier, :func:`engine.compose.traffic.report_traffic` (in
+    :func:`engine.train.timed_steps.run_steps`), whichever implementation sent them."""
 
     name: str
     model: nn.Module
@@ -115,7 +89,7 @@ class Strategy:
     device: torch.device
     engine: bool = True  # False: PyTorch's own wrappers, whose buckets live in C++
     # more groups the step communicates over, kind -> group: warmed up before the first
-    # step (engine.train.timed_steps.warm_up_groups) and named by traffic_by_group
+    # step (engine.train.timed_steps.warm_up_groups)
     groups: dict[str, Any] = field(default_factory=dict)
     # True: checkpointed rank by rank, each its whole state (engine.checkpoint.per_rank): the
     # composed engine, every layout; False: no checkpoint (PyTorch's wrappers)
@@ -123,7 +97,6 @@ class Strategy:
     # what a per-rank checkpoint saves and loads instead of (model, optimizer): two objects
     # with state_dict() / load_state_dict() (the composed engine: engine.compose.resume)
     rank_state: tuple | None = None
-    traffic: Callable[[list, Mesh, dict], dict[str, int]] = traffic_by_group
 
     def state_bytes(self) -> StateBytes | None:
         """What this rank holds (:func:`engine.observe.memory.model_state_bytes`); None for

@@ -7,10 +7,10 @@ every rank, the engine's strategies and PyTorch's alike, and measures what a lab
   up), and is marked with :class:`engine.observe.trace.Clock`: CUDA events on a GPU, read only after
   the run (each read waits for its event), ``perf_counter`` on the CPU. A step takes as long
   as its slowest rank, so the per-step times are all-reduced with MAX;
-* **bytes**: the first step runs under a :class:`engine.observe.meter.CommMeter` that counts every
-  collective on the wire (``count="wire"``), split by kind of group by the strategy's own
-  bookkeeper (:attr:`engine.train.steps.Strategy.traffic`). The timed steps run without a meter,
-  on the built-in collectives;
+* **bytes**: the first step runs under a :class:`engine.observe.meter.CommMeter` that counts
+  every collective on the wire (``count="wire"``), split by kind of group by the one
+  classifier (:func:`engine.compose.traffic.report_traffic`). The timed steps run without a
+  meter, on the built-in collectives;
 * **memory**: on a GPU, what is allocated once the model is sharded and the optimizer's state
   exists (read after the first step: AdamW creates its state at its first step), and the
   peak over the timed steps (the peak is reset after the warm-up).
@@ -26,7 +26,7 @@ import torch
 from engine.observe.meter import CommMeter
 from engine.comm import ops
 from engine.pp import PipelineRun
-from engine.train.steps import traffic_by_group
+from engine.compose.traffic import report_traffic
 from engine.observe.trace import Clock
 
 
@@ -128,9 +128,7 @@ def slowest(seconds: list[float], device: torch.device) -> list[float]:
 
 
 def traffic_of(strategy, events) -> dict[str, int]:
-    """Bytes this rank sent in ``events``, per kind of group, as ``strategy`` names them:
-    its ``traffic`` bookkeeper (:class:`engine.train.steps.Strategy`), given the mesh and the
-    strategy's groups. An object that runs steps without a bookkeeper of its own (a test's
-    minimal strategy) is counted by the default, :func:`engine.train.steps.traffic_by_group`."""
-    report = getattr(strategy, "traffic", traffic_by_group)
-    return report(events, strategy.mesh, strategy.groups)
+    """Bytes this rank sent in ``events``, per kind of group, under ``engine train``'s names
+    (:func:`engine.compose.traffic.report_traffic`: one classifier for every implementation;
+    an all-to-all over the ep group is the experts' wherever they are spread)."""
+    return report_traffic(events, strategy.mesh, moe=strategy.mesh.ep > 1)
