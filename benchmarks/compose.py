@@ -35,7 +35,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from engine import launch
-from engine.compose.data import global_batch, rank_slice
+from engine.model.data import global_batch
+from engine.compose.data import rank_slice
 from engine.compose.loop import train_step
 from engine.compose.model import GPT, ModelConfig
 from engine.compose.parallelize import parallelize, qkv_heads_slice

@@ -86,7 +86,7 @@ CORRECTIONS = {
     CH11: ["section 3.2.2", "$2M(W-1)/(GW)$", "`SHARD_GRAD_OP`", "frees them after it",
            "in this engine's variant the parameters stay whole", "$2(n-1)/n \\cdot \\Psi \\cdot b$",
            "`pytorch/torchft`", "only when the quorum changes", "*strided* fragments",
-           "the untrained model's 1.02", "the untrained model's 4.1552", "(the GPT table)",
+           "the untrained model's 1.02", "the untrained model's 4.1486", "(the GPT table)",
            "Why the outer step overshoots here"],
     ROOT / "engine" / "theory" / "slow_links.py": ["section 3.2.2", "2M(W-1)/(GW)"],
     ROOT / "engine" / "zero" / "hsdp.py": ["section 3.2.2", "SHARD_GRAD_OP", "2M(W-1)/(GW)"],

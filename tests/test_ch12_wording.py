@@ -161,8 +161,9 @@ def test_the_fp8_numbers_quoted_are_scaling_grids():
 
 def test_the_underflow_count_the_drill_quotes_is_measured():
     """Item 21: 470 of 16,640 non-zero fp16 gradient elements flushed (2.8%), not thousands."""
-    from engine.precision import gradient_underflow, regression_data, small_mlp
-    model, (x, y) = small_mlp(), regression_data(256)
+    from engine.model.data import noise_regression_data
+    from engine.precision import gradient_underflow, small_mlp
+    model, (x, y) = small_mlp(), noise_regression_data(256)
     u = gradient_underflow(model, x, y, torch.float16, 1.0, fp32_loss=True)
     assert (u.flushed, u.nonzero, f"{u.flushed_fraction:.1%}") == (470, 16_640, "2.8%")
     item = next(c for c in drill.CHOICE if c.item_id == "bf16-loss-scaling")

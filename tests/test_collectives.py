@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from engine import RankError, theory
 from engine.observe.meter import CommMeter
-from engine.comm import (chunk_sizes, ps_all_reduce, ring_all_gather, ring_all_reduce, ring_reduce_scatter, tree_all_reduce)
+from engine.comm import (chunk_sizes, ps_all_reduce, ring_all_gather, ring_all_reduce,
+                         ring_reduce_scatter, tree_all_reduce)
 from tests.helpers import BEYOND_CPU, DEVICE_WORLD_SIZES, rank_device, run_ranks
 
 SIZES = [1, 2, 3, 7, 1000, 1001]  # fewer elements than ranks, and counts N does not divide

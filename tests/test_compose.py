@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.compose.data import global_batch, rank_slice
+from engine.model.data import global_batch
+from engine.compose.data import rank_slice
 from engine.compose.loss import masked_sum
 from engine.compose.model import GPT, ModelConfig
 from engine.compose.plan import Plan

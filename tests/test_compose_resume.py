@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from engine.__main__ import main as engine_main
-from engine.compose.data import global_batch
+from engine.model.data import global_batch
 from engine.compose.parity import MOE, MODEL
 from engine.compose.plan import Plan
 from tests.helpers import run_ranks

@@ -127,7 +127,7 @@ def _zero3_under_w(rank, world_size):
 
 
 def _one_process(cfg, steps, rows):
-    from engine.compose.data import global_batch
+    from engine.model.data import global_batch
     from engine.compose.loss import masked_sum
 
     model = GPT(cfg, seed=SEED)

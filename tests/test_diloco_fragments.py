@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from engine.ft.diloco import DiLoCo, module_fragments
-from engine.labs.diloco import CONFIG, block_fragments, markov_tokens
+from engine.labs.diloco import CONFIG, block_fragments
+from engine.model.data import markov_tokens
 from engine.model.mlp import MLP
 from engine.model.gpt import TinyGPT
 

@@ -12,12 +12,12 @@ from torch import nn
 
 from engine import theory
 from engine.observe.meter import CommMeter
-from engine.precision import (DynamicLossScaler, Fp8Linear, bytes_per_parameter,
-                              fp8_all_gather, fp8_matmul, gradient_underflow,
-                              outlier_activations, plain_all_gather, quantize, regression_data,
-                              relative_error, scaling_errors, small_mlp, to_fp8,
-                              token_relative_error, train_lm, train_mixed,
-                              underflow_experiment)
+from engine.model.data import noise_regression_data
+from engine.precision import (DynamicLossScaler, Fp8Linear, bytes_per_parameter, fp8_all_gather,
+                              fp8_matmul, gradient_underflow, outlier_activations,
+                              plain_all_gather, quantize, relative_error,
+                              scaling_errors, small_mlp, to_fp8, token_relative_error, train_lm,
+                              train_mixed, underflow_experiment)
 from engine.precision.fp8_comm import fp8_cast
 from engine.precision.mixed import low_precision_grads
 from tests.helpers import run_ranks
@@ -106,7 +106,7 @@ def test_the_scaler_rejects_bad_input_and_misuse():
 
 
 def test_fp16_without_scaling_flushes_gradients_and_scaling_rescues_them():
-    model, (x, y) = small_mlp(), regression_data()
+    model, (x, y) = small_mlp(), noise_regression_data()
     plain = gradient_underflow(model, x, y, torch.float16, scale=1.0)
     scaled = gradient_underflow(model, x, y, torch.float16, scale=2.0**10)
     bf16 = gradient_underflow(model, x, y, torch.bfloat16)
@@ -131,8 +131,8 @@ def test_fp16_with_the_scaler_trains_like_bf16():
             "fp16+scaler": train_mixed("fp16+scaler", steps=8, rows=128, init_scale=init,
                                        fp32_loss=True)}
     scaled = runs["fp16+scaler"]
-    loss, grads = low_precision_grads(small_mlp(), *regression_data(128), torch.float16, init,
-                                      fp32_loss=True)
+    loss, grads = low_precision_grads(small_mlp(), *noise_regression_data(128), torch.float16,
+                                      init, fp32_loss=True)
     fp16_max = torch.finfo(torch.float16).max
     # the gradients themselves overflow; the scaled loss is past fp16's range at every scale
     # used (an fp16 loss would be inf at each step), yet in fp32 it skips nothing at 2^26

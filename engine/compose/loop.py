@@ -23,7 +23,8 @@ import contextlib
 import torch
 
 from engine.comm import ops
-from engine.compose.data import Batch, global_batch, rank_slice
+from engine.model.data import Batch, global_batch
+from engine.compose.data import rank_slice
 from engine.compose.experts import update_expert_biases
 from engine.compose.loss import global_token_loss, masked_sum, micro_batch_mean
 from engine.compose.parallelize import Parallel
@@ -105,7 +106,7 @@ def accumulate(par: Parallel, micro: list[Batch], global_tokens: int, normalisat
 
 def train(par: Parallel, steps: int, rows: int, seed: int = 1, varlen: bool = False,
           hooks=(), normalisation: str = "global") -> list[float]:
-    """``steps`` steps, step k on :func:`engine.compose.data.global_batch` ``(k, rows, ...)``;
+    """``steps`` steps, step k on :func:`engine.model.data.global_batch` ``(k, rows, ...)``;
     the global losses."""
     cfg = par.model.cfg
     return [train_step(par, global_batch(k, rows, cfg.seq_len, cfg.vocab, seed, varlen), k,

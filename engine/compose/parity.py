@@ -25,7 +25,7 @@ import torch
 
 from engine.observe.meter import CommMeter
 from engine.observe.nccl_rules import nccl_rules
-from engine.compose.data import global_batch
+from engine.model.data import global_batch
 from engine.compose.experts import balance_bytes
 from engine.compose.loss import masked_sum
 from engine.compose.loop import train

@@ -3,8 +3,8 @@ data parallelism at equal tokens, and streaming DiLoCo's peak bytes per sync.
 
 Every run starts from the same weights and sees the same tokens: ``steps`` steps, on each of
 the 4 ranks a batch of ``batch`` sequences drawn for (step, rank). The data is learnable
-(:func:`markov_tokens`: a fixed random chain in which each token has a few likely successors),
-so the loss falls well below ``ln(vocab)``. Data parallelism (DDP) all-reduces the gradients
+(:func:`engine.model.data.markov_tokens`: the course's Markov chain over the vocabulary, the
+one every GPT run trains on), so the loss falls well below ``ln(vocab)``. Data parallelism (DDP) all-reduces the gradients
 every step and takes an AdamW step; DiLoCo (:class:`engine.ft.diloco.DiLoCo`, Douillard et al.
 2023) takes H AdamW steps per replica, then one outer Nesterov step (lr 0.7, momentum 0.9)
 on the averaged pseudo-gradients; streaming DiLoCo (2025) cuts the model into 4 fragments
@@ -33,28 +33,13 @@ from engine.observe.meter import CommMeter
 from engine.comm import ops
 from engine.ft.diloco import DiLoCo
 from engine.launch import launch
+from engine.model.data import markov_tokens
 from engine.model.gpt import GPTConfig, TinyGPT
 
 # a tiny GPT with 4 blocks, so that 4 fragments of whole blocks exist
 CONFIG = GPTConfig(vocab=64, seq_len=16, layers=4, heads=4, hidden=32)
 RUNS = (("DDP", None, 1), ("DiLoCo H=10", 10, 1), ("DiLoCo H=50", 50, 1),
         ("DiLoCo H=100", 100, 1), ("streaming DiLoCo H=100, F=4", 100, 4))
-
-
-def markov_tokens(batch: int, seq_len: int, vocab: int, seed: int, chain_seed: int = 0):
-    """``batch`` sequences of a fixed random Markov chain over ``vocab`` tokens (each token
-    has 4 likely successors): ``(idx, targets)``, each ``[batch, seq_len]``."""
-    chain = torch.Generator().manual_seed(chain_seed)
-    logits = torch.randn(vocab, vocab, generator=chain) * 0.5
-    likely = torch.randint(vocab, (vocab, 4), generator=chain)
-    logits.scatter_add_(1, likely, torch.full((vocab, 4), 4.0))
-    probs = logits.softmax(-1)
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.empty(batch, seq_len + 1, dtype=torch.long)
-    tokens[:, 0] = torch.randint(vocab, (batch,), generator=g)
-    for t in range(seq_len):
-        tokens[:, t + 1] = torch.multinomial(probs[tokens[:, t]], 1, generator=g).squeeze(1)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
 def block_fragments(model: TinyGPT, fragments: int) -> list[nn.Module]:

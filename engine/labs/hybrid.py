@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from engine.observe.meter import CommMeter
-from engine.compose.data import global_batch
+from engine.model.data import global_batch
 from engine.compose.loop import train_step
 from engine.compose.loss import masked_sum
 from engine.compose.model import GPT, ModelConfig
@@ -48,7 +48,7 @@ def train_3d(rank: int, world_size: int, dp: int, tp: int, pp: int, cfg, steps: 
              seed: int = 0, device: str | None = None) -> dict:
     """Train the GPT of ``cfg`` (:func:`model_of`) for ``steps`` steps of momentum SGD on a
     ``dp x tp x pp`` mesh with ZeRO-1 over dp, every step on one fixed global batch
-    (:func:`engine.compose.data.global_batch` of step 0, ``dp * micro_batches * rows``
+    (:func:`engine.model.data.global_batch` of step 0, ``dp * micro_batches * rows``
     sequences), so the loss goes down as the model learns it.
     Returns this rank's parameters, whole over tp and named as one process names them
     (``state``), the global loss of every step (``losses``), the rank's coordinates, and the

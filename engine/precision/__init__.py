@@ -22,14 +22,12 @@ from engine.precision.fp8 import (FORMATS, SCALINGS, TILE, dequantize, fp8_matmu
 from engine.precision.fp8_comm import fp8_all_gather, fp8_cast, plain_all_gather
 from engine.precision.fp8_linear import PRECISIONS, Fp8Linear, Fp8Matmul, to_fp8, train_lm
 from engine.precision.loss_scaler import DynamicLossScaler
-from engine.precision.mixed import (MixedRun, Underflow, bytes_per_parameter,
-                                    gradient_underflow, held_bytes, regression_data,
-                                    small_mlp, teacher_data, train_mixed,
-                                    underflow_experiment)
+from engine.precision.mixed import (MixedRun, Underflow, bytes_per_parameter, gradient_underflow,
+                                    held_bytes, small_mlp, train_mixed, underflow_experiment)
 
 __all__ = ["DynamicLossScaler", "fp8_matmul", "quantize", "dequantize", "FORMATS", "SCALINGS",
            "TILE", "outlier_activations", "relative_error", "token_relative_error",
            "scaling_errors", "scaling_grid", "fp8_all_gather", "fp8_cast", "plain_all_gather",
-           "Underflow", "bytes_per_parameter", "gradient_underflow", "small_mlp", "regression_data",
+           "Underflow", "bytes_per_parameter", "gradient_underflow", "small_mlp",
            "train_mixed", "MixedRun", "held_bytes", "Fp8Linear", "Fp8Matmul", "to_fp8",
-           "train_lm", "PRECISIONS", "teacher_data", "underflow_experiment"]
+           "train_lm", "PRECISIONS", "underflow_experiment"]

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from engine.observe.memory import unique_storage_bytes
+from engine.model.data import noise_regression_data, teacher_data
 from engine.model.seed import seeded
 from engine.precision.loss_scaler import DynamicLossScaler
 
@@ -59,20 +60,6 @@ def small_mlp(layers: int = 4, width: int = 64, std: float = 0.02, seed: int = 0
             nn.init.zeros_(linear.bias)
             modules += [linear, nn.Tanh()]
     return nn.Sequential(*modules[:-1])
-
-
-def regression_data(rows: int = 1024, width: int = 64, seed: int = 1):
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, width, generator=generator)
-    return x, 0.1 * torch.randn(rows, width, generator=generator)
-
-
-def teacher_data(rows: int = 256, width: int = 32, seed: int = 1):
-    """Inputs and a learnable target: ``tanh(x P)`` for a fixed random ``P`` (std 1/sqrt(w))."""
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, width, generator=generator)
-    teacher = torch.randn(width, width, generator=generator) / width**0.5
-    return x, torch.tanh(x @ teacher)
 
 
 @dataclass
@@ -154,7 +141,8 @@ def train_mixed(precision: str, steps: int = 50, lr: float = 1e-3, growth_interv
                 loss_weight: float = 1.0, master: nn.Module | None = None,
                 data=None, fp32_loss: bool = False) -> MixedRun:
     """``optimizer`` (``"adam"`` or ``"sgd"``, whose learning rate is divided by
-    ``loss_weight``) on fp32 masters (default :func:`small_mlp` on :func:`regression_data`),
+    ``loss_weight``) on fp32 masters (default :func:`small_mlp` on
+    :func:`engine.model.data.noise_regression_data`),
     forward/backward in ``precision`` (one of ``LOW``); ``"fp16+scaler"`` scales the loss with a
     :class:`DynamicLossScaler`. The losses reported are the unweighted mean squared errors."""
     if precision not in LOW:
@@ -162,7 +150,7 @@ def train_mixed(precision: str, steps: int = 50, lr: float = 1e-3, growth_interv
     if optimizer not in ("adam", "sgd"):
         raise ValueError(f"optimizer={optimizer!r}; expected 'adam' or 'sgd'")
     master = small_mlp() if master is None else master
-    x, y = regression_data(rows) if data is None else data
+    x, y = noise_regression_data(rows) if data is None else data
     optimizer = torch.optim.Adam(master.parameters(), lr=lr) if optimizer == "adam" else \
         torch.optim.SGD(master.parameters(), lr=lr / loss_weight)
     scaler = DynamicLossScaler(init_scale, growth_interval=growth_interval) \
@@ -193,7 +181,7 @@ def train_mixed(precision: str, steps: int = 50, lr: float = 1e-3, growth_interv
 def underflow_experiment(steps: int = 60, loss_weight: float = 2.0**-16, lr: float = 0.5,
                          rows: int = 256, width: int = 32, seed: int = 0,
                          precisions=tuple(LOW)) -> dict[str, MixedRun]:
-    """SGD on a 4-layer tanh MLP (std ``1/sqrt(width)``) fitting :func:`teacher_data`, the
+    """SGD on a 4-layer tanh MLP (std ``1/sqrt(width)``) fitting :func:`engine.model.data.teacher_data`, the
     loss (computed in fp32, as under autocast) weighted by ``loss_weight`` (module
     docstring), in each of ``precisions``."""
     return {p: train_mixed(p, steps, lr, init_scale=2.0**16, growth_interval=10,

@@ -19,7 +19,7 @@ path, for every model and layout; ``--impl torch`` trains the same GPT on the sa
   V schedules hold 2 chunks per rank, so pp x 2 must divide the layers); ``--cp-method`` is
   ring attention (zig-zag or contiguous), Ulysses, all-gather or ``usp:UxR``
   (:mod:`engine.compose.usp`);
-* step k trains on :func:`engine.compose.data.global_batch` ``(k, dp x microbatches x
+* step k trains on :func:`engine.model.data.global_batch` ``(k, dp x microbatches x
   micro-batch rows)``: the same sequences whatever the layout, so the loss of every step, the
   mean over every token that counts in the global batch (:mod:`engine.compose.loss`), can be
   compared with one process's;
@@ -52,7 +52,7 @@ from dataclasses import replace
 import torch
 
 from engine.observe.clock import Clock
-from engine.compose.data import global_batch
+from engine.model.data import global_batch
 from engine.compose.experts import moe_layers
 from engine.compose.loop import train_step
 from engine.compose.model import GPT, ModelConfig

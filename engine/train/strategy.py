@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.comm import ops
-from engine.compose.data import global_batch as step_batch
+from engine.model.data import global_batch as step_batch
 from engine.compose.data import rank_slice
 from engine.compose.loss import global_token_loss, masked_sum
 from engine.compose.model import GPT
@@ -84,7 +84,7 @@ def torch_strategy(cfg, mesh: Mesh, device: torch.device, precision: str) -> Str
 
 def data_parallel_step(model: nn.Module, optimizer, cfg, mesh: Mesh, device: torch.device):
     """A step of a data-parallel ``model`` (PyTorch's wrappers) on the composed engine's data
-    and loss: step k's global batch (:func:`engine.compose.data.global_batch`), this dp
+    and loss: step k's global batch (:func:`engine.model.data.global_batch`), this dp
     rank's rows of each of the ``--microbatches`` global micro-batches
     (:func:`engine.compose.data.rank_slice`), each loss the sum over its counted tokens times
     dp over the global count (:func:`engine.compose.loss.global_token_loss`: the wrapper's
