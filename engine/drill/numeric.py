@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from engine import theory
 from engine.drill.items import Numeric
 
@@ -114,7 +116,8 @@ def _topk_fraction(rng):
 def _topk_breakeven(rng):
     n = rng.choice([4, 8, 16, 32])
     return (f"{n} GPUs: above which ratio does Top-K (values + int32 indices, all-gather) send "
-            "more than a dense ring all-reduce?", 1 / n, "Equal at k/numel = 1/N.")
+            "more than a dense ring all-reduce?", theory.topk_breakeven_ratio(n),
+            "Equal at k/numel = 1/N.")
 
 
 def _powersgd_elements(rng):
@@ -162,14 +165,16 @@ def _zero_comm(rng):
 def _plain_dp_states(rng):
     psi = rng.choice([7e9, 70e9, 175e9])
     return (f"Plain data parallelism, {psi / 1e9:g} B parameters, mixed-precision Adam: TB of "
-            "model states on every GPU?", 16 * psi / 1e12, "16 bytes per parameter.")
+            "model states on every GPU?",
+            theory.zero_model_state_bytes(psi, 1, stage=0)["total"] / 1e12,
+            "16 bytes per parameter.")
 
 
 def _offload(rng):
     psi, n = rng.choice([7e9, 13e9]), rng.choice([8, 16])
     return (f"ZeRO-Offload with {psi / 1e9:g} B parameters on {n} GPUs: GB moved over PCIe per "
-            "GPU per step (fp16 gradient shard down, parameter shard up)?", 2 * 2 * psi / n / GB,
-            "2 x 2 psi / N bytes.")
+            "GPU per step (fp16 gradient shard down, parameter shard up)?",
+            theory.offload_pcie_bytes(psi, n) / GB, "2 x 2 psi / N bytes.")
 
 
 def _tp_elements(rng):
@@ -207,7 +212,7 @@ def _activations(rng):
 def _crossover(rng):
     h = rng.choice([1024, 4096, 8192])
     return (f"Hidden size {h}: tokens per micro-batch (b x s) where TP and ZeRO-3 send the "
-            "same per layer?", 3 * (12 * h * h + 13 * h) / (8 * h),
+            "same per layer?", theory.tp_zero3_crossover_tokens(h),
             "8bsh = 3 x (12h^2 + 13h): about 4.5 h.")
 
 
@@ -232,8 +237,10 @@ def _bubble_interleaved(rng):
 
 def _choose_m(rng):
     p, target = rng.choice([4, 8, 16]), rng.choice([0.1, 0.05])
+    smallest = next(m for m in itertools.count(1)
+                    if theory.bubble_fraction(p, m, relative_to="ideal") < target)
     return (f"{p} stages: smallest m keeping the bubble under {target:.0%} of the ideal time?",
-            float(int((p - 1) / target) + 1), "(p-1)/m < target: m > (p-1)/target.")
+            float(smallest), "(p-1)/m < target: m > (p-1)/target.")
 
 
 def _inflight_1f1b(rng):
@@ -512,8 +519,8 @@ def _tp_over_zero3(rng):
             "micro-batch per step: what tensor parallelism sends per GPU, as a multiple of what "
             "ZeRO-3 sends?", theory.tp_comm_elements_per_layer(b, s, h, t)
             / theory.zero3_comm_elements_per_layer(h, t),
-            "8bsh(t-1)/t over 3(t-1)/t x 12h^2 = 2bs/(9h): TP's grows with the tokens, ZeRO-3's "
-            "with the parameters; equal near 4.5h tokens.")
+            "8bsh(t-1)/t over 3(t-1)/t x (12h^2 + 13h), about 2bs/(9h): TP's grows with the "
+            "tokens, ZeRO-3's with the parameters; equal near 4.5h tokens.")
 
 
 def _tp_all_reduce_ms(rng):

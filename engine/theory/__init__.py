@@ -29,9 +29,10 @@ from engine.theory.collectives import (all_reduce_critical_bytes, all_reduce_ste
                                        ring_all_gather_bytes, ring_all_reduce_bytes,
                                        ring_all_reduce_rank_bytes, ring_reduce_scatter_bytes,
                                        tree_all_reduce_bytes)
-from engine.theory.compression import powersgd_elements, topk_bytes_per_rank, topk_kept
-from engine.theory.zero import (transformer_activation_bytes, zero_comm_elements,
-                                zero_model_state_bytes)
+from engine.theory.compression import (powersgd_elements, topk_breakeven_ratio,
+                                       topk_bytes_per_rank, topk_kept)
+from engine.theory.zero import (offload_pcie_bytes, transformer_activation_bytes,
+                                zero_comm_elements, zero_model_state_bytes)
 from engine.theory.tensor import (tp_comm_elements_per_layer, tp_zero3_crossover_tokens,
                                   zero3_comm_elements_per_layer)
 from engine.theory.pipeline import (PEAK_ACTIVATIONS, bubble_fraction, one_f_one_b_bubble_time,
@@ -62,7 +63,8 @@ __all__ = ["all_reduce_critical_bytes", "all_reduce_steps", "all_to_all_bytes", 
            "fit_alpha_beta", "flat_broadcast_bytes", "ps_all_reduce_bytes",
            "ring_all_gather_bytes", "ring_all_reduce_bytes", "ring_all_reduce_rank_bytes",
            "ring_reduce_scatter_bytes", "tree_all_reduce_bytes", "powersgd_elements",
-           "topk_bytes_per_rank", "topk_kept", "transformer_activation_bytes",
+           "topk_breakeven_ratio", "topk_bytes_per_rank", "topk_kept", "offload_pcie_bytes",
+           "transformer_activation_bytes",
            "zero_comm_elements", "zero_model_state_bytes", "tp_comm_elements_per_layer",
            "tp_zero3_crossover_tokens",
            "zero3_comm_elements_per_layer", "PEAK_ACTIVATIONS", "bubble_fraction",

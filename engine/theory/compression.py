@@ -40,3 +40,14 @@ def powersgd_elements(shapes, rank: int, min_compression_rate: float = 2) -> tup
         worth = (n + m) * r * min_compression_rate < n * m
         after += (n + m) * r if worth else n * m
     return before, after
+
+
+def topk_breakeven_ratio(n: int, value_bytes: int = 4, index_bytes: int = 4) -> float:
+    """The Top-K ratio ``k/numel`` above which gathering values and indices
+    (:func:`topk_bytes_per_rank`: ``(n-1) k (value + index)`` bytes a rank) sends more than a
+    dense ring all-reduce of the fp32 gradient (``2(n-1)/n * 4 numel``): ``8 / (n (value +
+    index))``, ``1/n`` for fp32 values and int32 indices (Aji & Heafield 2017's Top-K; the
+    all-gather exchange of Renggli et al., SparCML, SC 2019)."""
+    check_n(n)
+    return 2 * 4 / (n * (value_bytes + index_bytes))
+

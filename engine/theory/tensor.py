@@ -19,10 +19,11 @@ def tp_comm_elements_per_layer(b: int, s: int, h: int, t: int) -> float:
 
 def zero3_comm_elements_per_layer(h: int, t: int) -> float:
     """The same for ZeRO-3 over ``t`` ranks, per layer per step: ``3(t-1)/t`` times the
-    layer's ``12h^2`` parameters (two all-gathers and one reduce-scatter), independent of the
-    batch (Rajbhandari et al. 2020, section 7)."""
+    layer's ``12h^2 + 13h`` parameters (the four weight matrices, their biases and two
+    LayerNorms: Narayanan et al. 2021, equation 2, per layer) for two all-gathers and one
+    reduce-scatter, independent of the batch (Rajbhandari et al. 2020, section 7)."""
     check_n(t)
-    return 3 * (t - 1) / t * 12 * h * h
+    return 3 * (t - 1) / t * (12 * h * h + 13 * h)
 
 
 def tp_zero3_crossover_tokens(h: int) -> float:

@@ -51,3 +51,13 @@ def transformer_activation_bytes(layers: int, hidden: int, heads: int, seq_len: 
     s, b, h, a = seq_len, micro_batch, hidden, heads
     per_layer = 2 * s * b * h if checkpoint else s * b * h * (34 + 5 * a * s / h)
     return layers * per_layer
+
+
+def offload_pcie_bytes(psi: float, n: int) -> float:
+    """Bytes one GPU moves over PCIe per step under ZeRO-Offload (Ren et al., "ZeRO-Offload:
+    Democratizing billion-scale model training", USENIX ATC 2021, section 4.1): its shard of
+    the fp16 gradients down to the CPU's Adam (``2 psi / n``) and of the updated fp16
+    parameters back up (``2 psi / n``): ``4 psi / n``."""
+    check_n(n)
+    return 2 * 2 * psi / n
+
