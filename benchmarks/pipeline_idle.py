@@ -1,7 +1,7 @@
 """Where the CPU pipeline's idle time goes: ``engine train --pp P``'s own strategy, taken apart.
 
 For each pipeline depth ``p`` and micro-batch count ``m`` this builds the trainer's strategy
-(:func:`engine.train.strategy.build`: the composed engine, ``--pp p``, 1F1B, the GPT of ``--model``)
+(:func:`engine.train.run.build`: the composed engine, ``--pp p``, 1F1B, the GPT of ``--model``)
 on ``p`` Gloo ranks, runs ``--warmup`` steps, then ``--repeats`` steps, and from each step's
 trace splits the idle share
 ``1 - busy / (p x span)`` (:func:`engine.pp.measured_bubble`, ``span`` from the first forward to
@@ -40,7 +40,7 @@ from engine import launch, theory
 from engine.pp import measured_bubble, simulate
 from engine.model.presets import MODELS
 from engine.train.steps import SCHEDULES
-from engine.train.strategy import build
+from engine.train.run import build
 from engine.train.cli import parse
 from engine.train.composed import plan_of
 

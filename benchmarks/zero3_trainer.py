@@ -1,7 +1,7 @@
 """The ZeRO-3 ratio of ``engine train --zero 3 --impl both``, measured properly and taken apart.
 
 The trainer times 3 steps of each implementation one after the other; this script builds the
-same strategies the trainer builds (:func:`engine.train.strategy.build`: the composed engine's
+same strategies the trainer builds (:func:`engine.train.run.build`: the composed engine's
 ZeRO-3 and PyTorch's FSDP, on the same GPT, :func:`engine.train.composed.model_config`, and the
 same global batch and micro-batches), and two reference designs on that GPT, and times them
 interleaved (each repeat runs every variant once, the order rotating) after a warm-up:
@@ -46,7 +46,7 @@ from engine.observe.meter import CommMeter
 from engine.pp import one_f_one_b
 from engine.model.presets import MODELS
 from engine.train.steps import Strategy, autocast, global_batch, pipeline_step
-from engine.train.strategy import build
+from engine.train.run import build
 from engine.topology import Mesh
 from engine.train.cli import parse
 from engine.train.composed import model_config, plan_of

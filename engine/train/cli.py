@@ -21,10 +21,10 @@ There is one engine: every ``--impl engine`` run, dense or MoE, any ``--dp --cp 
 one :class:`engine.topology.Mesh`, one GPT parallelised by functions, one loop), as torchtitan
 and Megatron-Core are one system each. ``--impl torch`` runs PyTorch's own DDP /
 ZeroRedundancyOptimizer / FSDP for the same data-parallel configuration on the same GPT and
-the same global batch (:func:`engine.train.strategy.torch_strategy`); ``--impl both`` runs the two
-one after the other in the same launch, and prints the same loss per step for both. Each runs
-through the one loop of :mod:`engine.train.timed_steps`. Only global rank 0 prints the report and
-writes the trace, under torchrun too.
+the same global batch (:func:`engine.train.torch_baseline.torch_strategy`); ``--impl both``
+runs the two one after the other in the same launch, and prints the same loss per step for
+both. Each runs through the one loop of :mod:`engine.train.timed_steps`. Only global rank 0
+prints the report and writes the trace, under torchrun too.
 
 PyTorch has no DDP hook for Top-K or Random-K, and its ``powerSGD_hook`` desynchronised the
 ranks inside this trainer, so those compare with ``--impl engine`` only (chapter 03 checks our
@@ -236,7 +236,8 @@ def parser() -> argparse.ArgumentParser:
                                help="with --resume: re-cut a checkpoint saved at another dp / "
                                     "cp / tp / pp / ZeRO layout for this one "
                                     "(engine.compose.reshard) (default: %(default)s)")
-    lab = p.add_argument_group("failure injection, for labs and tests only (engine.launch.elastic)")
+    lab = p.add_argument_group("failure injection, for labs and tests only "
+                               "(engine.launch.elastic)")
     lab.add_argument("--kill-at-step", type=int, default=d.kill_at_step, metavar="K",
                      help="SIGKILL --kill-rank right after step K, on torchrun's first attempt "
                           "only, so that --max-restarts brings the run back (default: never)")

@@ -1,7 +1,7 @@
 """``engine train`` on the composed engine (:mod:`engine.compose`): one mesh of named axes,
 one GPT parallelised by functions, one training loop. Every ``--impl engine`` run takes this
-path, for every model and layout; ``--impl torch`` trains the same GPT on the same data with PyTorch's wrappers
-(:func:`engine.train.strategy.torch_strategy`). Then:
+path, for every model and layout; ``--impl torch`` trains the same GPT on the same data with
+PyTorch's wrappers (:func:`engine.train.torch_baseline.torch_strategy`). Then:
 
 * the mesh is :class:`engine.topology.Mesh` ``(dp, tp, pp, cp=, ep=)``: world = dp x cp x tp
   x pp, and expert parallelism *borrows* its ranks from dp x cp (torchtitan's and

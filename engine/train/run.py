@@ -1,5 +1,5 @@
 """One ``engine train`` run on one rank: :func:`train_on_rank` builds each implementation's
-strategy (:func:`engine.train.strategy.build`), works out the formulas the report prints
+strategy (:func:`build`), works out the formulas the report prints
 (:mod:`engine.train.formulas`) and runs it from step 0 or from a checkpoint, through the timed
 steps (:func:`engine.train.timed_steps.run_steps`), with what a real run does after each step:
 
@@ -19,7 +19,8 @@ step's global batch, so it computes exactly what the uninterrupted run computes 
 ``k`` on: the loss curve and the final parameters are bit-identical on the CPU.
 
 Which checkpoint to resume from, and whether it fits this run, is decided before any rank
-starts, and loaded by every rank (:mod:`engine.train.resume`). A run that stops itself (a non-finite loss, a checkpoint that would not load)
+starts, and loaded by every rank (:mod:`engine.train.resume`). A run that stops itself (a
+non-finite loss, a checkpoint that would not load)
 returns ``{"stopped": line, "exit": code}`` from every rank instead of raising, so that the
 command prints one line, not a rank's traceback (:func:`engine.train.endings.stopped`).
 """
@@ -36,12 +37,14 @@ import torch.distributed as dist
 from engine.checkpoint import trainer as checkpoints
 from engine.launch.device import rank_device
 from engine.launch.elastic import Peers, kill_point, tell_how_nccl_loses_peers
-from engine.train.steps import resolve_precision
-from engine.train.strategy import build
+from engine.train.steps import Strategy, resolve_precision
 from engine.train.timed_steps import StepsRun, run_steps
 from engine.observe.trace import clock_offset, on_clock
 from engine.train.endings import NONFINITE_EXIT, REFUSED_EXIT
-from engine.train.composed import plan_of
+from engine.compose.plan import Plan
+from engine.topology import Mesh
+from engine.train.composed import composed_strategy, plan_of
+from engine.train.torch_baseline import torch_strategy
 from engine.train.formulas import composed_traffic_formulas, memory_formula
 from engine.train.nonfinite import NonFiniteLoss, NonFiniteWatch
 from engine.train.resume import ResumeFailed, ResumePoint, start, total_steps, trainer_record
@@ -72,6 +75,20 @@ def train_on_rank(rank: int, world_size: int, cfg, resume_from: ResumePoint | No
         if lost is None:
             raise
         raise lost from e
+
+
+def build(cfg, impl: str, plan: Plan, device: torch.device, precision: str,
+          mesh: Mesh) -> Strategy:
+    """The strategy of ``impl`` ("engine" or "torch") for ``cfg`` (a
+    :class:`engine.train.cli.TrainConfig`) and its ``plan``
+    (:func:`engine.train.composed.plan_of`) on ``mesh`` (``plan.mesh()``, built once for every
+    implementation): the composed engine, or PyTorch's wrappers on the same GPT
+    (:func:`engine.train.composed.model_config` of ``cfg``)."""
+    if impl == "torch":
+        return torch_strategy(cfg, mesh, device, precision)
+    if impl != "engine":
+        raise ValueError(f"--impl must be engine or torch here, got {impl!r}")
+    return composed_strategy(cfg, plan, mesh, device, precision)
 
 
 def run_implementations(cfg, resume_from: ResumePoint | None, progress_fd: int | None,

@@ -1,6 +1,6 @@
 """What one rank trains with, and how its step runs: the :class:`Strategy` record and the step
 builders a strategy can be made of. The registry that picks a strategy for a configuration is
-:func:`engine.train.strategy.build` (the composed engine, or PyTorch's wrappers);
+:func:`engine.train.run.build` (the composed engine, or PyTorch's wrappers);
 :func:`engine.train.timed_steps.run_steps` runs the steps.
 
 The builders here are the plain loops a learner reads and a benchmark times on its own:
@@ -12,8 +12,8 @@ The builders here are the plain loops a learner reads and a benchmark times on i
   backward (chapter 02's exercise writes it).
 
 ``engine train`` itself steps with :func:`engine.compose.loop.train_step` (the composed
-engine) or :func:`engine.train.strategy.data_parallel_step` (PyTorch's wrappers), whose loss is the
-global-token mean of :mod:`engine.compose.loss`.
+engine) or :func:`engine.train.torch_baseline.data_parallel_step` (PyTorch's wrappers), whose
+loss is the global-token mean of :mod:`engine.compose.loss`.
 
 Mixed precision (Micikevicius et al., "Mixed precision training", ICLR 2018) is
 :func:`autocast`: fp32 weights, gradients and optimizer, matrix products in bf16. Where a rank

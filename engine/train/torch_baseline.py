@@ -1,12 +1,7 @@
-"""Which strategy one rank trains with: :func:`build` picks it from the configuration of
-``python -m engine train``: the composed engine (:func:`engine.train.composed.
-composed_strategy`: one mesh, one GPT parallelised by functions, one loop) for ``--impl
-engine``, whatever the model and layout, or PyTorch's own DDP / ZeroRedundancyOptimizer /
-FSDP (:func:`torch_strategy`) for ``--impl torch``, on the same model definition and the same
-data, so ``--impl both`` prints the same loss per step for both.
-
-The :class:`engine.train.steps.Strategy` record lives one layer below, in :mod:`engine.train.steps`; this
-module only chooses and assembles.
+"""``--impl torch``: PyTorch's own DDP / ZeroRedundancyOptimizer / FSDP on the composed
+engine's GPT and data (:func:`torch_strategy`), so ``--impl both`` prints the same loss per
+step for both. The engine's side is :func:`engine.train.composed.composed_strategy`; the
+:class:`engine.train.steps.Strategy` record both fill lives one layer below.
 """
 
 from __future__ import annotations
@@ -24,23 +19,8 @@ from engine.compose.loss import global_token_loss, masked_sum
 from engine.compose.model import GPT
 from engine.pp import PipelineRun
 from engine.train.steps import Strategy, autocast, parameter_count
-from engine.compose.plan import Plan
 from engine.topology import Mesh
-from engine.train.composed import ComputeTimer, composed_strategy, global_rows, model_config
-
-
-def build(cfg, impl: str, plan: Plan, device: torch.device, precision: str,
-          mesh: Mesh) -> Strategy:
-    """The strategy of ``impl`` ("engine" or "torch") for ``cfg`` (a
-    :class:`engine.train.cli.TrainConfig`) and its ``plan``
-    (:func:`engine.train.composed.plan_of`) on ``mesh`` (``plan.mesh()``, built once for every
-    implementation): the composed engine, or PyTorch's wrappers on the same GPT
-    (:func:`engine.train.composed.model_config` of ``cfg``)."""
-    if impl == "torch":
-        return torch_strategy(cfg, mesh, device, precision)
-    if impl != "engine":
-        raise ValueError(f"--impl must be engine or torch here, got {impl!r}")
-    return composed_strategy(cfg, plan, mesh, device, precision)
+from engine.train.composed import ComputeTimer, global_rows, model_config
 
 
 def torch_strategy(cfg, mesh: Mesh, device: torch.device, precision: str) -> Strategy:
