@@ -47,7 +47,8 @@ def zero_bubble_table(p, rows, width, m, repeats):
     launches), the ZB-H1 formula at the measured mean times, and the memory per stage."""
     lines = []
     for kind in ("1f1b", "zb_h1", "zb_v"):
-        schedule, placement, v = schedule_by_name(kind, p, m)
+        built = schedule_by_name(kind, p, m)
+        schedule, placement, v = built.actions, built.placement, built.v
         measured, simulated, formula, costs = [], [], [], []
         for _ in range(repeats):
             runs = launch(pipeline_step, p, kind, m, uniform_boundaries(8, p * v),

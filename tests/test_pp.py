@@ -169,7 +169,8 @@ def _train(rank, p, kind, m, v, steps, device="cpu"):
 
 
 def _train_under_rules(rank, p, kind, m, v, steps, device):
-    schedule, placement, v = schedule_by_name(kind, p, m, v)
+    schedule = schedule_by_name(kind, p, m, v)  # built and checked once, run at every step
+    placement, v = schedule.placement, schedule.v
     on = rank_device(device)
     xs, ys = ([t.to(on) for t in ts] for ts in _data(m))
     ref = _model().to(on)
@@ -184,7 +185,7 @@ def _train_under_rules(rank, p, kind, m, v, steps, device):
         ref_opt.zero_grad()
         (sum(nn.functional.mse_loss(ref(a), b) for a, b in zip(xs, ys)) / m).backward()
         opt.zero_grad()
-        runs.append(run_pipeline(mine, schedule, xs, ys, stage=rank, placement=placement))
+        runs.append(run_pipeline(mine, schedule, xs, ys, stage=rank))
         if grad_diff is None:
             grad_diff = max((a.grad - b.grad).abs().max().item() for c in range(v)
                             for a, b in zip(mine[c].parameters(), theirs[c].parameters()))

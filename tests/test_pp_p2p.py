@@ -12,7 +12,6 @@ from torch import nn
 
 from engine.comm import ops
 from engine.observe.nccl_rules import nccl_rules
-from engine.pp.actions import actions_of
 from engine.pp.experiments import schedule_by_name
 from engine.pp.link import plan_rounds, rendezvous_deadlock
 from tests import test_pp
@@ -77,8 +76,9 @@ def _counted_run(rank, p, kind, m):
 def test_every_pipeline_send_is_posted_in_a_batch_and_the_batches_cannot_deadlock(kind, p):
     m = 2 * p
     results = run_ranks(_counted_run, p, kind, m)
-    schedule, placement, _ = schedule_by_name(kind, p, m, 2)
-    program = plan_rounds(actions_of(schedule), placement)
+    schedule = schedule_by_name(kind, p, m, 2)
+    program = plan_rounds(schedule.actions, schedule.placement)
+    assert program == schedule.rounds  # what the runs followed
     for stage, (calls, in_batches, log, syncs) in enumerate(results):
         assert calls["send"] == calls["recv"] == calls["isend"] == calls["irecv"] == 0
         posts = [ops_ for what, ops_ in log if what == "post"]
@@ -101,8 +101,8 @@ def test_one_f_one_b_pairs_as_megatron_does():
     """2 stages, 4 micro-batches: after its first forward, stage 0 sends each activation with
     the receive of a gradient (``send_forward_recv_backward``), stage 1 each gradient with the
     receive of the next activation (``send_backward_recv_forward``)."""
-    schedule, placement, _ = schedule_by_name("1f1b", 2, 4, 1)
-    program = plan_rounds(actions_of(schedule), placement)
+    schedule = schedule_by_name("1f1b", 2, 4, 1)
+    program = plan_rounds(schedule.actions, schedule.placement)
 
     def batches(stage):
         return [([m[0][0] + str(m[0][1]) for m in sends], [m[0][0] + str(m[0][1])
@@ -196,22 +196,22 @@ def test_on_nccl_every_rank_of_the_group_runs_a_collective_before_the_first_batc
     assert run_ranks(_connects, 2) == [[1], [1]]
 
 
-def _dry_log(schedule, stage, placement):
-    """The link's log for ``stage``, its batches posted to nothing (a header reads as a
-    0-dimensional shape): what the runtime would post, without ranks."""
+def _dry_log(schedule, stage):
+    """The link's log for ``stage`` of the built ``schedule``, its batches posted to nothing
+    (a header reads as a 0-dimensional shape): what the runtime would post, without ranks."""
     from unittest import mock
 
     from engine.pp import link as link_module
-    from engine.pp.actions import rank_of, shape, virtual_stages
+    from engine.pp.actions import rank_of, virtual_stages
 
-    p, _, v = shape(schedule)
+    p, v, placement = schedule.p, schedule.v, schedule.placement
     last, mine = p * v - 1, virtual_stages(stage, p, v, placement)
     with mock.patch.object(ops, "batch_isend_irecv", lambda batch: []), \
             mock.patch.object(ops, "send_op", lambda *a: None), \
             mock.patch.object(ops, "recv_op", lambda *a: None), \
             mock.patch.object(link_module, "connect", lambda *a: None):
-        link = link_module.Link(schedule, stage, list(range(p)), None, placement,
-                                torch.float32, torch.device("cpu"))
+        link = link_module.Link(schedule, stage, list(range(p)), None, torch.float32,
+                                torch.device("cpu"))
         for kind, mb, c in link.actions():
             vs = mine[c]
             if kind == "F" and vs != last:
@@ -228,11 +228,10 @@ def test_every_schedule_s_batches_replay_without_deadlock_on_many_shapes(kind):
         for m in range(1, 3 * p + 1):
             for v in (2, 3):
                 try:
-                    schedule, placement, _ = schedule_by_name(kind, p, m, v)
+                    schedule = schedule_by_name(kind, p, m, v)
                 except ValueError:  # a size the schedule does not take
                     continue
-                schedule = actions_of(schedule)
-                logs = {s: _dry_log(schedule, s, placement) for s in range(p)}
+                logs = {s: _dry_log(schedule, s) for s in range(p)}
                 assert rendezvous_deadlock(logs) is None, (kind, p, m, v)
                 tried += 1
     assert tried >= 10

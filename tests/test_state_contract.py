@@ -97,7 +97,7 @@ def _tp(rank, world_size):
 
 
 def _pp(rank, world_size):
-    from engine.pp.runtime import split_model
+    from engine.pp.partition import split_model
 
     stage = split_model(MLP(SIZES, seed=0).net, [0, 2])[rank]  # Linear+GELU | Linear
     opt = torch.optim.Adam(stage.parameters(), lr=1e-3)

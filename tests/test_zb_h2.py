@@ -31,7 +31,9 @@ def test_every_micro_batch_gets_f_b_and_w_once_w_after_b_and_it_is_registered():
             assert Counter(actions) == Counter(Action(k, mb) for k in "FBW" for mb in range(m))
             assert all(actions.index(Action("B", a.mb)) < actions.index(a)
                        for a in actions if a.kind == "W")
-    assert build_schedule("zb_h2", 4, 8) == (zb_h2(4, 8), "interleaved", 1)
+    built = build_schedule("zb_h2", 4, 8)
+    assert (built.actions, built.placement, built.v, built.split) == \
+        (zb_h2(4, 8), "interleaved", 1, True)
     with pytest.raises(ValueError, match="m \\(micro-batches\\)"):
         zb_h2(4, 0)
 

@@ -229,8 +229,8 @@ def test_the_gantt_chart_shows_w_and_the_explorer_runs_every_schedule():
     labels = {t.get_text() for t in fig.axes[0].get_legend().get_texts()}
     assert {"B: input gradient", "W: weight gradient"} <= labels
     for key in SCHEDULES.values():
-        plan, placement, v = schedule_by_name(key, 4, 8)
-        assert simulate(plan, placement=placement).peak_in_flight  # runs under its placement
+        built = schedule_by_name(key, 4, 8)
+        assert simulate(built.actions, placement=built.placement).peak_in_flight  # its placement
     expected = theory.zb_h1_bubble_fraction(4, 8, 1.0, 1.0, 0.5)
     assert f"{expected:.1%}" in formula_line("ZB-H1", 4, 8, 1, 1.0, 1.0, 0.5)
     with pytest.raises(ValueError, match="kind must be one of gpipe, 1f1b, interleaved, zb_h1"):

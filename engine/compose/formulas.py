@@ -66,7 +66,7 @@ from engine.compose.experts import balance_bytes
 from engine.compose.model import Block
 from engine.compose.pipeline import chunk_layout, chunks_per_rank, loss_stage, tied_across_ranks
 from engine.compose.plan import Plan, usp_degrees
-from engine.pp import SCHEDULES
+from engine.pp import schedule_spec
 from engine.pp.actions import virtual_stages
 from engine.pp.link import SHAPE_HEADER_BYTES
 from engine.topology import Mesh
@@ -190,7 +190,7 @@ def gradient_all_reduces(zero: int, backwards: int) -> float:
 def pp_formula(gpt, plan: Plan, mesh: Mesh, b: int, steps: int) -> Formula:
     """Bytes over ``mesh.pp_group`` and ``mesh.embedding_group`` (module docstring)."""
     cfg, p, m = gpt.cfg, plan.pp, plan.micro_batches
-    v, placement = chunks_per_rank(plan.schedule), SCHEDULES[plan.schedule].placement
+    v, placement = chunks_per_rank(plan.schedule), schedule_spec(plan.schedule).placement
     owner = {vs: r for r in range(p) for vs in virtual_stages(r, p, v, placement)}
     me, last = mesh.coords.pp, p * v - 1
     mine = [vs for vs, _, _ in chunk_layout(cfg.layers, mesh, plan.schedule)]

@@ -79,7 +79,6 @@ from engine.cp.allgather import allgather_attention
 from engine.cp.ring import ring_attention
 from engine.cp.ulysses import ulysses_attention
 from engine.dp import DataParallel
-from engine.pp.actions import actions_of, splits_backward
 from engine.pp.registry import build_schedule
 from engine.topology import Mesh
 from engine.tp.layers import (ColumnParallelLinear, RowParallelLinear,
@@ -95,9 +94,11 @@ class Parallel:
     ``optimizer``, ``no_sync`` (keeps a backward's gradients local), the ``tp_group`` the
     logits are split over (``None``: whole), ``replicas`` (ranks the wrapper averages
     gradients over) and ``finish_gradients`` (run after the last backward, before the
-    step); ``pipeline_run``: with pp > 1, the :class:`engine.pp.PipelineRun` of the last
-    step (its forward and backward events per micro-batch, which the trainer's pipeline idle
-    share is measured from); ``late_gradients``: under a schedule with W actions, the ZeRO-2
+    step); ``pipeline_schedule``: with pp > 1, the plan's schedule, built and checked once
+    (:func:`engine.pp.build_schedule`) and run at every step; ``pipeline_run``: with pp > 1,
+    the :class:`engine.pp.PipelineRun` of the last step (its forward and backward events per
+    micro-batch, which the trainer's pipeline idle share is measured from);
+    ``late_gradients``: under a schedule with W actions, the ZeRO-2
     and ZeRO-3 holders of sharded gradients that wait for W
     (:func:`defer_linear_gradients`)."""
 
@@ -110,6 +111,7 @@ class Parallel:
     tp_group: Any
     replicas: int
     finish_gradients: Callable[[], None] = lambda: None
+    pipeline_schedule: Any = None
     pipeline_run: Any = None
     late_gradients: list = field(default_factory=list)
 
@@ -255,7 +257,7 @@ def apply_expert_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls,
                                                          across)
 
 
-def defer_linear_gradients(module: nn.Module, optimizer, plan: Plan) -> list:
+def defer_linear_gradients(module: nn.Module, optimizer, schedule) -> list:
     """Under a schedule with W actions, declare every linear layer's parameters as getting
     their gradients late to what shards gradients during backward (ZeRO-3's
     :class:`engine.zero.ZeroDataParallel`, ZeRO-2's :class:`engine.zero.stage2.
@@ -263,9 +265,9 @@ def defer_linear_gradients(module: nn.Module, optimizer, plan: Plan) -> list:
     :mod:`engine.pp.weight_grad`); returns those holders, for the W actions
     (:func:`engine.compose.pipeline.sharded_weight_grads`). A row-parallel bias, added outside
     ``F.linear``, comes in B and waits in its buffer for the weight's W. ZeRO-0 and 1 reduce
-    ``.grad`` at the step, where W's gradients are in already."""
-    schedule = build_schedule(plan.schedule, plan.pp, plan.micro_batches)[0]
-    if plan.pp == 1 or not splits_backward(actions_of(schedule)):
+    ``.grad`` at the step, where W's gradients are in already. ``schedule``: the built
+    pipeline schedule (None without a pipeline)."""
+    if schedule is None or not schedule.split:
         return []
     holders = [module] if isinstance(module, ZeroDataParallel) else []
     holders += [o.grad_sharding for o in getattr(optimizer, "optimizers", (optimizer,))
@@ -293,18 +295,20 @@ def parallelize(model: GPT, mesh: Mesh, plan: Plan, optimizer_cls=torch.optim.Ad
     if plan.sequence_parallel:  # MoE layers on the whole sequence (engine.compose.experts)
         sequence_parallel_experts(model, mesh.tp_group)
     balance_globally(model, mesh)  # router losses over dp x cp (engine.compose.experts)
+    schedule = None
     if plan.pp > 1:
         apply_pipeline(model, mesh, plan.schedule)
+        schedule = build_schedule(plan.schedule, plan.pp, plan.micro_batches)  # once a run
     across = plan.pp == 1 or tied_across_ranks(plan.schedule)
     if plan.ep > 1:
         module, optimizer, finish = apply_expert_data_parallel(
             model, mesh, plan.zero, optimizer_cls, across, plan.compress, **optimizer_kwargs)
         return Parallel(model, module, optimizer, mesh, plan, contextlib.nullcontext, tp_group,
-                        mesh.dp_cp_size, finish,
-                        late_gradients=defer_linear_gradients(module, optimizer, plan))
+                        mesh.dp_cp_size, finish, schedule,
+                        late_gradients=defer_linear_gradients(module, optimizer, schedule))
     module, optimizer, no_sync = apply_data_parallel(model, mesh, plan.zero, optimizer_cls,
                                                      plan.compress, **optimizer_kwargs)
     holder = module if isinstance(module, ZeroDataParallel) else optimizer  # has .launcher
     return Parallel(model, module, optimizer, mesh, plan, no_sync, tp_group, mesh.dp_cp_size,
-                    lambda: sum_tied_embedding(model, mesh, holder, across),
-                    late_gradients=defer_linear_gradients(module, optimizer, plan))
+                    lambda: sum_tied_embedding(model, mesh, holder, across), schedule,
+                    late_gradients=defer_linear_gradients(module, optimizer, schedule))

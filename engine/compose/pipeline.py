@@ -9,11 +9,13 @@ GPT` passes a hidden state through where the embedding is missing and returns it
 output layer is. A tied output layer lives on the first *and* the last stage: its gradient is
 summed over ``mesh.embedding_group`` before the step (Megatron-LM does the same).
 
-**The step** runs any schedule of the registry (:data:`engine.pp.SCHEDULES`; :func:`chunks_per_rank` model
-chunks per rank) through the engine's
-runtime (:func:`engine.pp.run_pipeline`). The loss travels with the targets: each micro-batch's
-labels are ``[targets; mask]``, and the last stage's loss is the global-token one
-(:mod:`engine.compose.loss`), multiplied by ``m`` because the runtime divides by it.
+**The step** runs any schedule of the registry (:data:`engine.pp.SCHEDULES`:
+:func:`chunks_per_rank` model chunks per rank) through the engine's runtime
+(:func:`engine.pp.run_pipeline`): the schedule built and checked once per run, when the plan
+is applied (:attr:`engine.compose.parallelize.Parallel.pipeline_schedule`), and run at every
+step. The loss travels with the targets: each micro-batch's labels are ``[targets; mask]``,
+and the last stage's loss is the global-token one (:mod:`engine.compose.loss`), multiplied by
+``m`` because the runtime divides by it.
 """
 
 from __future__ import annotations
@@ -25,18 +27,17 @@ from torch import nn
 
 from engine.comm import ops
 from engine.compose.loss import global_token_loss, masked_sum
-from engine.pp import SCHEDULES, run_pipeline, uniform_boundaries
+from engine.pp import run_pipeline, schedule_spec, uniform_boundaries
 from engine.pp.actions import virtual_stages
 from engine.pp.weight_grad import apply_weight_grads, linear_weight_grad
 from engine.topology import Mesh
 from engine.zero import ZeroDataParallel
 
-INTERLEAVED_CHUNKS = 2  # chunks per rank of the interleaved 1F1B (the caller's choice)
-
 
 def chunks_per_rank(schedule: str) -> int:
-    """Model chunks each rank holds under ``schedule`` (2 for the interleaved 1F1B)."""
-    return SCHEDULES[schedule].chunks or INTERLEAVED_CHUNKS
+    """Model chunks each rank holds under ``schedule`` (its registry record's: 2 for the
+    interleaved 1F1B, whose generator takes any number)."""
+    return schedule_spec(schedule).chunks
 
 
 def chunk_layout(layers: int, mesh: Mesh, schedule: str) -> list[tuple[int, int, int]]:
@@ -45,7 +46,7 @@ def chunk_layout(layers: int, mesh: Mesh, schedule: str) -> list[tuple[int, int,
     (:func:`engine.pp.actions.virtual_stages`: interleaved, or the V of ZB-V / DualPipeV)."""
     v = chunks_per_rank(schedule)
     starts = uniform_boundaries(layers, mesh.pp * v) + [layers]
-    mine = virtual_stages(mesh.coords.pp, mesh.pp, v, SCHEDULES[schedule].placement)
+    mine = virtual_stages(mesh.coords.pp, mesh.pp, v, schedule_spec(schedule).placement)
     return [(vs, starts[vs], starts[vs + 1]) for vs in mine]
 
 
@@ -67,13 +68,13 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, schedule: str = "1f1b") -> None
 def loss_stage(schedule: str, pp: int) -> int:
     """The pipeline rank holding the last virtual stage, where the loss is: the last rank,
     or rank 0 under the V placement."""
-    return 0 if SCHEDULES[schedule].placement == "v" else pp - 1
+    return 0 if schedule_spec(schedule).placement == "v" else pp - 1
 
 
 def tied_across_ranks(schedule: str) -> bool:
     """Whether the first and the last virtual stage, which share a tied embedding, live on
     two ranks (the V placement puts both on rank 0: its gradient is whole there)."""
-    return SCHEDULES[schedule].placement != "v"
+    return schedule_spec(schedule).placement != "v"
 
 
 def sum_tied_embedding(model: nn.Module, mesh: Mesh, optimizer=None,
@@ -173,16 +174,16 @@ def sharded_weight_grads(holders: list):
 
 
 def pipeline_backward(par, micro: list, global_tokens: int) -> torch.Tensor:
-    """Forward and backward of every micro-batch through ``par.plan.schedule``; returns this
-    rank's sum of token losses (0 off the last stage) and keeps the runtime's
-    :class:`engine.pp.PipelineRun` as ``par.pipeline_run``."""
-    m, mesh, name = len(micro), par.mesh, par.plan.schedule
-    v = chunks_per_rank(name)
-    spec = SCHEDULES[name]
-    schedule = spec.make(mesh.pp, m) if spec.chunks else spec.make(mesh.pp, m, v)
-    last = mesh.pp * v - 1
+    """Forward and backward of every micro-batch through ``par.pipeline_schedule`` (the
+    plan's schedule, built once); returns this rank's sum of token losses (0 off the last
+    stage) and keeps the runtime's :class:`engine.pp.PipelineRun` as ``par.pipeline_run``."""
+    m, mesh, schedule = len(micro), par.mesh, par.pipeline_schedule
+    if m != schedule.m:
+        raise ValueError(f"the pipeline schedule was built for {schedule.m} micro-batches, "
+                         f"the step has {m}")
+    last = mesh.pp * schedule.v - 1
     chunks = [ChunkCall(par.model, a, b, vs == 0, vs == last, micro[0].positions, 1.0 / m)
-              for vs, a, b in chunk_layout(len(par.model.blocks), mesh, name)]
+              for vs, a, b in chunk_layout(len(par.model.blocks), mesh, schedule.name)]
     sums = []
 
     def loss_fn(logits, labels):
@@ -196,7 +197,6 @@ def pipeline_backward(par, micro: list, global_tokens: int) -> torch.Tensor:
     with whole:
         par.pipeline_run = run_pipeline(chunks, schedule, [mb.ids for mb in micro], labels,
                                         loss_fn, stage=mesh.coords.pp, group=mesh.pp_group,
-                                        placement=spec.placement,
                                         weight_grads=sharded_weight_grads(par.late_gradients))
     for holder in par.late_gradients:  # a backward not split into B and W leaves its
         holder.flush_late_grads()  # gradients in a late buffer

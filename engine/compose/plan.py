@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from engine.pp.registry import SCHEDULES, build_schedule
+from engine.pp.registry import SCHEDULES, build_schedule, schedule_spec
 from engine.topology import Mesh, check_mesh
 from engine.validation import one_of, positive_int
 
@@ -163,7 +163,7 @@ class Plan:
             except ValueError as e:
                 raise ValueError(f"schedule {self.schedule!r} on pp = {self.pp} with "
                                  f"micro_batches = {self.micro_batches}: {e}") from None
-            chunks = self.pp * (SCHEDULES[self.schedule].chunks or 2)  # interleaved: 2 a rank
+            chunks = self.pp * schedule_spec(self.schedule).chunks  # interleaved: 2 a rank
             if self.pp > cfg.layers:
                 raise ValueError(f"pp = {self.pp} pipeline stages need at least {self.pp} "
                                  f"layers, the model has {cfg.layers}")

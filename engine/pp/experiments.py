@@ -1,6 +1,12 @@
 """Measurements for chapter 06: real pipeline runs whose timelines give the bubble (and, for
 zero-bubble schedules, the split backward's memory), and the stage-imbalance experiment
-(uniform cut vs a cut balanced from profiled layer times)."""
+(uniform cut vs a cut balanced from profiled layer times).
+
+:func:`pipeline_step` drives the same runtime as the composed trainer
+(:func:`engine.pp.run_pipeline`, which :func:`engine.compose.pipeline.pipeline_backward`
+calls), on a stack of MLP blocks cut anywhere: the chapter measures cuts the trainer's GPT
+split cannot make (a balanced cut of unequal blocks), and a stash it can write down
+(each block's linear layers' inputs and output gradients)."""
 
 from __future__ import annotations
 
@@ -10,8 +16,9 @@ import torch
 from torch import nn
 
 from engine.pp.actions import virtual_stages
+from engine.pp.partition import split_model
 from engine.pp.registry import SCHEDULES, build_schedule
-from engine.pp.runtime import run_pipeline, split_model
+from engine.pp.runtime import run_pipeline
 
 __all__ = ["SCHEDULES", "schedule_by_name", "mlp_layers", "pipeline_step", "profile_layers"]
 
@@ -28,15 +35,15 @@ def mlp_layers(widths: list[int], width: int = 512, seed: int = 0) -> nn.Sequent
 
 
 def pipeline_step(rank: int, p: int, kind: str, m: int, starts: list[int], widths: list[int],
-                  rows: int = 64, v: int = 2, repeats: int = 2):
+                  rows: int = 64, v: int | None = None, repeats: int = 2):
     """Run one training step of schedule ``kind`` (a name of
     :data:`engine.pp.registry.SCHEDULES`) ``repeats`` times (the first warms up) on the model
     cut at ``starts`` (one piece per virtual stage); return the last run's
-    :class:`engine.pp.PipelineRun`."""
-    schedule, placement, v = build_schedule(kind, p, m, v)
+    :class:`engine.pp.PipelineRun`. The schedule is built and checked once, for every run."""
+    schedule = build_schedule(kind, p, m, v)
     layers = mlp_layers(widths)
     pieces = split_model(layers, starts)
-    mine = [pieces[i] for i in virtual_stages(rank, p, v, placement)]
+    mine = [pieces[i] for i in virtual_stages(rank, p, schedule.v, schedule.placement)]
     width = layers[0][0].in_features
     g = torch.Generator().manual_seed(1)
     xs = [torch.randn(rows, width, generator=g) for _ in range(m)]
@@ -46,7 +53,7 @@ def pipeline_step(rank: int, p: int, kind: str, m: int, starts: list[int], width
         for chunk in mine:
             chunk.zero_grad()
         torch.distributed.barrier()
-        run = run_pipeline(mine, schedule, xs, ys, stage=rank, placement=placement)
+        run = run_pipeline(mine, schedule, xs, ys, stage=rank)
     return run
 
 

@@ -129,16 +129,16 @@ def connect(group, device: torch.device) -> None:
 
 class Link:
     """Point-to-point traffic of pipeline rank ``stage`` (``ranks``: the pipeline group's
-    global ranks) for ``schedule`` (of :class:`engine.pp.Action` s), by :func:`plan_rounds`.
-    Iterate :meth:`actions` (each action comes after the batch that brings its input); in an
-    action :meth:`receive` its input and :meth:`send` its output. A message is
-    ``("act" | "grad", mb, virtual stage that sends)``."""
+    global ranks) for ``schedule`` (a :class:`engine.pp.registry.PipelineSchedule`, whose
+    ``rounds`` :func:`plan_rounds` planned once). Iterate :meth:`actions` (each action comes
+    after the batch that brings its input); in an action :meth:`receive` its input and
+    :meth:`send` its output. A message is ``("act" | "grad", mb, virtual stage that sends)``."""
 
-    def __init__(self, schedule, stage: int, ranks, group, placement: str,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(self, schedule, stage: int, ranks, group, dtype: torch.dtype,
+                 device: torch.device):
         self.stage, self.ranks, self.group = stage, ranks, group
         self.dtype, self.device = dtype, device
-        self.program = plan_rounds(schedule, placement)[stage]
+        self.program = schedule.rounds[stage]
         self.inbox: dict[tuple, torch.Tensor] = {}  # received (or handed over locally)
         self.outbox: dict[tuple, torch.Tensor] = {}  # sent by an action, posted next round
         self.shapes: dict[int, tuple] = {}  # sending virtual stage -> its activations' shape

@@ -1,7 +1,8 @@
 """The memory table of chapter 06: what each pipeline rank holds for backward under 1F1B,
 ZB-H1, ZB-H2, ZB-V and DualPipeV, measured on a model made of transformer blocks, beside each
-schedule's formula (:func:`engine.theory.pipeline_peak_activations`), and the point-to-point
-messages each sends (:func:`engine.theory.pipeline_p2p_hops`).
+schedule's formula (its registry record's ``peak``, :func:`engine.theory.
+pipeline_peak_activations`), and the point-to-point messages each sends
+(:func:`engine.theory.pipeline_p2p_hops`).
 
 A stack of MLP blocks is a misleading test bed for a split backward: nearly every activation
 there is some linear layer's input, so the W-stash (each linear layer's input and output
@@ -24,8 +25,9 @@ from torch import nn
 from engine.model.gpt import Block, GPTConfig
 from engine.model.seed import seeded
 from engine.pp.actions import virtual_stages
-from engine.pp.registry import build_schedule
-from engine.pp.runtime import run_pipeline, split_model, uniform_boundaries
+from engine.pp.partition import split_model, uniform_boundaries
+from engine.pp.registry import build_schedule, schedule_spec
+from engine.pp.runtime import run_pipeline
 
 NAMES = ("1f1b", "zb_h1", "zb_h2", "zb_v", "dualpipe_v")
 
@@ -57,12 +59,13 @@ def memory_rank(rank: int, p: int, m: int, names=NAMES, blocks_per_stage: int = 
     ys = [torch.randn(rows, cfg.seq_len, cfg.hidden, generator=g) for _ in range(m)]
     out = {}
     for name in names:
-        schedule, placement, v = build_schedule(name, p, m)
+        schedule = build_schedule(name, p, m)
+        v = schedule.v
         layers = transformer_layers(blocks_per_stage * p, cfg)
         pieces = split_model(layers, uniform_boundaries(len(layers), p * v))
-        mine = [pieces[i] for i in virtual_stages(rank, p, v, placement)]
+        mine = [pieces[i] for i in virtual_stages(rank, p, v, schedule.placement)]
         torch.distributed.barrier()
-        run = run_pipeline(mine, schedule, xs, ys, stage=rank, placement=placement)
+        run = run_pipeline(mine, schedule, xs, ys, stage=rank)
         out[name] = {"peak_bytes": run.peak_activation_bytes,
                      "activation_bytes": sum(run.activation_bytes.values()),
                      "stash_bytes": sum(run.weight_stash_bytes.values()),
@@ -83,11 +86,10 @@ def memory_rows(results: list[dict], m: int) -> list[dict]:
     p = len(results)
     rows = []
     for name in results[0]:
-        per_rank = [r[name] for r in results]
+        per_rank, peak = [r[name] for r in results], schedule_spec(name).peak
         rows.append({
             "schedule": name, "formula": theory.pipeline_peak_activations(name, p),
-            "formula_text": theory.PEAK_ACTIVATIONS[name][0],
-            "source": theory.PEAK_ACTIVATIONS[name][1],
+            "formula_text": peak.formula, "source": peak.source,
             "measured": [r["peak_bytes"] / r["activation_bytes"] for r in per_rank],
             "in_flight": [r["peak_in_flight"] for r in per_rank],
             "held": [r["peak_held"] for r in per_rank],

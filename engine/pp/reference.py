@@ -33,7 +33,8 @@ def torch_order(name: str, p: int, m: int, v: int = 2) -> dict[int, list[Action]
     if name not in SCHEDULES:
         raise ValueError(f"name must be one of {', '.join(SCHEDULES)}; got {name!r}")
     spec = SCHEDULES[name]
-    cls_name, placement, v = spec.torch_class, spec.placement, spec.chunks or v
+    cls_name, placement = spec.torch_class, spec.placement
+    v = v if spec.takes_chunks else spec.chunks
     stages = [SimpleNamespace(num_stages=p * v, group_size=p, group_rank=0, submod=None,
                               stage_index=i, is_first=i == 0, is_last=i == p * v - 1)
               for i in virtual_stages(0, p, v, placement)]

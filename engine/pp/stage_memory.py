@@ -16,7 +16,7 @@ from engine.observe.memory import unique_storage_bytes
 
 class StageMemory:
     """The counters of one rank's run; :meth:`counts` gives them as
-    :class:`engine.pp.runtime.PipelineRun`'s fields."""
+    :class:`engine.pp.observers.PipelineRun`'s fields."""
 
     def __init__(self):
         self.activation_bytes: dict[int, int] = {}  # per chunk: one micro-batch's forward
@@ -64,7 +64,7 @@ class StageMemory:
         self.peak_pending = max(self.peak_pending, self.pending)
 
     def counts(self) -> dict:
-        """The counters under :class:`engine.pp.runtime.PipelineRun`'s field names."""
+        """The counters under :class:`engine.pp.observers.PipelineRun`'s field names."""
         return {"peak_activation_bytes": self.peak, "activation_bytes": self.activation_bytes,
                 "peak_in_flight": self.peak_in_flight,
                 "weight_stash_bytes": self.weight_stash_bytes,

@@ -23,11 +23,10 @@ import os
 import statistics
 
 from engine import theory
-from engine.compose.pipeline import chunks_per_rank
 from engine.theory.hardware import PEAK_TFLOPS, peak_flops
 from engine.compose.model import GPT
 from engine.moe.gpt import MOE_MODELS
-from engine.pp import SCHEDULES, measured_bubble, simulate
+from engine.pp import build_schedule, measured_bubble, simulate
 from engine.model.presets import MODELS
 from engine.observe.trace import to_chrome_trace
 from engine.train.composed import global_rows, model_config
@@ -212,10 +211,8 @@ def _pipeline_line(runs, cfg) -> None:
     from its ranks' compute events, beside the simulator fed their measured times per action
     (:func:`engine.pp.simulate`) and the bubble formula (p - 1)/(m + p - 1) (Huang et al.
     2019, GPipe, section 2.3)."""
-    spec = SCHEDULES[cfg.schedule]
-    v = chunks_per_rank(cfg.schedule)
-    schedule = spec.make(cfg.pp, cfg.microbatches) if spec.chunks else \
-        spec.make(cfg.pp, cfg.microbatches, v)
+    schedule = build_schedule(cfg.schedule, cfg.pp, cfg.microbatches)
+    v = schedule.v
     first = sorted((r for r in runs if (r["coords"].dp, r["coords"].cp, r["coords"].tp) ==
                     (0, 0, 0)), key=lambda r: r["coords"].pp)
     events = [e for r in first for e in r["events"]]
@@ -224,8 +221,8 @@ def _pipeline_line(runs, cfg) -> None:
         return [v * statistics.fmean([e.seconds for e in r["events"]
                                       if e.args["kind"] == kind] or [0.0]) for r in first]
 
-    simulated = simulate(schedule, t_f=per_stage("F"), t_b=per_stage("B"),
-                         t_w=per_stage("W"), placement=spec.placement).bubble
+    simulated = simulate(schedule.actions, t_f=per_stage("F"), t_b=per_stage("B"),
+                         t_w=per_stage("W"), placement=schedule.placement).bubble
     print(f"  pipeline idle {measured_bubble(events, cfg.pp):.1%} (measured, last step) vs "
           f"{simulated:.1%} (simulator fed the measured stage times) vs "
           f"{theory.bubble_fraction(cfg.pp, cfg.microbatches):.1%} (formula (p-1)/(m+p-1)): "

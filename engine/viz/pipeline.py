@@ -96,12 +96,13 @@ def pipeline_explorer():
 
     def show(schedule, p, m, v, b_over_f, w_over_f, t_comm):
         try:
-            plan, placement, chunks = build_schedule(SCHEDULES[schedule], p, m, v)
+            built = build_schedule(SCHEDULES[schedule], p, m, v)
         except ValueError as e:
             print(f"not valid: {e}")
             return
-        result = simulate(plan, t_f=1.0, t_b=b_over_f, t_w=w_over_f, t_comm=t_comm,
-                          placement=placement)
+        chunks = built.v
+        result = simulate(built.actions, t_f=1.0, t_b=b_over_f, t_w=w_over_f, t_comm=t_comm,
+                          placement=built.placement)
         fig = gantt_figure(result.timeline, f"{schedule}: p={p}, m={m}" +
                            (f", v={chunks}" if chunks > 1 else "") +
                            f"; bubble {result.bubble:.1%} of total time", unit="time (t_f = 1)")
