@@ -35,7 +35,7 @@ from engine.theory.zero import (offload_pcie_bytes, transformer_activation_bytes
                                 zero_comm_elements, zero_model_state_bytes)
 from engine.theory.tensor import (tp_comm_elements_per_layer, tp_zero3_crossover_tokens,
                                   zero3_comm_elements_per_layer)
-from engine.theory.pipeline import (PEAK_ACTIVATIONS, bubble_fraction, one_f_one_b_bubble_time,
+from engine.theory.pipeline import (bubble_fraction, one_f_one_b_bubble_time,
                                     pipeline_p2p_hops, pipeline_peak_activations,
                                     zb_h1_bubble_fraction, zb_h1_bubble_time, zb_h2_bubble_time)
 from engine.theory.scale import (tp_activation_bytes_per_layer, training_days, transformer_flops,
@@ -67,7 +67,7 @@ __all__ = ["all_reduce_critical_bytes", "all_reduce_steps", "all_to_all_bytes", 
            "transformer_activation_bytes",
            "zero_comm_elements", "zero_model_state_bytes", "tp_comm_elements_per_layer",
            "tp_zero3_crossover_tokens",
-           "zero3_comm_elements_per_layer", "PEAK_ACTIVATIONS", "bubble_fraction",
+           "zero3_comm_elements_per_layer", "bubble_fraction",
            "one_f_one_b_bubble_time", "pipeline_p2p_hops", "pipeline_peak_activations",
            "zb_h1_bubble_fraction", "zb_h1_bubble_time", "zb_h2_bubble_time",
            "tp_activation_bytes_per_layer", "training_days", "transformer_flops",

@@ -7,7 +7,8 @@ Part of :mod:`engine.theory`: pure formulas, each naming its source; sizes in by
 from __future__ import annotations
 
 from engine.theory.collectives import check_n
-from engine.validation import positive_int
+from engine.theory.schedule_facts import SCHEDULE_FACTS
+from engine.validation import one_of, positive_int
 
 
 def bubble_fraction(p: int, m: int, v: int = 1, relative_to: str = "total") -> float:
@@ -96,32 +97,17 @@ def zb_h2_bubble_time(p: int, t_f: float, t_b: float, t_w: float) -> float:
     return (p - 1) * (t_f + t_b - 2 * t_w)
 
 
-# Peak activations on the busiest pipeline rank, in M_B: one micro-batch's activations for
-# the rank's whole share of the model (both chunks of a V schedule together); the source of each.
-PEAK_ACTIVATIONS = {
-    "1f1b": ("p", "Narayanan et al. 2021 (PipeDream-Flush): p warm-up micro-batches on stage 0"),
-    "zb_h1": ("p", "Qi et al. 2024, ZB-H1: 1F1B's count on stage 0; holds when W keeps less "
-                   "than B (their Table 1: 32sbh against 34sbh + 5as^2b per layer)"),
-    "zb_h2": ("2p-1", "Qi et al. 2024, ZB-H2: 2p-1 warm-up forwards on stage 0"),
-    "zb_v": ("p", "Qi et al. 2024, section 6 (ZB-V): 2p chunk micro-batches of half a stage, "
-                  "1F1B's amount, on every rank"),
-    "dualpipe_v": ("p+1/2", "deepseek-ai/DualPipe README: PP+1 chunk micro-batches per device "
-                            "for PP = 2p chunk stages"),
-}
-
-
 def pipeline_peak_activations(schedule: str, p: int) -> float:
-    """Peak activations of the busiest rank (stage 0) under ``schedule`` (a key of
-    :data:`PEAK_ACTIVATIONS`), in units of ``M_B`` (see there): ``p`` for 1F1B, ZB-H1 and
-    ZB-V, ``2p-1`` for ZB-H2, ``p + 1/2`` for DualPipeV. Counted as micro-batches between F
-    and B; a split backward's W-stash (each linear layer's input and output gradient, held
-    from B to W) comes on top."""
-    from engine.validation import one_of
-
-    one_of("schedule", schedule, tuple(PEAK_ACTIVATIONS))
+    """Peak activations of the busiest rank (stage 0) under ``schedule`` (a schedule whose
+    record in :data:`engine.theory.schedule_facts.SCHEDULE_FACTS` has a ``peak``, with its
+    source), in units of ``M_B`` (one micro-batch's activations for the rank's whole share of
+    the model, both chunks of a V together): ``p`` for 1F1B, ZB-H1 and ZB-V, ``2p-1`` for
+    ZB-H2, ``p + 1/2`` for DualPipeV. Counted as micro-batches between F and B; a split
+    backward's W-stash (each linear layer's input and output gradient, held from B to W)
+    comes on top."""
+    one_of("schedule", schedule, tuple(n for n, f in SCHEDULE_FACTS.items() if f.peak))
     check_n(p)
-    return {"1f1b": p, "zb_h1": p, "zb_h2": 2 * p - 1, "zb_v": p,
-            "dualpipe_v": p + 0.5}[schedule]
+    return SCHEDULE_FACTS[schedule].peak.of_p(p)
 
 
 def pipeline_p2p_hops(schedule: str, p: int, v: int = 2) -> int:
@@ -129,15 +115,14 @@ def pipeline_p2p_hops(schedule: str, p: int, v: int = 2) -> int:
     and one gradient backward at every boundary between two virtual stages on different
     ranks. One chunk per rank (1F1B, ZB-H1, ZB-H2): ``2(p-1)``. A V (ZB-V, DualPipeV): ``2p``
     virtual stages, whose middle boundary stays on rank ``p-1``: ``2(2p-2) = 4(p-1)``, twice
-    as many. Interleaved with ``v`` chunks: ``2(vp-1)``."""
-    from engine.validation import one_of
-
-    one_of("schedule", schedule, ("gpipe", "1f1b", "zb_h1", "zb_h2", "zb_v", "dualpipe_v",
-                                  "interleaved"))
+    as many. Interleaved with ``v`` chunks: ``2(vp-1)``. The chunks and their placement are
+    the schedule's record in :data:`engine.theory.schedule_facts.SCHEDULE_FACTS` (``v`` counts
+    where the caller picks the chunks)."""
+    one_of("schedule", schedule, tuple(SCHEDULE_FACTS))
     check_n(p)
-    if schedule in ("zb_v", "dualpipe_v"):
-        return 4 * (p - 1)
-    if schedule == "interleaved":
+    facts = SCHEDULE_FACTS[schedule]
+    if facts.takes_chunks:
         positive_int("v", v)
-        return 2 * (v * p - 1)
-    return 2 * (p - 1)
+    chunks = v if facts.takes_chunks else facts.chunks
+    boundaries = chunks * p - 1 - (1 if facts.placement == "v" else 0)  # a V's middle is local
+    return 2 * boundaries
