@@ -1,4 +1,5 @@
-"""Counted bytes per rank against the formulas: ZeRO stages 0-3, a TP layer, Top-K.
+"""Counted bytes per rank against the formulas: ZeRO stages 0-3, a TP layer (the one GPT split
+by ``parallelize``), Top-K.
 
 Every collective runs inside ``CommMeter(count="wire")``, on the engine's point-to-point
 algorithms, so the left column is bytes the ranks actually sent; the right column is
@@ -12,12 +13,14 @@ from torch import nn
 
 from engine import launch, theory
 from engine.observe.meter import CommMeter
+from engine.compose.loss import token_losses
+from engine.compose.model import GPT, ModelConfig
+from engine.compose.parallelize import parallelize
+from engine.compose.plan import Plan
 from engine.compress import TopK
 from engine.dp import DataParallel
 from engine.model.mlp import MLP
-from engine.model.gpt import GPTConfig, TinyGPT
 from engine.model.data import regression_data, token_data
-from engine.tp import TensorParallelGPT
 from engine.zero import ZeroDataParallel, ZeroOptimizer
 
 SIZES = (64, 128, 128, 8)  # 25,864 parameters
@@ -41,11 +44,12 @@ def zero_step(rank, world_size, stage):
 
 
 def tp_layers(rank, world_size, layers, b):
-    cfg = GPTConfig(vocab=64, seq_len=16, layers=layers, heads=4, hidden=32)
-    tp = TensorParallelGPT.from_dense(TinyGPT(cfg, seed=0))
+    cfg = ModelConfig(vocab=64, seq_len=16, layers=layers, heads=4, hidden=32)
+    plan = Plan(tp=world_size)
+    par = parallelize(GPT(cfg, seed=0), plan.mesh(), plan)
     x, y = token_data(b, 16, 64, seed=1)
     with CommMeter() as meter:
-        tp.loss(x, y).backward()
+        token_losses(par.module(x), y, par.tp_group).mean().backward()
     return meter.bytes_sent
 
 

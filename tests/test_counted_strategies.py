@@ -18,13 +18,16 @@ import torch
 from torch import nn
 
 from engine.observe.meter import CommMeter
+from engine.compose.loss import token_losses
+from engine.compose.model import GPT, ModelConfig
+from engine.compose.parallelize import parallelize
+from engine.compose.plan import Plan
 from engine.compress import FP16, PowerSGD, TopK
 from engine.dp import DataParallel
 from engine.labs.hybrid import train_3d
 from engine.model.mlp import MLP
-from engine.model.gpt import GPTConfig, TinyGPT
+from engine.model.gpt import GPTConfig
 from engine.model.data import regression_data, shard, token_data
-from engine.tp import TensorParallelGPT
 from engine.zero import ZeroDataParallel, ZeroOptimizer
 from tests.helpers import run_ranks
 
@@ -68,18 +71,18 @@ def _train_mlp(rank, world_size, name, count):
 
 
 def _train_tp(rank, world_size, _name, count):
-    cfg = GPTConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32)
-    tp = TensorParallelGPT.from_dense(TinyGPT(cfg, seed=0))
-    opt = torch.optim.AdamW(tp.parameters(), lr=1e-2)
+    cfg = ModelConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32)
+    plan = Plan(tp=world_size)
+    par = parallelize(GPT(cfg, seed=0), plan.mesh(), plan, torch.optim.AdamW, lr=1e-2)
     x, y = token_data(3, cfg.seq_len, cfg.vocab, seed=1)
     meter = CommMeter(count=count) if count else contextlib.nullcontext()
     with meter:
         for _ in range(STEPS):
-            opt.zero_grad()
-            tp.loss(x, y).backward()
-            opt.step()
+            par.optimizer.zero_grad()
+            token_losses(par.module(x), y, par.tp_group).mean().backward()
+            par.optimizer.step()
     counted = count is not None and meter.all_counted and len(meter.events) > 0
-    return [p.detach().clone() for p in tp.parameters()], counted
+    return [p.detach().clone() for p in par.model.parameters()], counted
 
 
 def _train_hybrid(rank, world_size, _name, count):

@@ -1,5 +1,7 @@
-"""Megatron sequence parallelism (engine.tp, ``sequence_parallel=True``): the same model as plain
-tensor parallelism, the same forward traffic, and the activation saving of Korthikanti et al.
+"""Megatron sequence parallelism (engine.tp's layers with ``sequence_parallel=True``, applied to
+the one GPT by ``parallelize`` with ``Plan(tp=t, sequence_parallel=True)``): the same model as
+plain tensor parallelism, the same forward traffic, and the activation saving of Korthikanti et
+al.
 
 Tolerances: fp32, ``1e-5`` for logits, loss, gradients and parameters after 3 SGD steps (the
 tensor-parallel tests' own), against plain TP and against the dense model.
@@ -11,43 +13,61 @@ import functools
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine import RankError, theory
+from engine.comm import ops
+from engine.compose.model import GPT, ModelConfig
+from engine.compose.parallelize import parallelize
+from engine.compose.plan import Plan
+from engine.compose.state import dense_state, join_tp
 from engine.observe.meter import CommMeter
 from engine.observe.memory import ActivationTracker
-from engine.model.gpt import GPTConfig, TinyGPT
 from engine.model.data import token_data
-from engine.tp import (ColumnParallelLinear, RowParallelLinear, TensorParallelGPT, dense_state,
-                       scatter_to_sequence_parallel)
+from engine.tp import (ColumnParallelLinear, RowParallelLinear, gather_from_tp,
+                       scatter_to_sequence_parallel, vocab_parallel_cross_entropy)
 from engine.tp.mappings import check_sequence_split
 from tests.helpers import run_ranks
 
 SEQ = 12  # splits 2, 3 and 4 ways
-CFG = {2: GPTConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32),
-       3: GPTConfig(vocab=63, seq_len=16, layers=2, heads=3, hidden=48),
-       4: GPTConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32)}
+CFG = {2: ModelConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32),
+       3: ModelConfig(vocab=63, seq_len=16, layers=2, heads=3, hidden=48),
+       4: ModelConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32)}
+
+
+def split(cfg: ModelConfig, t: int, sp: bool, mesh=None):
+    """The one GPT of ``cfg`` split ``t`` ways by ``parallelize``, with or without sequence
+    parallelism, stepped by momentum SGD."""
+    plan = Plan(tp=t, sequence_parallel=sp)
+    return parallelize(GPT(cfg, seed=0), mesh or plan.mesh(), plan, torch.optim.SGD, lr=0.5,
+                       momentum=0.9)
+
+
+def loss_of(par, x, y):
+    return vocab_parallel_cross_entropy(par.module(x), y, par.tp_group).mean()
 
 
 def _train(rank, t, steps):
     cfg = CFG[t]
-    dense = TinyGPT(cfg, seed=0)
-    models = [dense, TensorParallelGPT.from_dense(dense),
-              TensorParallelGPT.from_dense(dense, sequence_parallel=True)]
+    dense = GPT(cfg, seed=0)
+    tp = split(cfg, t, False)
+    tp_sp = split(cfg, t, True, tp.mesh)
     x, y = token_data(3, SEQ, cfg.vocab, seed=1)
-    logits = [dense(x), models[1](x, gather=True), models[2](x, gather=True)]
-    for model in models:
-        model.loss(x, y).backward()
-    grads = [dict((n, p.grad) for n, p in dense.named_parameters()),
-             dense_state(models[1], grads=True), dense_state(models[2], grads=True)]
-    opts = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in models]
+    logits = [dense(x)] + [gather_from_tp(par.module(x), par.tp_group) for par in (tp, tp_sp)]
+    dense.loss(x, y).backward()
+    for par in (tp, tp_sp):
+        loss_of(par, x, y).backward()
+    grads = [dict((n, p.grad) for n, p in dense.named_parameters())] + \
+        [{n: join_tp(n, p.grad, par) for n, p in par.model.named_parameters()}
+         for par in (tp, tp_sp)]
+    steppers = [(dense.loss, torch.optim.SGD(dense.parameters(), lr=0.5, momentum=0.9))] + \
+        [(lambda a, b, par=par: loss_of(par, a, b), par.optimizer) for par in (tp, tp_sp)]
     for _ in range(steps):
-        for model, opt in zip(models, opts):
+        for loss, opt in steppers:
             opt.zero_grad()
-            model.loss(x, y).backward()
+            loss(x, y).backward()
             opt.step()
-    params = [dict(dense.named_parameters()), dense_state(models[1]), dense_state(models[2])]
+    params = [dict(dense.named_parameters()), dense_state(tp), dense_state(tp_sp)]
 
     def worst(a, b):  # over every parameter of the dense model (head.weight is tok.weight)
         return max((a[n] - b[n]).abs().max().item() for n in params[0])
@@ -66,18 +86,23 @@ def test_sequence_parallel_gpt_equals_plain_tensor_parallel_and_dense(t):
 
 
 def _measure(rank, t, layers, b=2, h=32):
-    cfg = GPTConfig(vocab=64, seq_len=16, layers=layers, heads=4, hidden=h)
+    """Activation bytes and the bytes and operations on the tensor-parallel group (the
+    data-parallel wrapper ``parallelize`` adds is over one rank here: it sends nothing)."""
+    cfg = ModelConfig(vocab=64, seq_len=16, layers=layers, heads=4, hidden=h)
     x, y = token_data(b, SEQ, cfg.vocab, seed=1)
-    found = {}
+    found, mesh = {}, Plan(tp=t).mesh()
     for sp in (False, True):
-        model = TensorParallelGPT.from_dense(TinyGPT(cfg, seed=0), sequence_parallel=sp)
-        with CommMeter(count="wire") as fwd, ActivationTracker(exclude=model.parameters()) as acts:
-            loss = model.loss(x, y)
+        par = split(cfg, t, sp, mesh)
+        tp = tuple(ops.group_ranks(par.tp_group))
+        with CommMeter(count="wire") as fwd, \
+                ActivationTracker(exclude=par.model.parameters()) as acts:
+            loss = loss_of(par, x, y)
         with CommMeter(count="wire") as bwd:
             loss.backward()
         assert fwd.all_counted and bwd.all_counted
-        found[sp] = (acts.bytes, fwd.bytes_sent, bwd.bytes_sent,
-                     [e.op for e in fwd.events], [e.op for e in bwd.events])
+        on_tp = [[e for e in m.events if tuple(e.group) == tp] for m in (fwd, bwd)]
+        found[sp] = (acts.bytes, *(sum(e.bytes_sent for e in events) for events in on_tp),
+                     *([e.op for e in events] for events in on_tp))
     return found
 
 
@@ -128,9 +153,8 @@ def test_sequence_that_does_not_split_is_a_clear_error():
         check_sequence_split(10, 4)
 
     def uneven(rank, world_size):
-        gpt = TinyGPT(GPTConfig(vocab=64, seq_len=16, heads=4, hidden=32), seed=0)
-        model = TensorParallelGPT.from_dense(gpt, sequence_parallel=True)
-        model(token_data(1, 10, 64)[0])
+        par = split(ModelConfig(vocab=64, seq_len=16, heads=4, hidden=32), 4, True)
+        par.module(token_data(1, 10, 64)[0])
 
     with pytest.raises(RankError, match="length 10 is not divisible by the tensor-parallel "
                                         "degree 4"):

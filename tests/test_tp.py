@@ -9,19 +9,54 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import theory
+from engine.comm import ops
 from engine.observe.meter import CommMeter
-from engine.compose.model import ModelConfig
-from engine.model.gpt import GPTConfig, TinyGPT
+from engine.compose.model import GPT, ModelConfig
+from engine.compose.parallelize import parallelize
+from engine.compose.plan import Plan
+from engine.compose.state import dense_state, join_tp
+from engine.model.gpt import TinyGPT
 from engine.model.data import token_data
-from engine.tp import (ColumnParallelLinear, RowParallelLinear, TensorParallelGPT,
-                       VocabParallelEmbedding, check_tp_degree, copy_to_tp, dense_state,
-                       reduce_from_tp, vocab_parallel_cross_entropy)
+from engine.moe.layer import single_rank_group
+from engine.tp import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                       copy_to_tp, gather_from_tp, reduce_from_tp, vocab_parallel_cross_entropy)
 from tests.helpers import BEYOND_CPU, DEVICE_WORLD_SIZES, rank_device, run_ranks
 
-CFG = {1: GPTConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32),
-       2: GPTConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32),
-       3: GPTConfig(vocab=63, seq_len=16, layers=2, heads=3, hidden=48),
-       4: GPTConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32)}
+CFG = {1: ModelConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32),
+       2: ModelConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32),
+       3: ModelConfig(vocab=63, seq_len=16, layers=2, heads=3, hidden=48),
+       4: ModelConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32)}
+# what tensor parallelism splits beside GPT-2's shape: grouped-query attention, untied
+# embeddings, q, k, v without bias, an MLP not 4 hidden wide; and a mixture of experts (its
+# experts whole on every tensor-parallel rank, only attention split)
+CHOICES = {"gqa untied no-bias ffn24": ModelConfig(vocab=64, seq_len=16, layers=2, heads=4,
+                                                   hidden=32, kv_heads=2, tied=False,
+                                                   qkv_bias=False, ffn_hidden=24),
+           "moe": ModelConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32,
+                              num_experts=4, capacity_factor=2.0)}
+
+
+def tensor_parallel(cfg: ModelConfig, t: int, sequence_parallel: bool = False, device="cpu",
+                    **optimizer):
+    """The one GPT of ``cfg`` split ``t`` ways by the composed engine (``parallelize``), every
+    expert on every rank; ``optimizer``: momentum SGD's arguments (default: lr 0.5)."""
+    plan = Plan(tp=t, sequence_parallel=sequence_parallel)
+    model = GPT(cfg, seed=0, expert_group=single_rank_group() if cfg.num_experts else None)
+    return parallelize(model.to(device), plan.mesh(), plan, torch.optim.SGD,
+                       **({"lr": 0.5, "momentum": 0.9} | optimizer))
+
+
+def tp_loss(par, x, y):
+    """The mean vocab-parallel cross-entropy of the split model's logits, plus an MoE model's
+    router losses (as :meth:`engine.model.gpt.GPT.loss`)."""
+    logits = par.module(x)
+    return vocab_parallel_cross_entropy(logits, y, par.tp_group).mean() + \
+        par.model.router_losses()
+
+
+def dense_grads(par) -> dict[str, torch.Tensor]:
+    """Every gradient of a split model, whole, named as the dense model names it."""
+    return {n: join_tp(n, p.grad, par) for n, p in par.model.named_parameters()}
 
 
 def _mappings(rank, world_size):
@@ -106,29 +141,31 @@ def test_vocab_parallel_embedding_and_loss_match_dense_without_gathering_logits(
         assert largest <= 4 * 5 * 4  # one number per token, never the 12-wide logits
 
 
-def _gpt(rank, world_size, steps, device="cpu"):
+def _gpt(rank, world_size, steps, device="cpu", choice=None):
     on = rank_device(device)
-    cfg = CFG[world_size]
-    dense = TinyGPT(cfg, seed=0).to(on)
-    tp = TensorParallelGPT.from_dense(dense)
+    cfg = CFG[world_size] if choice is None else CHOICES[choice]
+    alone = single_rank_group() if cfg.num_experts else None  # every expert on this rank
+    dense = GPT(cfg, seed=0, expert_group=alone).to(on)
+    par = tensor_parallel(cfg, world_size, device=on)
     x, y = (t.to(on) for t in token_data(3, cfg.seq_len, cfg.vocab, seed=1))
-    logits_diff = (tp(x, gather=True) - dense(x)).abs().max().item()
-    loss_diff = (tp.loss(x, y) - dense.loss(x, y)).abs().item()
-    tp.loss(x, y).backward()
+    logits_diff = (gather_from_tp(par.module(x), par.tp_group) - dense(x)).abs().max().item()
+    loss_diff = (tp_loss(par, x, y) - dense.loss(x, y)).abs().item()
+    tp_loss(par, x, y).backward()
     dense.loss(x, y).backward()
-    grads = dense_state(tp, grads=True)
+    grads = dense_grads(par)
     grad_diff = max((grads[n] - p.grad).abs().max().item()
                     for n, p in dense.named_parameters())
     # momentum SGD, not Adam: the key bias's gradient is exactly zero in theory (softmax
     # ignores a shift shared by all keys), so both models hold only round-off there (~1e-9),
     # and Adam would scale that noise up to +-lr steps in different directions
-    opts = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (dense, tp)]
+    opt = torch.optim.SGD(dense.parameters(), lr=0.5, momentum=0.9)
     for _ in range(steps):
-        for model, opt in zip((dense, tp), opts):
-            opt.zero_grad()
-            model.loss(x, y).backward()
-            opt.step()
-    params = dense_state(tp)
+        for loss_of, optimizer in ((dense.loss, opt), (lambda a, b: tp_loss(par, a, b),
+                                                       par.optimizer)):
+            optimizer.zero_grad()
+            loss_of(x, y).backward()
+            optimizer.step()
+    params = dense_state(par)
     param_diff = max((params[n] - p).abs().max().item() for n, p in dense.named_parameters())
     return logits_diff, loss_diff, grad_diff, param_diff
 
@@ -141,6 +178,12 @@ def test_tiny_gpt_logits_loss_gradients_and_training_match_dense(world_size):
         assert param_diff <= 1e-5  # after 3 training steps
 
 
+@pytest.mark.parametrize("choice", sorted(CHOICES))
+def test_grouped_query_untied_bias_free_and_moe_models_split_and_match_dense(choice):
+    for diffs in run_ranks(_gpt, 2, 3, "cpu", choice):
+        assert max(diffs) <= 1e-5, diffs
+
+
 @pytest.mark.parametrize("device", BEYOND_CPU)
 @pytest.mark.parametrize("world_size", DEVICE_WORLD_SIZES)
 def test_tiny_gpt_matches_dense_on_each_device(device, world_size):
@@ -150,16 +193,18 @@ def test_tiny_gpt_matches_dense_on_each_device(device, world_size):
 
 
 def _count(rank, world_size, layers, b):
-    cfg = GPTConfig(vocab=64, seq_len=16, layers=layers, heads=4, hidden=32)
-    tp = TensorParallelGPT.from_dense(TinyGPT(cfg, seed=0))
+    cfg = ModelConfig(vocab=64, seq_len=16, layers=layers, heads=4, hidden=32)
+    par = tensor_parallel(cfg, world_size)
+    tp = tuple(ops.group_ranks(par.tp_group))  # (the data-parallel wrapper's group: one rank)
     x, y = token_data(b, 16, 64, seed=1)
     with CommMeter() as forward:
-        loss = tp.loss(x, y)
+        loss = tp_loss(par, x, y)
     with CommMeter() as backward:
         loss.backward()
-    big = [e for e in forward.events + backward.events if e.payload_bytes == b * 16 * 32 * 4]
-    return (sum(e.op == "all_reduce" for e in forward.events),
-            sum(e.op == "all_reduce" for e in backward.events), sum(e.bytes_sent for e in big))
+    fwd, bwd = ([e for e in m.events if tuple(e.group) == tp] for m in (forward, backward))
+    big = [e for e in fwd + bwd if e.payload_bytes == b * 16 * 32 * 4]
+    return (sum(e.op == "all_reduce" for e in fwd), sum(e.op == "all_reduce" for e in bwd),
+            sum(e.bytes_sent for e in big))
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -200,48 +245,17 @@ def test_matches_pytorch_dtensor_colwise_and_rowwise_parallel():
 
 
 @pytest.mark.parametrize("cfg, t, message", [
-    (GPTConfig(vocab=64, heads=4, hidden=32), 3, "hidden=32 is not divisible by the "
-     "tensor-parallel degree 3"),
-    (GPTConfig(vocab=64, heads=2, hidden=32), 4, "heads=2 is not divisible by the "
-     "tensor-parallel degree 4"),
-    (GPTConfig(vocab=63, heads=4, hidden=32), 2, "vocab=63 is not divisible by the "
-     "tensor-parallel degree 2"),
-    (GPTConfig(), 0, "degree must be a positive int, got 0"),
-    (GPTConfig(heads=4, hidden=32, ffn_hidden=50), 4, "ffn_hidden=50 is not divisible by the "
-     "tensor-parallel degree 4"),
-    # what TensorParallelGPT does not split at all, refused whatever the degree
-    (GPTConfig(tied=False), 2, "splits tied models only; got tied=False: use engine.compose"),
-    (GPTConfig(heads=4, kv_heads=2), 2, r"multi-head attention only \(kv_heads 0 or heads=4\); "
-     "got kv_heads=2"),
-    (GPTConfig(qkv_bias=False), 2, "a qkv with a bias only; got qkv_bias=False"),
-    (ModelConfig(num_experts=4), 2, r"dense MLPs only; got num_experts=4 \(expected 0\)"),
+    (ModelConfig(vocab=64, heads=4, hidden=32), 3, r"tp = 3 must divide heads = 4"),
+    (ModelConfig(vocab=64, heads=2, hidden=32), 4, r"tp = 4 must divide heads = 2"),
+    (ModelConfig(vocab=63, heads=4, hidden=32), 2, r"tp = 2 must divide vocab = 63"),
+    (ModelConfig(heads=4, hidden=32, ffn_hidden=50), 4, r"tp = 4 must divide ffn_hidden = 50"),
+    (ModelConfig(heads=4, hidden=32, kv_heads=2), 4, r"tp = 4 must divide KV heads = 2"),
 ])
 def test_sizes_that_do_not_split_are_clear_errors_before_any_rank_starts(cfg, t, message):
     with pytest.raises(ValueError, match=message):
-        check_tp_degree(cfg, t)
-
-
-def _wider_mlp_and_a_moe_model(rank, world_size):
-    from engine.moe.gpt import TinyMoEGPT
-
-    cfg = GPTConfig(vocab=64, seq_len=8, layers=1, heads=2, hidden=16, kv_heads=2,
-                    ffn_hidden=24)  # kv_heads = heads: multi-head; ffn not 4 hidden
-    check_tp_degree(cfg, world_size)
-    dense = TinyGPT(cfg, seed=0)
-    x, _ = token_data(2, cfg.seq_len, cfg.vocab, seed=1)
-    diff = (TensorParallelGPT.from_dense(dense)(x, gather=True) - dense(x)).abs().max().item()
-    try:
-        TensorParallelGPT.from_dense(TinyMoEGPT(cfg, num_experts=2, seed=0))
-        refused = ""
-    except ValueError as error:
-        refused = str(error)
-    return diff, refused
-
-
-def test_a_supported_choice_splits_and_a_moe_model_is_refused():
-    for diff, refused in run_ranks(_wider_mlp_and_a_moe_model, 2):
-        assert diff <= 1e-6  # the same sums in another order: round-off only
-        assert "dense MLPs only; got num_experts=2 (expected 0)" in refused
+        Plan(tp=t).check(cfg, rows=1)
+    with pytest.raises(ValueError, match="tp must be a positive int, got 0"):
+        Plan(tp=0)
 
 
 def test_a_layer_that_does_not_split_is_a_clear_error_on_the_ranks():
@@ -255,7 +269,7 @@ def test_a_layer_that_does_not_split_is_a_clear_error_on_the_ranks():
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_tp_traffic_grows_with_tokens_and_zero3_traffic_with_parameters(world_size):
-    from engine.tp import crossover_tokens, layer_traffic
+    from engine.labs.tp_zero3 import layer_traffic
 
     t, h = world_size, 32
     layer_params = 12 * h * h + 13 * h  # qkv, proj, fc, out weights and biases; two LayerNorms
@@ -263,27 +277,24 @@ def test_tp_traffic_grows_with_tokens_and_zero3_traffic_with_parameters(world_si
         measured = run_ranks(layer_traffic, world_size, batch, seq)[0]
         assert measured["tp"] == theory.tp_comm_elements_per_layer(batch, seq, h, t)
         assert measured["zero3"] == pytest.approx(3 * (t - 1) / t * layer_params, rel=0.01)
-    assert 8 * crossover_tokens(h) * h == pytest.approx(3 * layer_params)
+    assert 8 * theory.tp_zero3_crossover_tokens(h) * h == pytest.approx(3 * layer_params)
 
 
 def _cut_as_the_table_says(rank, world_size):
     """Every parameter of a tensor-parallel GPT is the dense one cut as engine.tp.layout says."""
-    from engine.tp.layout import HEADS, dense_block_name, heads_slice, split_dim
+    from engine.tp.layout import HEADS, heads_slice, qkv_sizes, split_dim
 
-    dense = TinyGPT(CFG[world_size], seed=0)
-    tp = TensorParallelGPT(dense, group=None)
-    whole = dict(dense.named_parameters())
-    mine = {"tok.weight": tp.tok.weight, "pos.weight": tp.pos.weight,
-            **{f"ln_f.{n}": p for n, p in tp.ln_f.named_parameters()},
-            **{f"blocks.{i}.{dense_block_name(n)}": p
-               for i, block in enumerate(tp.blocks) for n, p in block.named_parameters()}}
+    cfg = CFG[world_size]
+    whole = dict(GPT(cfg, seed=0).named_parameters())
+    mine = dict(tensor_parallel(cfg, world_size).model.named_parameters())
     wrong = []
     for name, local in mine.items():
         split = split_dim(name)
         if split is None:
             expected = whole[name]
         elif split == HEADS:
-            expected = heads_slice(whole[name], world_size, rank)
+            expected = heads_slice(whole[name], world_size, rank,
+                                   qkv_sizes(cfg.heads, cfg.kv_heads_or_heads, cfg.head_dim))
         else:
             expected = whole[name].chunk(world_size, dim=split)[rank]
         if not torch.equal(local, expected):

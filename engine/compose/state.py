@@ -16,7 +16,7 @@ import torch
 
 from engine.comm import ops
 from engine.compose.parallelize import Parallel
-from engine.tp.blocks import gather_dim
+from engine.tp.mappings import gather_dim
 from engine.tp.layout import HEADS, heads_joined, qkv_sizes, split_dim
 from engine.zero import ZeroDataParallel
 

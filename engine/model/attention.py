@@ -10,8 +10,9 @@ made causal (GPT, Radford et al. 2018; section 3.2.3 of the same paper): query `
 
 :func:`causal_attention` is written out rather than calling ``F.scaled_dot_product_attention``
 so it reads as the equation and gives the same bits on every backend: the dense
-:class:`engine.model.gpt.TinyGPT` and the tensor-parallel one (:mod:`engine.tp.blocks`, ``heads /
-t`` heads per rank) are compared to each other bit for bit. Context parallelism computes the
+:class:`engine.model.gpt.TinyGPT` and its tensor-parallel split
+(:func:`engine.compose.parallelize.apply_tensor_parallel`, ``heads / t`` heads per rank) are
+compared to each other bit for bit. Context parallelism computes the
 same attention block by block (:mod:`engine.cp.blocks`) and masks its diagonal blocks with
 :func:`causal_mask`.
 """

@@ -1,7 +1,7 @@
-"""Where tensor parallelism cuts each parameter of the GPT: the one table that the readable
-layer (:func:`engine.tp.blocks.dense_state`, the layers' ``from_dense``), the composed engine
-(:func:`engine.compose.state.join_tp`) and the offline re-cut (:mod:`engine.compose.reshard`)
-all read.
+"""Where tensor parallelism cuts each parameter of the GPT: the one table that the composed
+engine (its cut, :func:`engine.compose.parallelize.apply_tensor_parallel` through
+:func:`heads_slice`, and its join, :func:`engine.compose.state.join_tp`) and the offline re-cut
+(:mod:`engine.compose.reshard`) all read.
 
 Megatron-LM (Shoeybi et al. 2019, section 3) splits a column-parallel linear layer's weight
 and bias on their output dimension (dim 0: ``fc``, and ``qkv`` by heads), a row-parallel one's
@@ -35,10 +35,6 @@ TP_SPLIT: dict[str, int | str] = {
     "out.weight": 1,  # row-parallel
 }
 
-# The tensor-parallel block (engine.tp.blocks.ParallelBlock) keeps the dense block's MLP
-# layers ``fc`` and ``out`` inside its ``mlp``: its names for them, and the dense names.
-TP_BLOCK_NAMES = {"mlp.fc.": "fc.", "mlp.out.": "out."}
-
 _IN_BLOCK = re.compile(r"blocks\.\d+\.(.*)")
 
 
@@ -47,15 +43,6 @@ def split_dim(name: str) -> int | str | None:
     weight"`` or ``"fc.weight"``): an int, :data:`HEADS`, or ``None`` if replicated."""
     match = _IN_BLOCK.fullmatch(name)
     return TP_SPLIT.get(match.group(1) if match else name)
-
-
-def dense_block_name(name: str) -> str:
-    """A tensor-parallel block's parameter name (``"mlp.fc.weight"``) as the dense block
-    names it (``"fc.weight"``)."""
-    for ours, dense in TP_BLOCK_NAMES.items():
-        if name.startswith(ours):
-            return dense + name.removeprefix(ours)
-    return name
 
 
 def qkv_sizes(heads: int, kv_heads: int, head_dim: int) -> list[int]:

@@ -126,6 +126,13 @@ def gather_from_tp(x: torch.Tensor, group=None) -> torch.Tensor:
     return _GatherFromTP.apply(x, group)
 
 
+def gather_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Every rank's slice ``x`` of a tensor cut on ``dim``, joined in rank order: one
+    all-gather over the tensor-parallel ``group``. Not differentiable (for checking and
+    saving)."""
+    return gather_from_tp(x.detach().movedim(dim, -1).contiguous(), group).movedim(-1, dim)
+
+
 # -- sequence parallelism ----------------------------------------------------------------------
 
 
