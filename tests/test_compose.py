@@ -190,32 +190,21 @@ def test_each_pipeline_stage_adds_its_own_router_losses():
 
 
 def test_every_gpt_of_the_engine_is_the_one_definition_with_its_dense_bits():
-    """The MoE GPTs (compose's, TinyMoEGPT) and the context-parallel one are the one
-    :class:`engine.model.gpt.GPT`: the same attention class, and every dense parameter the dense
-    model's bits for the same seed; only the experts (drawn under seed + 1) differ."""
-    import functools
-
-    from engine.cp import ContextParallelGPT
-    from engine.cp.ring import ring_attention
+    """The MoE GPT is the one :class:`engine.model.gpt.GPT`: the same attention class, and every
+    dense parameter the dense model's bits for the same seed; only the experts (drawn under
+    seed + 1) differ. (Tensor, context and expert parallelism change its modules in place:
+    the parity matrix, tests/test_parity.py.)"""
     from engine.model.gpt import GPT as OneGPT
     from engine.model.gpt import Attention
-    from engine.moe import TinyMoEGPT
 
     sizes = GPTConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32, kv_heads=2,
                       tied=False)
     dense = TinyGPT(sizes, seed=3).state_dict()
     composed = GPT(ModelConfig.from_gpt(sizes, num_experts=4), seed=3)
-    tiny_moe = TinyMoEGPT(sizes, num_experts=4, seed=3)
-    cp = ContextParallelGPT(TinyGPT(sizes, seed=3), group=None, layout="contiguous")
-    for model in (composed, tiny_moe, cp.gpt):
-        assert isinstance(model, OneGPT)
-        assert all(type(block.attn) is Attention for block in model.blocks)
-        state = model.state_dict()
-        for name, value in dense.items():
-            if ".fc." not in name and ".out." not in name:
-                assert torch.equal(value, state[name]), name
-    core = cp.gpt.blocks[0].attn.core
-    assert isinstance(core, functools.partial) and core.func is ring_attention
-    assert core.keywords["layout"] == "contiguous"
-    moe_names = [n for n in tiny_moe.state_dict() if ".moe." in n]
-    assert moe_names == [n for n in composed.state_dict() if ".moe." in n]
+    assert isinstance(composed, OneGPT)
+    assert all(type(block.attn) is Attention for block in composed.blocks)
+    state = composed.state_dict()
+    for name, value in dense.items():
+        if ".fc." not in name and ".out." not in name:
+            assert torch.equal(value, state[name]), name
+    assert any(".moe.experts." in name for name in state)

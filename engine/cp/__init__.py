@@ -12,6 +12,8 @@
 * :func:`rank_document_pairs`: each rank's work under a packed-document mask, per layout;
 * :func:`shard_sequence` / :func:`gather_sequence`: a rank's part of a sequence and back.
 
+These are the kernels :func:`engine.compose.parallelize.parallelize` applies to the one GPT (its
+step 2, :func:`engine.compose.parallelize.apply_context_parallel`: each attention's ``core``).
 Megatron sequence parallelism, which splits only the LayerNorm/dropout regions of a
 tensor-parallel layer, lives in :mod:`engine.tp` (``sequence_parallel=True``).
 """
@@ -19,7 +21,6 @@ tensor-parallel layer, lives in :mod:`engine.tp` (``sequence_parallel=True``).
 from engine.cp.allgather import allgather_attention
 from engine.cp.buffers import BufferCount
 from engine.cp.documents import document_imbalance, document_mask, rank_document_pairs
-from engine.cp.gpt import ContextParallelGPT, context_parallel_group
 from engine.cp.layout import (LAYOUTS, check_sequence_split, gather_sequence, rank_chunks,
                               shard_indices, shard_sequence)
 from engine.cp.ring import block_pairs, ring_attention, ring_schedule
@@ -28,7 +29,6 @@ from engine.cp.ulysses import check_ulysses_heads, ulysses_attention
 
 __all__ = ["ring_attention", "ulysses_attention", "shard_sequence", "gather_sequence",
            "shard_indices", "rank_chunks", "check_sequence_split", "check_ulysses_heads",
-           "ring_schedule", "block_pairs", "LAYOUTS", "ContextParallelGPT",
-           "context_parallel_group", "allgather_attention", "usp_attention", "usp_groups",
-           "usp_indices", "BufferCount", "document_mask", "rank_document_pairs",
+           "ring_schedule", "block_pairs", "LAYOUTS", "allgather_attention", "usp_attention",
+           "usp_groups", "usp_indices", "BufferCount", "document_mask", "rank_document_pairs",
            "document_imbalance"]
