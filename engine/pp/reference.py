@@ -17,22 +17,22 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from engine.pp.actions import Action, virtual_stages
-from engine.pp.registry import SCHEDULES as REGISTRY
+from engine.pp.registry import SCHEDULES, schedule_spec
 
-# the registered schedules PyTorch also builds (their ``torch_class``), by name; the
-# interleaved one under its generator's name, "interleaved_1f1b"
-SCHEDULES = {("interleaved_1f1b" if name == "interleaved" else name): spec
-             for name, spec in REGISTRY.items() if spec.torch_class}
+# the registered schedules PyTorch also builds (their ``torch_class``); the interleaved one
+# under its generator's name, "interleaved_1f1b"
+NAMES = tuple("interleaved_1f1b" if name == "interleaved" else name
+              for name, spec in SCHEDULES.items() if spec.torch_class)
 
 
 def torch_order(name: str, p: int, m: int, v: int = 2) -> dict[int, list[Action]]:
-    """The order of PyTorch's schedule ``name`` (a key of :data:`SCHEDULES`) for ``p`` ranks
-    and ``m`` micro-batches (``v`` chunks per rank for ``interleaved_1f1b``)."""
+    """The order of PyTorch's schedule ``name`` (one of :data:`NAMES`) for ``p`` ranks and
+    ``m`` micro-batches (``v`` chunks per rank for ``interleaved_1f1b``)."""
     from torch.distributed.pipelining import schedules
 
-    if name not in SCHEDULES:
-        raise ValueError(f"name must be one of {', '.join(SCHEDULES)}; got {name!r}")
-    spec = SCHEDULES[name]
+    if name not in NAMES:
+        raise ValueError(f"name must be one of {', '.join(NAMES)}; got {name!r}")
+    spec = schedule_spec("interleaved" if name == "interleaved_1f1b" else name)
     cls_name, placement = spec.torch_class, spec.placement
     v = v if spec.takes_chunks else spec.chunks
     stages = [SimpleNamespace(num_stages=p * v, group_size=p, group_rank=0, submod=None,
