@@ -8,7 +8,8 @@ interleaved (each repeat runs every variant once, the order rotating) after a wa
 
 * ``engine, a unit per module``: ``ZeroDataParallel``'s default units, one per module that
   owns parameters (the trainer's ZeRO-3 before its units were matched);
-* ``engine (trainer)``: whatever ``engine train --zero 3`` builds now (its units printed);
+* ``engine (trainer)``: whatever ``engine train --zero 3`` builds now (its units printed: the
+  per-parameter design's ``fully_shard`` groups, :mod:`engine.fsdp`);
 * ``torch, one unit``: FSDP1 ``FULL_SHARD`` with no wrap policy (the whole GPT is one unit)
   and ``no_sync`` on every micro-batch but the last (the trainer's PyTorch side before);
 * ``torch (trainer)``: ``engine train --zero 3 --impl torch``'s FSDP, each transformer block
@@ -86,6 +87,8 @@ def _units(strategy) -> int:
     model = strategy.model
     if hasattr(model, "all_units"):
         return len(model.all_units)
+    if hasattr(model, "sharded_step"):  # the composed engine's fully_shard groups
+        return len(model.sharded_step.groups)
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     return len(FSDP.fsdp_modules(model))
 

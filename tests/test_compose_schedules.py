@@ -114,13 +114,14 @@ def _zero3_under_w(rank, world_size):
         plan.check(cfg, ZERO3_ROWS)
         mesh = Mesh(dp=2, pp=2)
         par = parallelize(GPT(cfg, seed=SEED), mesh, plan, torch.optim.AdamW, lr=LR)
-        assert par.module.late_units, name  # the linear layers' units wait for W
+        assert par.sharding.late_groups, name  # the linear layers' groups wait for W
         with CommMeter(count="wire") as meter:
             losses = train(par, STEPS, ZERO3_ROWS, seed=SEED + 1)
         rows = ZERO3_ROWS // (plan.dp * plan.micro_batches)
         found[name] = {"losses": losses, "state": dense_state(par),
-                       "peak": par.module.peak_gathered_bytes,
-                       "largest": max(u.full_bytes for u in par.module.all_units),
+                       "peak": par.sharding.peak_gathered_bytes,
+                       "largest": max(sum(p.layout.shape.numel() * 4 for p in g.params)
+                                      for g in par.sharding.groups),
                        "dp": bytes_by_kind(meter.events, mesh, False)["dp"],
                        "formula": layout_formulas(par, rows, STEPS)["dp"].bytes}
     return found

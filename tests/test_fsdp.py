@@ -359,7 +359,7 @@ def test_the_root_is_found_at_the_first_forward_and_children_are_sharded_first()
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_fp16_gradients_are_divided_around_the_sum_as_pytorchs(world_size):
-    from engine.fsdp.group import divide_before
+    from engine.fsdp.comm import divide_before
 
     assert [divide_before(n) for n in (1, 2, 3, 4, 8, 16)] == [1, 2, 2, 2, 4, 4]
     for (losses, ours, _), (torch_losses, torchs) in run_ranks(

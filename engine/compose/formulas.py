@@ -43,13 +43,12 @@ degree, ``m`` the micro-batches, 4 B an fp32 element.
   locally; ZeRO-1 a reduce-scatter and an all-gather), ZeRO-2 a reduce-scatter per micro-batch
   and one all-gather, ``(m + 1) A / 2`` (in a pipeline one all-gather more on the stages holding
   the tied embedding: :func:`engine.compose.pipeline.sum_tied_embedding` gathers its bucket),
-  ZeRO-3 two all-gathers and a reduce-scatter per micro-batch less one all-gather of its root
-  unit, kept from forward to backward (in a pipeline, ``v`` chunks a rank: each chunk's backward
-  reduce-scatters every unit of the rank, ``(2 + v) A / 2`` per micro-batch, and the stages
-  holding the tied embedding gather its unit once more, as ZeRO-2; under a schedule with W
-  actions the linear layers' units, ``L`` bytes, are reduce-scattered after their W instead,
-  once per micro-batch and chunk: ``(v - 1) L / 2`` less per micro-batch); plus the step's loss, an
-  all-reduce of 4 B. A ring over n ranks cuts a tensor into n chunks; when n does not divide
+  ZeRO-3 (:mod:`engine.fsdp`, ``A`` over its groups' padded chunks) two all-gathers and a
+  reduce-scatter of every group per micro-batch, ``3 A / 2``, less one all-gather of the root
+  group, kept from forward to backward (in a pipeline the root, held for the step, is
+  gathered and reduce-scattered once a step; every other group is reduce-scattered once per
+  micro-batch, at its B, or under a schedule with W actions at its W); plus the step's loss,
+  an all-reduce of 4 B. A ring over n ranks cuts a tensor into n chunks; when n does not divide
   it the chunks differ and so do the ranks' bytes, but every chunk still travels ``2(n-1)``
   times: summed over the group the formula is exact. Compressed DDP: :func:`compressed_dp_formula`.
 """
@@ -203,8 +202,9 @@ def pp_formula(gpt, plan: Plan, mesh: Mesh, b: int, steps: int) -> Formula:
             f"{forward} x {SHAPE_HEADER_BYTES} B shape header; b = {b}, s = {s}")
     holds_tied = gpt.tok is not None or gpt.head is not None
     if cfg.tied and tied_across_ranks(plan.schedule) and holds_tied:
-        total += steps * theory.ring_all_reduce_bytes(cfg.vocab // plan.tp * cfg.hidden * FP32, 2)
-        text += " + the tied embedding's all-reduce 2(2-1)/2 x (V/t) h x 4 B"
+        weight = (gpt.tok if gpt.tok is not None else gpt.head).weight  # ZeRO-3: its shard
+        total += steps * theory.ring_all_reduce_bytes(weight.numel() * FP32, 2)
+        text += " + the tied embedding's all-reduce 2(2-1)/2 x (V/t) h x 4 B (ZeRO-3: its shard)"
     if me == loss_stage(plan.schedule, p):
         total += steps * (p - 1) * FP32
         text += f" + the loss broadcast, {p - 1} x 4 B"
@@ -213,28 +213,22 @@ def pp_formula(gpt, plan: Plan, mesh: Mesh, b: int, steps: int) -> Formula:
 
 def dp_formula(par_bytes: int, replicas: int, zero: int, steps: int, micro_batches: int,
                root_bytes: int = 0, tied_bucket_bytes: int = 0, chunks: int = 1,
-               index: int | None = None, late_bytes: int = 0,
-               pipeline: bool = False) -> float:
+               index: int | None = None, pipeline: bool = False) -> float:
     """Bytes one rank sends over dp x cp in ``steps`` steps (module docstring), for
-    ``par_bytes`` of (padded) parameters; ``root_bytes``: ZeRO-3's root unit, padded;
-    ``tied_bucket_bytes``: ZeRO-2's bucket (ZeRO-3's unit) holding a tied embedding gathered
-    in a pipeline; ``chunks``: model chunks per pipeline rank (ZeRO-2 and 3 reduce-scatter
-    every bucket or unit of the rank at each chunk's backward: ``chunks`` reduce-scatters per
-    micro-batch);
+    ``par_bytes`` of (padded) parameters; ``root_bytes``: ZeRO-3's root group, padded;
+    ``tied_bucket_bytes``: ZeRO-2's bucket holding a tied embedding gathered in a pipeline;
+    ``chunks``: model chunks per pipeline rank (ZeRO-2 reduce-scatters every bucket of the
+    rank at each chunk's backward: ``chunks`` reduce-scatters per micro-batch);
     ``index``: this rank's place in the dp x cp ring, for the loss's exact bytes (a scalar
     does not split evenly: :func:`engine.theory.ring_all_reduce_rank_bytes`; None: the mean);
-    ``late_bytes``: ZeRO-3's units reduce-scattered after W actions, not at every B
-    (:func:`late_unit_bytes`); ``pipeline``: ZeRO-3's root is gathered and reduce-scattered
-    once a step (:meth:`engine.zero.ZeroDataParallel.root_gathered`), not once a
-    micro-batch."""
+    ``pipeline``: ZeRO-3's root is gathered and reduce-scattered once a step
+    (:meth:`engine.fsdp.step.ShardedStep.gathered`), not once a micro-batch."""
     if replicas == 1:
         return 0.0
     if zero == 3:
         root_times = 1 if pipeline else micro_batches  # all-reduces' worth of the root
-        per_step = ring_all_reduce(par_bytes, replicas) * (2 + chunks) / 2 * micro_batches - \
-            ring_all_reduce(root_bytes, replicas) * ((2 + chunks) / 2 * micro_batches -
-                                                     root_times) - \
-            micro_batches * (chunks - 1) * ring_all_reduce(late_bytes, replicas) / 2
+        per_step = ring_all_reduce(par_bytes, replicas) * 3 / 2 * micro_batches - \
+            ring_all_reduce(root_bytes, replicas) * (3 / 2 * micro_batches - root_times)
     else:
         per_step = ring_all_reduce(par_bytes, replicas) * gradient_all_reduces(
             zero, micro_batches * chunks)
@@ -261,21 +255,21 @@ def ring_index(mesh) -> int:
 def dense_parameter_bytes(par) -> tuple[int, int, int]:
     """``(parameter bytes, ZeRO-3 root bytes, ZeRO-2 tied bucket bytes)`` of what the
     data-parallel wrapper of ``par`` (a :class:`engine.compose.parallelize.Parallel`) reduces
-    over dp x cp, padded as the wrapper pads."""
-    from engine.zero import ZeroDataParallel, ZeroOptimizer
+    over dp x cp, padded as the wrapper pads (ZeRO-3: each group's padded chunks,
+    :mod:`engine.fsdp.comm`)."""
+    from engine.zero import ZeroOptimizer
 
-    module, optimizer, plan = par.module, par.optimizer, par.plan
+    optimizer, plan = par.optimizer, par.plan
     gpt = par.model
     tied_here = plan.pp > 1 and gpt.cfg.tied and tied_across_ranks(plan.schedule) and \
         (gpt.tok is not None or gpt.head is not None)
-    if isinstance(module, ZeroDataParallel):
-        root = module.root
-        tied = 0
-        if tied_here:
-            weight = (gpt.tok if gpt.tok is not None else gpt.head).weight
-            tied = module.launcher.bucket_of[weight].padded * weight.element_size()
-        return (sum(u.padded * u.shard.element_size() for u in module.all_units),
-                0 if root is None else root.padded * root.shard.element_size(), tied)
+    if par.sharding is not None:
+        def padded(group) -> int:
+            return group.world_size * sum(p.layout.chunk_numel for p in group.params) * \
+                group.params[0].shard.element_size()
+        root = par.sharding.root
+        return (sum(padded(g) for g in par.sharding.groups),
+                padded(root) if root.params else 0, 0)
     dense = getattr(optimizer, "optimizers", (optimizer,))[0]
     if isinstance(dense, ZeroOptimizer):
         size = sum(bk.padded * bk.flat.element_size() for bk in dense.buckets)
@@ -289,13 +283,6 @@ def dense_parameter_bytes(par) -> tuple[int, int, int]:
         if plan.ep > 1 else set()
     return (sum(p.numel() * p.element_size() for p in par.model.parameters()
                 if id(p) not in experts), 0, 0)
-
-
-def late_unit_bytes(par) -> int:
-    """Padded bytes of ZeRO-3's units whose gradients come in W actions (0 without them), the
-    root apart (it is reduced once a step in a pipeline)."""
-    return sum(u.padded * u.shard.element_size()
-               for u in getattr(par.module, "late_units", ()) if u is not par.module.root)
 
 
 def layout_formulas(par, micro_rows: int, steps: int = 1,
@@ -318,7 +305,7 @@ def layout_formulas(par, micro_rows: int, steps: int = 1,
     else:
         out["dp"] = Formula(dp_formula(size, n, plan.zero, steps, plan.micro_batches, root,
                                        tied, chunks_per_rank(plan.schedule) if plan.pp > 1
-                                       else 1, index, late_unit_bytes(par), plan.pp > 1)
+                                       else 1, index, plan.pp > 1)
                             + balance_bytes(gpt, mesh, plan.micro_batches, steps),
                             f"{counted(steps)} x ZeRO-{plan.zero} over N = {n}: "
                             f"parameters of {size:,} B (+ the loss 2(N-1)/N x 4 B; MoE: + "

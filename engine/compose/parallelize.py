@@ -27,40 +27,42 @@ context manager around each step (``context_parallel``), not a module rewrite.
 5. **the data-parallel wrapper** over ``mesh.dp_cp_group`` (every rank that holds the same
    dense parameters and saw other tokens), :func:`apply_data_parallel`: ZeRO-0 is
    :class:`engine.dp.DataParallel`, ZeRO-1/2 :class:`engine.zero.ZeroOptimizer`, ZeRO-3
-   :class:`engine.zero.ZeroDataParallel` (FSDP; over a tensor-parallel model: the 2D layout);
+   :func:`apply_fully_shard`, PyTorch FSDP2's per-parameter design (:mod:`engine.fsdp`: each
+   parameter sharded on dim 0, one all-gather and one reduce-scatter per module; over a
+   tensor-parallel model each rank's slice is sharded again: the 2D layout);
    ``plan.compress``: the all-reduce of ZeRO-0 through a compressor (:mod:`engine.compress`):
    DDP's, or the stage-0 optimizer's (a pipeline; expert parallelism).
    Each averages over the group; :mod:`engine.compose.loss` scales the loss to match. In a
    pipeline ZeRO-0 is :class:`engine.zero.ZeroOptimizer` at stage 0 (one all-reduce at the
-   step: the schedule runs many backward passes, some of weights only); ZeRO-3 is
-   :class:`engine.zero.ZeroDataParallel` over the stage's modules, each unit gathered for
-   every micro-batch's forward and again for its backward, freed after each (torchtitan keeps
-   the last stage's gathered after forward; here every stage reshards), backward prefetch off
-   (it would follow another micro-batch's order); every backward of a chunk (each B action)
-   reduce-scatters all of the rank's units, so gradients leave per micro-batch and chunk; a
-   unit two chunks share (a tied embedding under the V placement, the root unit) is gathered
-   for the whole step and reduce-scattered at its end (:meth:`engine.zero.ZeroDataParallel.
-   root_gathered`). Under a schedule with W actions (ZB-H1, ZB-H2, ZB-V, DualPipeV) the
-   linear layers' gradients come in W, outside autograd (:func:`defer_linear_gradients`):
-   ZeRO-3's units are freed after B as any unit but keep their gradient buffers, ZeRO-2's
-   buckets keep theirs, and each W adds its ``dW = dY^T X`` and reduce-scatters them
-   (:func:`engine.compose.pipeline.sharded_weight_grads`; W needs no weight, so nothing is
-   gathered for it); ZeRO-0 and 1 find W's gradients in ``.grad`` at the step. With
-   experts spread (ep > 1): ZeRO-0 to 2 run one :class:`engine.zero.ZeroOptimizer` of the
-   stage per group (the experts' over ``mesh.expert_dp_group``), ZeRO-3 shards
-   the dense parameters over ``mesh.dp_cp_group`` (the experts are its ``ignored_params``, as
-   FSDP's) and gives the experts a ZeRO-1 optimizer over ``mesh.expert_dp_group``: their
-   ``1/ep`` of the expert weights is already what expert parallelism divides, and that group is
-   ``dp x cp / ep`` ranks (often one). In a pipeline
-   each stage adds its MoE layers' router losses itself
+   step: the schedule runs many backward passes, some of weights only). ZeRO-3 shards each
+   block and the root as torchtitan does (``fully_shard`` per block, then the model); in a
+   pipeline, whose runtime calls the chunks' parts rather than the model, each module that
+   owns parameters (a parameter two modules share, a tied embedding under the V placement, is
+   the root's, held for the step), every one gathered for each micro-batch's forward and
+   again for its backward and reduce-scattered once per micro-batch
+   (:class:`engine.fsdp.step.ShardedStep`). Under a schedule with W actions (ZB-H1, ZB-H2,
+   ZB-V, DualPipeV) the linear layers' gradients come in W, outside autograd
+   (:func:`defer_linear_gradients`): ZeRO-3's late groups are freed after B as any but keep
+   what came in their padded gradients, ZeRO-2's buckets keep theirs, and each W adds its
+   ``dW = dY^T X`` and reduce-scatters them (:func:`engine.compose.pipeline.
+   sharded_weight_grads`; W needs no weight, so nothing is gathered for it); ZeRO-0 and 1
+   find W's gradients in ``.grad`` at the step. With experts spread (ep > 1): ZeRO-0 to 2
+   run one :class:`engine.zero.ZeroOptimizer` of the stage per group (the experts' over
+   ``mesh.expert_dp_group``), ZeRO-3 shards the dense parameters over ``mesh.dp_cp_group``
+   (the experts are its ``ignored_params``, as FSDP's) and gives the experts a ZeRO-1
+   optimizer over ``mesh.expert_dp_group``: their ``1/ep`` of the expert weights is already
+   what expert parallelism divides, and that group is ``dp x cp / ep`` ranks (often one). In a
+   pipeline each stage adds its MoE layers' router losses itself
    (:class:`engine.compose.pipeline.RouterLossScaler`); the tied embedding's gradient is then
-   summed over its two stages.
+   summed over its two stages (under ZeRO-3 its shard's: both stages hold the same rows).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -79,12 +81,14 @@ from engine.cp.allgather import allgather_attention
 from engine.cp.ring import ring_attention
 from engine.cp.ulysses import ulysses_attention
 from engine.dp import DataParallel
+from engine.fsdp import fully_shard
+from engine.fsdp.step import ShardedStep
 from engine.pp.registry import build_schedule
 from engine.topology import Mesh
 from engine.tp.layers import (ColumnParallelLinear, RowParallelLinear,
                               SequenceParallelLayerNorm, VocabParallelEmbedding)
 from engine.tp.layout import heads_slice
-from engine.zero import ZeroDataParallel, ZeroOptimizer
+from engine.zero import ZeroOptimizer
 
 
 @dataclass
@@ -98,9 +102,9 @@ class Parallel:
     (:func:`engine.pp.build_schedule`) and run at every step; ``pipeline_run``: with pp > 1,
     the :class:`engine.pp.PipelineRun` of the last step (its forward and backward events per
     micro-batch, which the trainer's pipeline idle share is measured from);
-    ``late_gradients``: under a schedule with W actions, the ZeRO-2
-    and ZeRO-3 holders of sharded gradients that wait for W
-    (:func:`defer_linear_gradients`)."""
+    ``late_gradients``: under a schedule with W actions, the ZeRO-2 and ZeRO-3 holders of
+    sharded gradients that wait for W (:func:`defer_linear_gradients`); ``sharding``: at
+    ZeRO-3, the :class:`engine.fsdp.step.ShardedStep` of the ``fully_shard``-ed modules."""
 
     model: GPT
     module: nn.Module
@@ -114,6 +118,13 @@ class Parallel:
     pipeline_schedule: Any = None
     pipeline_run: Any = None
     late_gradients: list = field(default_factory=list)
+    sharding: Any = None
+
+    def gathered_step(self):
+        """The context a pipeline step runs in: ZeRO-3's groups through the step
+        (:meth:`engine.fsdp.step.ShardedStep.gathered`), else nothing."""
+        return self.sharding.gathered() if self.sharding is not None else \
+            contextlib.nullcontext()
 
     @property
     def compressing(self):
@@ -200,10 +211,10 @@ def apply_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls, compre
     step's)."""
     group = mesh.dp_cp_group
     compressor = compressor_for(compress, zero)
-    if mesh.pp > 1 and zero == 3:  # gathered per micro-batch, no prefetch (module docstring)
-        module = ZeroDataParallel(model, optimizer_cls, group=group, backward_prefetch=False,
-                                  **kwargs)
-        return module, module.optimizer, contextlib.nullcontext
+    if zero == 3:  # the model's parameters are its shards now: any optimizer steps them
+        apply_fully_shard(model, group, pipeline=mesh.pp > 1)
+        return model, optimizer_cls(list(model.parameters()), **foreach(optimizer_cls, kwargs)), \
+            contextlib.nullcontext
     if mesh.pp > 1:
         optimizer = ZeroOptimizer(list(model.parameters()), optimizer_cls, stage=zero,
                                   group=group, compressor=compressor, **kwargs)
@@ -211,15 +222,37 @@ def apply_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls, compre
     if zero == 0:
         module = DataParallel(model, group=group, compressor=compressor)
         return module, optimizer_cls(model.parameters(), **kwargs), module.no_sync
-    if zero in (1, 2):
-        optimizer = ZeroOptimizer(list(model.parameters()), optimizer_cls, stage=zero,
-                                  group=group, **kwargs)
-        return model, optimizer, contextlib.nullcontext
-    # a unit per transformer block, the rest (embeddings, final norm, head) the root unit, as
-    # torchtitan's fully_shard per block: 3 units of the tiny GPT, not one per module (15)
-    module = ZeroDataParallel(model, optimizer_cls, units=list(model.blocks), group=group,
+    optimizer = ZeroOptimizer(list(model.parameters()), optimizer_cls, stage=zero, group=group,
                               **kwargs)
-    return module, module.optimizer, contextlib.nullcontext
+    return model, optimizer, contextlib.nullcontext
+
+
+def foreach(optimizer_cls, kwargs: dict) -> dict:
+    """``kwargs`` with ``foreach=True`` where the optimizer takes it and the caller did not
+    choose: ZeRO-3 steps every shard as its own tensor (where ZeRO-1/2 step one flat bucket),
+    so the multi-tensor kernels, PyTorch's default on GPUs, matter on CPUs too."""
+    takes = "foreach" in inspect.signature(optimizer_cls).parameters
+    return {"foreach": True, **kwargs} if takes else kwargs
+
+
+def apply_fully_shard(model: GPT, group, pipeline: bool, ignored_params=()) -> None:
+    """ZeRO-3 of step 5, in place: ``fully_shard`` (:mod:`engine.fsdp`) over ``group`` on each
+    transformer block (in a pipeline: on each module that owns parameters no other module
+    shares), then on the model, which takes the rest (module docstring); ``ignored_params``
+    (experts) stay as they are. The model's :class:`engine.fsdp.step.ShardedStep` is kept as
+    ``model.sharded_step``."""
+    ignored = {id(p) for p in ignored_params}
+    if pipeline:
+        owners = Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
+        units = [m for m in model.modules() if m is not model
+                 and any(id(p) not in ignored for p in m.parameters(recurse=False))
+                 and all(owners[id(p)] == 1 for p in m.parameters(recurse=False))]
+    else:  # torchtitan's: a unit per block, the rest (embeddings, final norm, head) the root
+        units = [b for b in model.blocks if any(True for _ in b.parameters())]
+    for unit in reversed(units):  # children before the modules around them
+        fully_shard(unit, group, ignored_params=ignored_params)
+    fully_shard(model, group, ignored_params=ignored_params)
+    model.sharded_step = ShardedStep(model)
 
 
 def compressor_for(compress: str | None, zero: int):
@@ -243,12 +276,12 @@ def apply_expert_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls,
     # the experts' gradients: summed over the R / ep ranks holding a copy, divided by R
     experts = dict(group=mesh.expert_dp_group, divide_by=mesh.dp_cp_size, **kwargs)
     if zero == 3:  # dense: ZeRO-3 over dp x cp; experts: ZeRO-1 over expert_dp (docstring)
-        module = ZeroDataParallel(model, optimizer_cls, group=mesh.dp_cp_group,
-                                  backward_prefetch=mesh.pp == 1,
-                                  ignored_params=expert_parameters(model), **kwargs)
-        optimizers = Optimizers(module.optimizer, ZeroOptimizer(
-            expert_parameters(model), optimizer_cls, stage=1, **experts))
-        return module, optimizers, lambda: sum_tied_embedding(model, mesh, module, across)
+        apply_fully_shard(model, mesh.dp_cp_group, mesh.pp > 1, expert_parameters(model))
+        dense = [p for p in model.parameters() if hasattr(p, "fsdp_layout")]
+        optimizers = Optimizers(optimizer_cls(dense, **foreach(optimizer_cls, kwargs)),
+                                ZeroOptimizer(expert_parameters(model), optimizer_cls, stage=1,
+                                              **experts))
+        return model, optimizers, lambda: sum_tied_embedding(model, mesh, None, across)
     optimizers = Optimizers(
         ZeroOptimizer(dense_parameters(model), optimizer_cls, stage=zero,
                       group=mesh.dp_cp_group, compressor=compressor, **kwargs),
@@ -260,7 +293,7 @@ def apply_expert_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls,
 def defer_linear_gradients(module: nn.Module, optimizer, schedule) -> list:
     """Under a schedule with W actions, declare every linear layer's parameters as getting
     their gradients late to what shards gradients during backward (ZeRO-3's
-    :class:`engine.zero.ZeroDataParallel`, ZeRO-2's :class:`engine.zero.stage2.
+    :class:`engine.fsdp.step.ShardedStep`, ZeRO-2's :class:`engine.zero.stage2.
     GradientSharding`; the runtime defers each ``F.linear`` of the stage's weights:
     :mod:`engine.pp.weight_grad`); returns those holders, for the W actions
     (:func:`engine.compose.pipeline.sharded_weight_grads`). A row-parallel bias, added outside
@@ -269,7 +302,8 @@ def defer_linear_gradients(module: nn.Module, optimizer, schedule) -> list:
     pipeline schedule (None without a pipeline)."""
     if schedule is None or not schedule.split:
         return []
-    holders = [module] if isinstance(module, ZeroDataParallel) else []
+    sharded = getattr(module, "sharded_step", None)
+    holders = [sharded] if sharded is not None else []
     holders += [o.grad_sharding for o in getattr(optimizer, "optimizers", (optimizer,))
                 if getattr(o, "grad_sharding", None) is not None]
     linear = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
@@ -305,10 +339,11 @@ def parallelize(model: GPT, mesh: Mesh, plan: Plan, optimizer_cls=torch.optim.Ad
             model, mesh, plan.zero, optimizer_cls, across, plan.compress, **optimizer_kwargs)
         return Parallel(model, module, optimizer, mesh, plan, contextlib.nullcontext, tp_group,
                         mesh.dp_cp_size, finish, schedule,
-                        late_gradients=defer_linear_gradients(module, optimizer, schedule))
+                        late_gradients=defer_linear_gradients(module, optimizer, schedule),
+                        sharding=getattr(model, "sharded_step", None))
     module, optimizer, no_sync = apply_data_parallel(model, mesh, plan.zero, optimizer_cls,
                                                      plan.compress, **optimizer_kwargs)
-    holder = module if isinstance(module, ZeroDataParallel) else optimizer  # has .launcher
     return Parallel(model, module, optimizer, mesh, plan, no_sync, tp_group, mesh.dp_cp_size,
-                    lambda: sum_tied_embedding(model, mesh, holder, across), schedule,
-                    late_gradients=defer_linear_gradients(module, optimizer, schedule))
+                    lambda: sum_tied_embedding(model, mesh, optimizer, across), schedule,
+                    late_gradients=defer_linear_gradients(module, optimizer, schedule),
+                    sharding=getattr(model, "sharded_step", None))

@@ -35,7 +35,7 @@ from engine.compose.pipeline import chunks_per_rank
 from engine.compose.plan import Plan
 from engine.compose.state import dense_state
 from engine.compose.formulas import (dense_parameter_bytes, dp_formula, layout_formulas,
-                                    late_unit_bytes, ring_index)
+                                    ring_index)
 from engine.compose.traffic import KINDS, bytes_by_kind
 
 # No bias on q, k, v: the key bias's gradient is exactly zero in exact arithmetic (each
@@ -221,7 +221,7 @@ def run_layout(rank: int, world_size: int, row: Row, steps: int = STEPS) -> dict
     plain = dp_formula(size, mesh.dp_cp_size, plan.zero, steps, plan.micro_batches, root, tied,
                        chunks_per_rank(plan.schedule) if plan.pp > 1 else 1,
                        ring_index(mesh) if mesh.dp_cp_size > 1 else None,
-                       late_unit_bytes(par), plan.pp > 1) + \
+                       plan.pp > 1) + \
         balance_bytes(par.model, mesh, plan.micro_batches, steps)
     formulas = layout_formulas(par, ROWS // (plan.dp * plan.micro_batches), steps,
                                None if crossing is None else sum(crossing))

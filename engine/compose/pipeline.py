@@ -20,8 +20,6 @@ and the last stage's loss is the global-token one (:mod:`engine.compose.loss`), 
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
@@ -31,7 +29,6 @@ from engine.pp import run_pipeline, schedule_spec, uniform_boundaries
 from engine.pp.actions import virtual_stages
 from engine.pp.weight_grad import apply_weight_grads, linear_weight_grad
 from engine.topology import Mesh
-from engine.zero import ZeroDataParallel
 
 
 def chunks_per_rank(schedule: str) -> int:
@@ -145,7 +142,7 @@ class ChunkCall(nn.Module):
 def sharded_weight_grads(holders: list):
     """The W action (:mod:`engine.pp.weight_grad`) when sharded gradients wait for it:
     ``holders`` are what declared linear layers with ``defer_gradients`` (ZeRO-3's
-    :class:`engine.zero.ZeroDataParallel`, ZeRO-2's :class:`engine.zero.stage2.
+    :class:`engine.fsdp.step.ShardedStep`, ZeRO-2's :class:`engine.zero.stage2.
     GradientSharding`; :func:`engine.compose.parallelize.defer_linear_gradients`). Each stashed
     layer's ``dW = dY^T X`` and ``db = sum dY`` go into its holder's gradient buffer (ZeRO-3:
     no weight needed, the unit stays freed), then every holder reduce-scatters
@@ -154,18 +151,21 @@ def sharded_weight_grads(holders: list):
     expert under a ZeRO-1 optimizer) gets its ``.grad`` as without sharding."""
     if not holders:
         return apply_weight_grads
-    owner = {p: h for h in holders for p in h.launcher.bucket_of}
+
+    def owner_of(weight):
+        return next((h for h in holders if h.holds(weight)), None)
 
     @torch.no_grad()  # X may require grad (a stage's input): dW must not enter a graph
     def weight_grads(stash: list) -> None:
-        apply_weight_grads([s for s in stash if s[2] not in owner])
-        for x, grad_out, weight, bias in stash:
-            if weight not in owner:
+        owners = [owner_of(s[2]) for s in stash]
+        apply_weight_grads([s for s, owner in zip(stash, owners) if owner is None])
+        for (x, grad_out, weight, bias), owner in zip(stash, owners):
+            if owner is None:
                 continue
             grad_weight, grad_bias = linear_weight_grad(x, grad_out)
-            owner[weight].add_late_grad(weight, grad_weight)
+            owner.add_late_grad(weight, grad_weight)
             if bias is not None:
-                owner[bias].add_late_grad(bias, grad_bias)
+                owner.add_late_grad(bias, grad_bias)
         stash.clear()
         for holder in holders:
             holder.reduce_late_grads()
@@ -192,9 +192,7 @@ def pipeline_backward(par, micro: list, global_tokens: int) -> torch.Tensor:
         return global_token_loss(summed, global_tokens, par.replicas) * m
 
     labels = [torch.stack([mb.targets, mb.mask.to(mb.targets.dtype)]) for mb in micro]
-    whole = par.module.root_gathered() if isinstance(par.module, ZeroDataParallel) \
-        else contextlib.nullcontext()  # ZeRO-3: a weight two units share, for the whole step
-    with whole:
+    with par.gathered_step():  # ZeRO-3: its groups through the step (engine.fsdp.step)
         par.pipeline_run = run_pipeline(chunks, schedule, [mb.ids for mb in micro], labels,
                                         loss_fn, stage=mesh.coords.pp, group=mesh.pp_group,
                                         weight_grads=sharded_weight_grads(par.late_gradients))

@@ -9,10 +9,11 @@ optimizer state, joined from any source layout, sliced for any target one) and a
 distributed checkpoint does with each tensor's recorded placement:
 
 1. **join** (:func:`universal_state`, offline, no process group): every rank recorded where
-   each of its tensors sits in the dense GPT (:func:`engine.compose.resume.placement`). A ZeRO
-   shard is joined with the other shards of its bucket (the ranks recorded, in their order)
-   and cut at the parameter's offset; then the tensor-parallel slices of each parameter are
-   joined on the dimension Megatron-LM split it on (:func:`engine.tp.layout.join`, the one
+   each of its tensors sits in the dense GPT (:func:`engine.compose.resume.placement`). A
+   ZeRO-1/2 shard is joined with the other shards of its bucket (the ranks recorded, in their
+   order) and cut at the parameter's offset, a ZeRO-3 shard with the other rows of its
+   parameter (:mod:`engine.fsdp`: each shard a parameter's rows); then the tensor-parallel
+   slices of each parameter are joined on the dimension Megatron-LM split it on (:func:`engine.tp.layout.join`, the one
    table :data:`engine.tp.layout.TP_SPLIT`; the fused ``[q | k | v]`` by heads, as
    :func:`engine.compose.state.join_tp` joins it live).
    The same for every elementwise optimizer state (AdamW's ``exp_avg``, ``exp_avg_sq``: they
@@ -23,7 +24,8 @@ distributed checkpoint does with each tensor's recorded placement:
    :func:`engine.compose.parallelize.parallelize`: tensor parallelism, expert parallelism, the
    pipeline split; context parallelism changes no parameter), once for the parameters and once
    for each optimizer state, and loaded into this rank's data-parallel wrapper: its ZeRO
-   buckets by :func:`engine.zero.recut.load_dense`, a plain AdamW by its ``load_state_dict``.
+   buckets by :func:`engine.zero.recut.load_dense`, a plain AdamW (ZeRO-3's over its dim-0
+   shards, cut from the whole) by its ``load_state_dict``.
 
 So any change of dp, cp (and its method), ep, tp, pp (and the schedule), ZeRO stage,
 micro-batches and micro-batch size resumes with AdamW's state carried over: experts are
@@ -53,7 +55,7 @@ from engine.compose.model import GPT, ModelConfig
 from engine.compose.parallelize import Parallel, apply_tensor_parallel
 from engine.compose.pipeline import apply_pipeline
 from engine.tp.layout import join, qkv_sizes
-from engine.zero import ZeroDataParallel, ZeroOptimizer
+from engine.zero import ZeroOptimizer
 from engine.zero.recut import load_dense
 
 
@@ -137,7 +139,15 @@ def _at(state, path: list):
 
 def _value(entry: dict, rank: int, payload) -> torch.Tensor:
     """The tensor ``entry`` (of :func:`engine.compose.resume.placement`) places, whole over the
-    data-parallel shards: a ZeRO bucket joined from its ranks' shards and cut at the offset."""
+    data-parallel shards: a ZeRO-3 parameter's rows joined from its ranks' shards, or a
+    ZeRO-1/2 bucket joined from its ranks' shards and cut at the offset."""
+    rows = entry.get("rows")
+    if rows is not None:  # ZeRO-3's dim-0 shards (engine.fsdp), joined in the ranks' order
+        whole = torch.cat([_at(payload(r), entry["path"]) for r in rows["ranks"]])
+        if list(whole.shape) != rows["shape"]:
+            raise CheckpointError(f"{entry['what']} {entry['name']!r}: its shards join into "
+                                  f"{list(whole.shape)}, the placement says {rows['shape']}")
+        return whole.clone()
     flat = entry.get("flat")
     if flat is None:
         return _at(payload(rank), entry["path"]).detach().clone()
@@ -191,8 +201,6 @@ def load_universal(state: UniversalState, par: Parallel, expert_group=None) -> N
     for part in parts:
         if isinstance(part, ZeroOptimizer):
             load_dense(par.model, part, params, dense)
-        elif isinstance(par.module, ZeroDataParallel) and part is par.module.optimizer:
-            load_dense(par.module, part, params, dense)
         else:
             load_plain(part, par.model, params, moments, state.scalars)
 
@@ -201,13 +209,18 @@ def load_universal(state: UniversalState, par: Parallel, expert_group=None) -> N
 def load_plain(optimizer: torch.optim.Optimizer, model, params: dict[str, torch.Tensor],
                moments: dict[str, dict[str, torch.Tensor]],
                scalars: dict[str, torch.Tensor]) -> None:
-    """A plain optimizer over ``model``'s parameters (ZeRO-0: every rank holds them whole):
-    each parameter and its state, by name."""
+    """A plain optimizer over ``model``'s parameters (ZeRO-0: every rank holds them whole;
+    ZeRO-3: their dim-0 shards, :mod:`engine.fsdp`, cut from the whole here): each parameter
+    and its state, by name."""
+    def mine(p, value: torch.Tensor) -> torch.Tensor:
+        layout = getattr(p, "fsdp_layout", None)
+        return value.clone() if layout is None else layout.take(value)
+
     name_of = {id(p): name for name, p in model.named_parameters()}
     for name, p in model.named_parameters():
-        p.copy_(params[name])
+        p.copy_(mine(p, params[name]))
     held = [p for group in optimizer.param_groups for p in group["params"]]
-    found = {j: {key: values[name_of[id(p)]].clone() for key, values in moments.items()}
+    found = {j: {key: mine(p, values[name_of[id(p)]]) for key, values in moments.items()}
              | {key: value.clone() for key, value in scalars.items()}
              for j, p in enumerate(held)}
     optimizer.load_state_dict({"state": found,

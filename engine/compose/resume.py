@@ -10,10 +10,9 @@ own part, whole (:mod:`engine.checkpoint.per_rank`, through the agreed protocol 
 :mod:`engine.checkpoint.protocol`: a failing rank leaves no half checkpoint), split in two
 objects with ``state_dict()`` / ``load_state_dict()``:
 
-* :class:`RankTensors` (the per-rank file's ``"model"``): the model's ``state_dict()``; under
-  ZeRO-3 each unit's shard, the parameters it ignores (experts) and the model's buffers instead
-  (the parameters are empty between uses); and any tensor an optimizer updates that shares
-  no storage with those (a separate fp32 master copy);
+* :class:`RankTensors` (the per-rank file's ``"model"``): the model's ``state_dict()`` (under
+  ZeRO-3 the parameters are their dim-0 shards, :mod:`engine.fsdp`); and any tensor an
+  optimizer updates that shares no storage with those (a separate fp32 master copy);
 * :class:`RankOptimizerState` (``"optimizer"``): every inner optimizer's ``state_dict()`` (a
   plain AdamW, each :class:`engine.zero.ZeroOptimizer`'s shard optimizer, ZeRO-3's, the dense
   and the experts' under expert parallelism), the compressor's state with its spec, and the
@@ -39,7 +38,7 @@ from engine.comm import ops
 from engine.compose.experts import Optimizers
 from engine.compose.parallelize import Parallel
 from engine.compose.state import global_expert_name
-from engine.zero import ZeroDataParallel, ZeroOptimizer
+from engine.zero import ZeroOptimizer
 
 
 def inner_optimizers(par: Parallel) -> list:
@@ -60,16 +59,7 @@ class RankTensors:
         self.par = par
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        module = self.par.module
-        if isinstance(module, ZeroDataParallel):
-            found = {f"fsdp.{i}.{unit.name}.shard": unit.shard
-                     for i, unit in enumerate(module.all_units)}
-            found.update({f"buffer.{name}": b for name, b in self.par.model.named_buffers()})
-            sharded = module.launcher.bucket_of  # its ignored_params (experts) live whole
-            found.update({f"param.{name}": p.detach() for name, p in
-                          self.par.model.named_parameters() if p not in sharded})
-        else:
-            found = dict(self.par.model.state_dict())
+        found = dict(self.par.model.state_dict())  # ZeRO-3: the parameters are the shards
         held = {_storage(t) for t in found.values()}
         for i, inner in enumerate(inner_optimizers(self.par)):
             for j, p in enumerate(p for group in inner.param_groups for p in group["params"]):
@@ -158,9 +148,10 @@ def placement(par: Parallel) -> dict:
     in plain containers: ``tp_rank`` and ``tp`` (this rank's tensor-parallel index and degree)
     and ``tensors``, one entry per dense name and kind (``"param"`` or an optimizer state's
     key, e.g. ``"exp_avg"``): its ``path`` in the saved ``{"model", "optimizer"}``; a 0-dim
-    state (AdamW's ``step``) has ``scalar``; a ZeRO shard has ``flat``: the ``ranks`` whose
-    shards, joined in that order, are the bucket, and this tensor's ``offset`` and ``shape``
-    in it. Local: no communication."""
+    state (AdamW's ``step``) has ``scalar``; a ZeRO-1/2 shard has ``flat``: the ``ranks``
+    whose shards, joined in that order, are the bucket, and this tensor's ``offset`` and
+    ``shape`` in it; a ZeRO-3 shard has ``rows``: the ``ranks`` whose shards, joined on dim 0
+    in that order, are the tensor, and its ``shape``. Local: no communication."""
     names: dict[int, list[str]] = {}
     for name, p in par.model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(global_expert_name(name, par))
@@ -171,29 +162,15 @@ def placement(par: Parallel) -> dict:
                        for name in names[id(p)])
 
     buckets = {}  # id(what an inner optimizer updates) -> (its ZeRO bucket, the shards' ranks)
-    module = par.module
     parts = par.optimizer.optimizers if isinstance(par.optimizer, Optimizers) else \
         (par.optimizer,)
     for part in parts:
         if isinstance(part, ZeroOptimizer):
             buckets.update({id(b.master): (b, _shard_ranks(b, part.group))
                             for b in part.buckets})
-    sharded = set()
-    if isinstance(module, ZeroDataParallel):
-        for i, unit in enumerate(module.all_units):
-            ranks = _shard_ranks(unit, module.group)
-            buckets[id(unit.master)] = (unit, ranks)
-            for p in unit.params:
-                add(p, "param", ["model", f"fsdp.{i}.{unit.name}.shard"],
-                    flat=_flat_place(unit, p, ranks))
-                sharded.add(id(p))
-        for name, p in par.model.named_parameters():
-            if id(p) not in sharded:
-                add(p, "param", ["model", f"param.{name}"])
-    else:
-        for name, p in par.model.named_parameters(remove_duplicate=False):
-            entries.append({"name": global_expert_name(name, par), "what": "param",
-                            "path": ["model", name]})
+    for name, p in par.model.named_parameters(remove_duplicate=False):
+        entries.append({"name": global_expert_name(name, par), "what": "param",
+                        "path": ["model", name], **_rows_place(p, par)})
     for i, inner in enumerate(inner_optimizers(par)):
         params = [p for group in inner.param_groups for p in group["params"]]
         for j, q in enumerate(params):
@@ -206,7 +183,7 @@ def placement(par: Parallel) -> dict:
                     if value.dim() == 0:
                         add(p, key, path, scalar=True)
                     elif bucket is None:
-                        add(p, key, path)
+                        add(p, key, path, **_rows_place(q, par))
                     else:
                         add(p, key, path, flat=_flat_place(bucket, p, ranks))
     return {"tp_rank": par.mesh.coords.tp, "tp": par.mesh.tp, "tensors": entries}
@@ -215,6 +192,15 @@ def placement(par: Parallel) -> dict:
 def _shard_ranks(bucket, group) -> list[int]:
     """The global ranks whose shards of ``bucket``, joined in this order, make it whole."""
     return list(ops.group_ranks(group)) if bucket.world_size > 1 else [dist.get_rank()]
+
+
+def _rows_place(p, par: Parallel) -> dict:
+    """A ZeRO-3 shard's place (:mod:`engine.fsdp`): ``rows``, the ranks whose shards, joined
+    on dim 0 in this order, are the parameter (nothing for a parameter held whole)."""
+    if not hasattr(p, "fsdp_layout"):
+        return {}
+    return {"rows": {"ranks": _shard_ranks(p.fsdp_layout, par.mesh.dp_cp_group),
+                     "shape": list(p.fsdp_layout.shape)}}
 
 
 def _flat_place(bucket, p, ranks: list[int]) -> dict:

@@ -1,8 +1,8 @@
 """The whole parameters of a parallelised GPT, from any layout, named as the dense GPT's: what
 the parity matrix compares with one process.
 
-ZeRO-3 first: each unit's shards are all-gathered over the data-parallel group (the
-parameters themselves are empty between uses). Then tensor parallelism: each split parameter
+ZeRO-3 first: each parameter's dim-0 shards are all-gathered over the data-parallel group
+(:func:`engine.fsdp.gather_full`). Then tensor parallelism: each split parameter
 is all-gathered over ``mesh.tp_group`` and joined on the dimension the one table,
 :data:`engine.tp.layout.TP_SPLIT`, names (the fused ``[q | k | v]`` by heads: rank r holds its
 query, key and value heads side by side). Call on every rank (collective).
@@ -14,27 +14,21 @@ import re
 
 import torch
 
-from engine.comm import ops
 from engine.compose.parallelize import Parallel
+from engine.fsdp import gather_full
 from engine.tp.mappings import gather_dim
 from engine.tp.layout import HEADS, heads_joined, qkv_sizes, split_dim
-from engine.zero import ZeroDataParallel
 
 _EXPERT = re.compile(r"blocks\.(\d+)\.moe\.experts\.(\d+)\.(.*)")
 
 
 def local_tensors(par: Parallel) -> dict[int, torch.Tensor]:
-    """``id(parameter) -> this rank's tensor of it`` (ZeRO-3: gathered over its group; its
-    ``ignored_params``, the experts, as they are)."""
-    found = {id(p): p.detach() for p in par.model.parameters()}
-    if not isinstance(par.module, ZeroDataParallel):
-        return found
-    for unit in par.module.all_units:
-        full = torch.empty(unit.padded, dtype=unit.shard.dtype, device=unit.shard.device)
-        ops.all_gather_into_tensor(full, unit.shard.detach().contiguous(), group=par.module.group)
-        for p in unit.params:
-            found[id(p)] = unit.view_of(p, full)
-    return found
+    """``id(parameter) -> this rank's tensor of it`` (ZeRO-3: each shard gathered whole over
+    the data-parallel group, :func:`engine.fsdp.gather_full`; its ``ignored_params``, the
+    experts, as they are)."""
+    group = par.mesh.dp_cp_group
+    return {id(p): gather_full(p, group) if hasattr(p, "fsdp_layout") else p.detach()
+            for p in par.model.parameters()}
 
 
 def join_tp(name: str, local: torch.Tensor, par: Parallel) -> torch.Tensor:

@@ -22,9 +22,12 @@ from engine.fsdp.policy import MixedPrecisionPolicy
 
 
 def fully_shard(module: nn.Module, group=None, *, reshard_after_forward: bool = True,
-                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()) -> nn.Module:
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                ignored_params=()) -> nn.Module:
     """Shard ``module``'s parameters (those no sharded child took) over ``group`` on dim 0;
-    gather them around its forward and backward. Returns ``module``, changed in place."""
+    gather them around its forward and backward. Returns ``module``, changed in place.
+    ``ignored_params`` stay as they are, neither sharded nor reduced (PyTorch's
+    ``ignored_params``: e.g. experts that differ across ranks, reduced over another group)."""
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy={mp_policy!r}: expected an engine.fsdp.MixedPrecisionPolicy")
     if getattr(module, "fsdp_state", None) is not None:
@@ -39,7 +42,8 @@ def fully_shard(module: nn.Module, group=None, *, reshard_after_forward: bool = 
         raise ValueError(f"fully_shard({type(module).__name__}): its parameters {taken[:3]} "
                          "are already sharded by a fully_shard call on a module around it; "
                          "shard children first, then the root (as PyTorch's FSDP2 requires)")
-    module.fsdp_state = ShardGroup(module, group, reshard_after_forward, mp_policy)
+    module.fsdp_state = ShardGroup(module, group, reshard_after_forward, mp_policy,
+                                   frozenset(id(p) for p in ignored_params))
     return module
 
 

@@ -2,44 +2,41 @@
 gathered again for backward, their gradients reduce-scattered onto the shards.
 
 The design of PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``; Zhao et al., "PyTorch
-FSDP", VLDB 2023, for FSDP1's flat parameter it replaces), built from hooks and one autograd
-function:
+FSDP", VLDB 2023, for FSDP1's flat parameter it replaces; ZeRO stage 3, Rajbhandari et al.
+2020, section 5.3), built from hooks and one autograd function:
 
-* **forward pre-hook**: :class:`Unshard` casts every shard to ``param_dtype``, all-gathers them
-  in one collective (each rank's padded chunks side by side) and copies each parameter out
-  whole; the module's parameter slots point at the whole tensors while it runs.
-* **forward post-hook**: the slots point at the shards again; with ``reshard_after_forward``
-  the whole tensors' storage is freed (``resize_(0)``: autograd keeps the tensors, not their
-  bytes), and a hook on the module's outputs gathers them again when backward reaches it.
-  The root (the sharded module whose forward runs first, found then: ``lazy_init``) keeps its
-  parameters: backward starts with them.
-* **backward** of :class:`Unshard`: autograd calls it once, when the gradients of all the
-  group's whole parameters are complete; they are packed padded, reduce-scattered in
-  ``reduce_dtype`` (summed, then divided by the group's size), cast to each shard's dtype and
-  returned, each a copy of just its rows (not a view of the padded buffer): autograd
-  accumulates them into ``shard.grad``, unpadded as the shard. The whole tensors are freed.
+* **gather** (forward pre-hook): :class:`Unshard` all-gathers every shard, cast to
+  ``param_dtype``, in one collective (:func:`engine.fsdp.comm.all_gather`); the module's
+  parameter slots point at the whole tensors while it runs.
+* **compute**, then **free** (forward post-hook): the slots point at the shards again; with
+  ``reshard_after_forward`` the whole tensors' storage is freed (``resize_(0)``: autograd keeps
+  the tensors, not their bytes), and a hook on the module's outputs gathers them again when
+  backward reaches it. The root (the sharded module whose forward runs first, found then:
+  ``lazy_init``) keeps its parameters: backward starts with them.
+* **reduce** (backward of :class:`Unshard`): autograd calls it once, when the gradients of all
+  the group's whole parameters are complete; they are reduce-scattered in ``reduce_dtype``
+  (:func:`engine.fsdp.comm.reduce_scatter`) and returned as the shards' gradients, which
+  autograd accumulates into ``shard.grad``; the whole tensors are freed.
 
-Every collective goes through :mod:`engine.comm.ops`, so a ``CommMeter`` counts it.
+What is not the algorithm arrives from outside: ``later`` (:mod:`engine.fsdp.step`) keeps
+gradients that are reduced after this backward (zero-bubble's deferred weight gradients, a
+root held through a pipeline step) instead of reducing them; ``step`` is the whole tensors a
+pipeline step keeps in the slots, the same ones for every micro-batch (:meth:`engine.fsdp.
+step.ShardedStep.gathered`); ``observer(group, bytes)`` is told each gather (+) and free (-).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves  # how PyTorch's FSDP2 finds outputs too
 
-from engine.comm import ops
+from engine.fsdp import comm
 from engine.fsdp.policy import MixedPrecisionPolicy
 from engine.fsdp.shard import DimZeroShard
-
-def divide_before(n: int) -> int:
-    """The power of two (about ``sqrt(n)``) an fp16 gradient is divided by before the sum of
-    ``n`` ranks' (PyTorch's FSDP2, ``_get_gradient_divide_factors``)."""
-    before = 1
-    while n % before == 0 and n / before > before:
-        before *= 2
-    return before
 
 
 class ShardedParam:
@@ -61,57 +58,83 @@ class ShardedParam:
 
 
 class Gathered:
-    """The whole parameters of one forward call, freed and filled again as backward needs."""
+    """The whole parameters of one forward call (or one pipeline step), freed and filled
+    again as backward needs."""
 
-    def __init__(self, group: "ShardGroup", tensors: list[torch.Tensor]):
-        self.group, self.tensors, self.freed = group, tensors, False
+    def __init__(self, group: "ShardGroup", gather: bool):
+        self.group, self.freed = group, False
+        self.tensors = [torch.empty(p.layout.shape, dtype=group.gather_dtype,
+                                    device=p.shard.device) for p in group.params]
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors)
+        for t, p in zip(self.tensors, group.params):
+            t.fsdp_param = p  # a deferred weight gradient (W) finds its shard by it
+        if gather:
+            self.freed = True
+            self.refill()
+        else:  # empty until its first use
+            self._resize(0)
+            self.freed = True
+
+    def _resize(self, full: int) -> None:
+        for t in self.tensors:
+            t.untyped_storage().resize_(full * t.numel() * t.element_size())
 
     def free(self) -> None:
-        for t in self.tensors:
-            t.untyped_storage().resize_(0)
-        self.freed = True
+        if not self.freed and not self.group.held:
+            self._resize(0)
+            self.freed = True
+            self.group.observe(-self.nbytes)
 
     def refill(self, *_grad) -> None:
         if self.freed:
-            for t, whole in zip(self.tensors, self.group.all_gather()):
-                t.untyped_storage().resize_(t.numel() * t.element_size())
-                # autograd saved ``t``: new bytes, the same values, not a modification
-                with torch.autograd.graph.saved_tensors_hooks(lambda x: x, lambda x: x), \
-                        torch.autograd._unsafe_preserve_version_counter(t):
-                    t.copy_(whole)
+            self._resize(1)
+            # autograd saved these tensors: new bytes, the same values, not a modification
+            with torch.no_grad(), contextlib.ExitStack() as keep:
+                for t in self.tensors:
+                    keep.enter_context(torch.autograd._unsafe_preserve_version_counter(t))
+                comm.all_gather(self.group.params, self.group.gather_dtype, self.group.group,
+                                self.group.world_size, self.tensors)
             self.freed = False
+            self.group.observe(self.nbytes)
 
 
 class Unshard(torch.autograd.Function):
-    """Forward: the shards -> the whole parameters (all-gather). Backward: their gradients
-    -> the shards' (reduce-scatter)."""
+    """Forward: the shards -> the whole parameters (all-gather; ``gather=False``: empty, to be
+    filled at each use). Backward: their gradients -> the shards' (reduce-scatter)."""
 
     @staticmethod
-    def forward(ctx, group: "ShardGroup", *shards):
+    def forward(ctx, group: "ShardGroup", gather: bool, *shards):
+        ctx.set_materialize_grads(False)  # a gradient that did not come: None, not zeros
         ctx.group = group
-        ctx.gathered = group.last = Gathered(group, group.all_gather())
+        ctx.gathered = group.last = Gathered(group, gather)
         return tuple(ctx.gathered.tensors)
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.gathered.refill()  # a module whose outputs took no hook (its outputs unused)
-        shard_grads = ctx.group.reduce_scatter(grads)
+        group = ctx.group
+        if group.later is not None and group.later.keeps(group):  # reduced after W / a step
+            group.later.keep(group, grads)
+            shard_grads = [None] * len(grads)
+        else:
+            dtype = group.policy.reduce_dtype or group.gather_dtype
+            buffer = comm.pack(group.params, grads, None, dtype)
+            shard_grads = comm.reduce_scatter(group.params, buffer, group.group)
         ctx.gathered.free()
-        return (None, *shard_grads)
+        return (None, None, *shard_grads)
 
 
 class ShardGroup:
     """The state ``fully_shard(module)`` attaches to ``module`` as ``module.fsdp_state``."""
 
     def __init__(self, module: nn.Module, group, reshard_after_forward: bool,
-                 policy: MixedPrecisionPolicy):
+                 policy: MixedPrecisionPolicy, ignored: frozenset = frozenset()):
         self.module, self.group, self.policy = module, group, policy
         self.reshard_after_forward = reshard_after_forward
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         slots: dict[int, tuple[nn.Parameter, list]] = {}
         for owner in module.modules():
             for name, p in owner._parameters.items():
-                if p is not None and not hasattr(p, "fsdp_layout"):  # a child's: skip
+                if p is not None and not hasattr(p, "fsdp_layout") and id(p) not in ignored:
                     slots.setdefault(id(p), (p, []))[1].append((owner, name))
         self.params = [ShardedParam(p, where, self.world_size, self.rank)
                        for p, where in slots.values()]
@@ -122,6 +145,10 @@ class ShardGroup:
                              "MixedPrecisionPolicy(param_dtype=...) or shard them apart")
         self.last: Gathered | None = None
         self.is_root: bool | None = None  # decided at the first forward (lazy_init)
+        self.later = None  # what keeps gradients reduced after this backward (module docstring)
+        self.step: Gathered | None = None  # the whole tensors of a pipeline step
+        self.held = False  # whole through a pipeline step (its root)
+        self.observer = None  # observer(group, bytes): each gather (+) and free (-)
         # the pre-hook also on a module whose children took every parameter: it is the root
         module.register_forward_pre_hook(self.pre_forward, with_kwargs=True)
         if self.params:
@@ -150,59 +177,22 @@ class ShardGroup:
     def gather_dtype(self) -> torch.dtype:
         return self.policy.param_dtype or self.params[0].shard.dtype
 
-    def all_gather(self) -> list[torch.Tensor]:
-        """Every parameter whole, in ``param_dtype``: one all-gather of the padded chunks."""
-        dtype, n = self.gather_dtype, self.world_size
-        send = torch.cat([p.layout.padded(p.shard.detach(), dtype) for p in self.params])
-        received = torch.empty(n * send.numel(), dtype=dtype, device=send.device)
-        ops.all_gather_into_tensor(received, send, group=self.group)
-        per_rank, out, offset = received.view(n, -1), [], 0
-        for p in self.params:
-            chunks = per_rank[:, offset:offset + p.layout.chunk_numel]
-            out.append(p.layout.unpad(chunks.reshape(-1)).clone())
-            offset += p.layout.chunk_numel
-        return out
+    def observe(self, nbytes: int) -> None:
+        if self.observer is not None:
+            self.observer(self, nbytes)
 
-    def reduce_scatter(self, grads) -> list[torch.Tensor]:
-        """The whole gradients -> this rank's rows of their mean over the ranks, in each
-        shard's dtype (reduced in ``reduce_dtype``, default the gradients' dtype). Summed,
-        then divided by ``N``; in fp16, as PyTorch does, divided by a power of two before the
-        sum and by the rest after, so that the sum does not overflow."""
-        n = self.world_size
-        dtype = self.policy.reduce_dtype or self.gather_dtype
-        chunk_numels = [p.layout.chunk_numel for p in self.params]
-        device = self.params[0].shard.device
-        send = torch.zeros(n, sum(chunk_numels), dtype=dtype, device=device)
-        offset = 0
-        for p, g in zip(self.params, grads):
-            if g is not None:
-                padded = torch.zeros(p.layout.padded_rows * p.layout.row_numel, dtype=dtype,
-                                     device=device)
-                padded[:g.numel()] = g.reshape(-1)
-                send[:, offset:offset + p.layout.chunk_numel] = padded.view(n, -1)
-            offset += p.layout.chunk_numel
-        before = divide_before(n) if dtype == torch.float16 else 1
-        if before != 1:
-            send /= before
-        mine = torch.empty(sum(chunk_numels), dtype=dtype, device=device)
-        ops.reduce_scatter_tensor(mine, send.view(-1), group=self.group)
-        mine /= n / before
-        out, offset = [], 0
-        for p in self.params:
-            local = mine[offset:offset + p.shard.numel()].view(p.shard.shape)
-            # a copy even in the same dtype: a view would keep all of ``mine`` alive, the
-            # padded chunks of every parameter of the group, as the shards' gradients
-            out.append(local.to(p.shard.dtype, copy=True))
-            offset += p.layout.chunk_numel
-        return out
+    # -- the algorithm: gather, compute, free; gather again for backward -----------------------
 
     def pre_forward(self, module, args, kwargs):
         self.lazy_init()
         if not self.params:  # its children took every parameter: nothing to gather
             return args, kwargs
-        wholes = Unshard.apply(self, *[p.shard for p in self.params])
-        for p, whole in zip(self.params, wholes):
-            p.point_at(whole)
+        if self.step is not None:  # a pipeline step: its tensors, filled again
+            args = self.later.before_forward(self, args)
+        else:
+            wholes = Unshard.apply(self, True, *[p.shard for p in self.params])
+            for p, whole in zip(self.params, wholes):
+                p.point_at(whole)
         if self.policy.param_dtype is not None and self.policy.cast_forward_inputs:
             cast = lambda x: x.to(self.policy.param_dtype) \
                 if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
@@ -211,9 +201,10 @@ class ShardGroup:
         return args, kwargs
 
     def post_forward(self, module, args, output):
-        for p in self.params:
-            p.point_at(p.shard)
-        gathered = self.last
+        gathered = self.step or self.last
+        if self.step is None:
+            for p in self.params:
+                p.point_at(p.shard)
         # every tensor of the output, however nested (dicts, dataclasses registered with
         # torch's pytree, tuples): a backward through any of them needs the parameters again
         needs_grad = [o for o in tree_leaves(output) if isinstance(o, torch.Tensor)

@@ -63,3 +63,27 @@ class DimZeroShard:
     def unpad(self, gathered: torch.Tensor) -> torch.Tensor:
         """The full parameter from the ``padded_rows`` rows of the ranks' chunks in order."""
         return gathered.reshape(self.padded_rows, *self.shape[1:])[:self.rows]
+
+    def scatter_rows(self, full: torch.Tensor, chunks: torch.Tensor, add: bool = False) -> None:
+        """Write (``add``: add) the whole ``full`` into ``chunks``, ``n x chunk_numel`` (rank r's
+        chunk in row r, a column slice of a collective's buffer): the padded layout of
+        :meth:`padded` for every rank at once, without a padded copy."""
+        flat, c = full.reshape(-1), self.chunk_numel
+        k, rest = divmod(flat.numel(), c)  # k ranks hold a whole chunk, one holds ``rest``
+        write = (lambda dst, src: dst.add_(src)) if add else (lambda dst, src: dst.copy_(src))
+        write(chunks[:k], flat[:k * c].view(k, c))
+        if rest:
+            write(chunks[k, :rest], flat[k * c:])
+        if not add:  # the padding: zeros
+            if rest:
+                chunks[k, rest:].zero_()
+            chunks[k + bool(rest):].zero_()
+
+    def gather_rows(self, chunks: torch.Tensor, out: torch.Tensor) -> None:
+        """The inverse of :meth:`scatter_rows`: the whole parameter from ``chunks`` into
+        ``out`` (its shape), the padding left out."""
+        flat, c = out.view(-1), self.chunk_numel
+        k, rest = divmod(flat.numel(), c)
+        flat[:k * c].view(k, c).copy_(chunks[:k])
+        if rest:
+            flat[k * c:].copy_(chunks[k, :rest])

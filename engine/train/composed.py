@@ -62,7 +62,7 @@ from engine.compose.plan import CP_METHODS, Plan, check_cp_method
 from engine.moe.gpt import MOE_MODELS
 from engine.pp import SCHEDULES, PipelineRun
 from engine.model.presets import MODELS
-from engine.train.steps import Strategy, parameter_count
+from engine.train.steps import Strategy
 from engine.topology import Mesh
 from engine.observe.trace import TraceEvent
 
@@ -159,10 +159,8 @@ def check_composed(cfg, world_size: int | None = None) -> None:
 def psi_of(par) -> int:
     """The parameters of this rank's part of the model before ZeRO-3 shards them (its
     pipeline stage, split over tp; experts counted as this rank holds them)."""
-    units = getattr(par.module, "all_units", None)
-    if units is None:
-        return parameter_count(par.model)
-    return sum(shape.numel() for unit in units for shape in unit.shapes.values())
+    return sum(p.fsdp_layout.shape.numel() if hasattr(p, "fsdp_layout") else p.numel()
+               for p in par.model.parameters())
 
 
 def reshardable(cfg) -> bool:

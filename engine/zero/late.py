@@ -51,6 +51,10 @@ class LateGradients:
         self.late_buckets = [b for b in self.late_order() if b in late]
         self._late, self._filled = late, []
 
+    def holds(self, p) -> bool:
+        """Whether ``p``'s gradient goes into one of these buckets."""
+        return p in self.launcher.bucket_of
+
     def is_late(self, bucket) -> bool:
         return bucket in self._late
 
