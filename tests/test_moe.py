@@ -18,12 +18,17 @@ import torch.distributed as dist
 from engine import theory
 from engine.observe.meter import CommMeter
 from engine.comm import ops
-from engine.model.gpt import GPTConfig
-from engine.model.data import token_data
-from engine.moe import (ExpertMesh, MoE, TinyMoEGPT, check_layout, expert_parallel,
-                        expert_parameters, load_balancing_loss, reduce_gradients, route,
-                        router_z_loss, single_rank_group)
+from engine.compose.experts import expert_parameters
+from engine.compose.loop import train_step
+from engine.compose.loss import masked_sum
+from engine.compose.model import GPT, ModelConfig
+from engine.compose.parallelize import parallelize
+from engine.compose.plan import Plan
+from engine.compose.state import dense_state
+from engine.model.data import global_batch
+from engine.moe import (MoE, load_balancing_loss, route, router_z_loss, single_rank_group)
 from engine.moe.experiments import balance_run, drop_rates, one_thread, zipf_logits
+from engine.topology import Mesh
 from tests.helpers import BEYOND_CPU, DEVICE_WORLD_SIZES, rank_device, run_ranks
 
 ATOL = 1e-6
@@ -136,9 +141,7 @@ def test_bad_arguments_are_refused_with_the_value_named():
                                              f"{bad!r}"):
             MoE(8, 16, 4, capacity_factor=bad)
     with pytest.raises(ValueError, match="ep = 3 must divide num_experts = 8"):
-        check_layout(3, 1, 3, num_experts=8)
-    with pytest.raises(ValueError, match="ep x dp = 2 x 2 = 4 does not match the world size 8"):
-        check_layout(2, 2, 8)
+        Plan(dp=3, ep=3).check(ModelConfig(num_experts=8), rows=3)
 
 
 def _three_ranks_eight_experts(rank, world_size):
@@ -305,111 +308,83 @@ def test_mixtral_total_and_active_parameters_match_the_published_counts():
     assert sparse < 0.3 * dense
 
 
-def test_tiny_moe_gpt_counts_its_experts():
-    cfg = GPTConfig(vocab=64, seq_len=16, layers=2, heads=2, hidden=32)
-    model = TinyMoEGPT(cfg, num_experts=4, top_k=2)
+def test_the_moe_gpt_counts_its_experts():
+    model = GPT(ModelConfig(vocab=64, seq_len=16, layers=2, heads=2, hidden=32, num_experts=4,
+                            top_k=2))
     per_expert = 32 * 128 + 128 + 128 * 32 + 32
     assert sum(p.numel() for p in expert_parameters(model)) == 2 * 4 * per_expert
 
 
-def test_both_moe_gpts_draw_the_same_experts_from_one_seed():
-    """TinyMoEGPT and the composed GPT draw their experts in one order (moe_feed_forward): the
-    same seed gives every parameter, router and experts included, the same bits in both (they
-    differed in block 0's router and experts when one drew every layer before initialising)."""
-    from engine.compose.model import GPT, ModelConfig
-
-    cfg = GPTConfig(vocab=64, seq_len=16, layers=2, heads=2, hidden=32)
-    tiny = TinyMoEGPT(cfg, num_experts=4, top_k=2, capacity_factor=1.25, seed=3).state_dict()
-    composed = GPT(ModelConfig.from_gpt(cfg, num_experts=4, top_k=2, capacity_factor=1.25),
-                   seed=3).state_dict()
-    assert list(tiny) == list(composed) and any(".moe.experts." in name for name in tiny)
-    assert [n for n in tiny if not torch.equal(tiny[n], composed[n])] == []
-
-
 # -- EP x DP: the gradient rule and training equal to one process ----------------------------
 
-CFG = GPTConfig(vocab=64, seq_len=16, layers=2, heads=2, hidden=32)
-STEPS, ROWS = 3, 2
+# capacity factor 1: tokens are dropped, and a rank routes its own tokens, as one process
+# routing each rank's batch alone does. Switch's balancing loss is off: the composed engine
+# computes it over the global batch (engine.compose.experts), which a process routing each
+# batch alone (with drops, the only way to drop the same tokens) cannot; the z-loss, a mean
+# over tokens, is the same either way and stays on.
+CFG = ModelConfig(vocab=64, seq_len=16, layers=2, heads=2, hidden=32, num_experts=4,
+                  capacity_factor=1.0, aux_loss_coef=0.0)
+STEPS, ROWS = 3, 2  # sequences per rank
 
 
-def _batches(step, shards):
-    x, y = token_data(shards * ROWS, CFG.seq_len, CFG.vocab, seed=step)
-    return list(zip(x.chunk(shards), y.chunk(shards)))
+class ReplicasOnly:
+    """A hook of the training step: the wrong rule, each expert's gradient averaged over its
+    replicas only (``expert_dp_group``, as a dense weight's would be): ``ep`` times the sum
+    over dp x cp divided by dp x cp, which the experts' optimizer applies at the step."""
+
+    def after_backward(self, step, par):
+        for p in expert_parameters(par.model):
+            p.grad *= par.mesh.ep
 
 
-def _sgd(params):
-    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+def _train_ep_dp(rank, world_size, ep, rule):
+    """3 momentum-SGD steps of the MoE GPT on dp = world_size ranks, its experts over ep of
+    them (expert parallelism borrows the data-parallel ranks), under ``rule``."""
+    plan = Plan(dp=world_size, ep=ep)
+    par = parallelize(GPT(CFG, seed=0, expert_group=single_rank_group()), plan.mesh(), plan,
+                      torch.optim.SGD, lr=0.5, momentum=0.9)
+    hooks = [ReplicasOnly()] if rule == "replicas only" else []
+    losses, drops = [], []
+    for step in range(STEPS):
+        batch = global_batch(step, world_size * ROWS, CFG.seq_len, CFG.vocab, seed=1)
+        losses.append(train_step(par, batch, step, hooks))
+        drops.append(max(m.stats.drop_rate for m in par.model.moe_layers()))
+    return dense_state(par), losses, drops
 
 
-def _train_ep_dp(rank, world_size, ep, dp, capacity_factor):
-    """3 steps under the rule, and under a wrong rule (expert gradients averaged over their
-    replicas only, as if they were dense weights)."""
-    one = single_rank_group()
-    mesh = ExpertMesh(ep, dp)
-    full = TinyMoEGPT(CFG, num_experts=4, capacity_factor=capacity_factor, seed=0, group=one)
-    out = {}
-    for rule in ("right", "replicas only"):
-        model = expert_parallel(full, mesh.ep_group)
-        optimizer = _sgd(model.parameters())
-        losses, drops = [], []
-        for step in range(STEPS):
-            optimizer.zero_grad()
-            x, y = _batches(step, world_size)[rank]
-            loss = model.loss(x, y)
-            loss.backward()
-            reduce_gradients(model, mesh)
-            if rule == "replicas only":
-                for p in expert_parameters(model):
-                    p.grad *= ep  # divided by dp instead of dp x ep
-            optimizer.step()
-            losses.append(loss.item())
-            drops.append(max(m.stats.drop_rate for m in model.moe_layers()))
-        out[rule] = ({k: v.detach().clone() for k, v in model.state_dict().items()},
-                     losses, drops)
-    return out, mesh.ep_index
-
-
-def _one_process(shards, capacity_factor):
-    model = TinyMoEGPT(CFG, num_experts=4, capacity_factor=capacity_factor, seed=0)
-    optimizer = _sgd(model.parameters())
+def _one_process(shards):
+    """One process, each step the ranks' batches one after the other (each routed alone, as
+    its rank routes it), gradients accumulated: the parameters and the global losses."""
+    model = GPT(CFG, seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     losses = []
     for step in range(STEPS):
+        batch = global_batch(step, shards * ROWS, CFG.seq_len, CFG.vocab, seed=1)
         optimizer.zero_grad()
-        step_losses = []
-        for x, y in _batches(step, shards):  # every rank's tokens, one call each
-            loss = model.loss(x, y)
-            (loss / shards).backward()
-            step_losses.append(loss.item())
+        loss = 0.0
+        for ids, targets, mask in zip(*(t.chunk(shards) for t in (batch.ids, batch.targets,
+                                                                  batch.mask))):
+            part = masked_sum(model(ids), targets, mask) / batch.tokens
+            (part + model.router_losses() / shards).backward()
+            loss += part.item()
         optimizer.step()
-        losses.append(step_losses)
-    return model.state_dict(), losses
+        losses.append(loss)
+    return {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}, losses
 
 
-def _reference_name(name: str, ep_index: int, local: int) -> str:
-    """``blocks.0.moe.experts.1.fc.weight`` on EP slot e -> expert ``e * local + 1``."""
-    if ".experts." not in name:
-        return name
-    head, tail = name.split(".experts.")
-    index, rest = tail.split(".", 1)
-    return f"{head}.experts.{ep_index * local + int(index)}.{rest}"
-
-
-def test_tiny_moe_gpt_trains_under_ep2_dp2_equal_to_one_process():
-    ep, dp, cf = 2, 2, 1.0  # capacity factor 1: tokens are dropped, and still equal
+def test_moe_gpt_trains_under_ep2_dp4_equal_to_one_process_and_the_rule_matters():
+    world, ep = 4, 2  # each expert on 2 ranks (expert_dp_group), 2 experts a rank
     with one_thread():
-        reference, ref_losses = _one_process(ep * dp, cf)
-    for rank, (runs, ep_index) in enumerate(run_ranks(_train_ep_dp, 4, ep, dp, cf,
-                                                      timeout=60)):
-        state, losses, drops = runs["right"]
+        reference, ref_losses = _one_process(world)
+    for state, losses, drops in run_ranks(_train_ep_dp, world, ep, "right", timeout=60):
         assert max(drops) > 0  # the capacity bites
-        assert losses == pytest.approx([step[rank] for step in ref_losses], abs=ATOL)
-        for name, value in state.items():
-            expected = reference[_reference_name(name, ep_index, 4 // ep)]
-            assert (value - expected).abs().max().item() <= ATOL, (rank, name)
-        wrong, _, _ = runs["replicas only"]
-        worst = max((wrong[n] - reference[_reference_name(n, ep_index, 2)]).abs().max().item()
-                    for n in wrong if ".experts." in n)
-        assert worst > 1e-3  # the rule is not a detail: ep times too large a gradient shows
+        assert losses == pytest.approx(ref_losses, abs=ATOL)
+        for name, value in state.items():  # this rank's experts, named as one process names them
+            assert (value - reference[name]).abs().max().item() <= ATOL, name
+    wrong = run_ranks(_train_ep_dp, world, ep, "replicas only", timeout=60)
+    worst = max((value - reference[name]).abs().max().item() for state, _, _ in wrong
+                for name, value in state.items() if ".experts." in name)
+    assert worst > 1e-3  # the rule is not a detail: ep times too large a gradient shows
 
 
 # -- load, drops and the balancing loss -------------------------------------------------------
@@ -436,7 +411,8 @@ def test_the_balancing_loss_evens_the_load_of_a_skewed_router_in_a_short_run():
 
 
 def _rank_load(rank, world_size, aux):
-    return balance_run(skew=1.5, aux_coef=aux, steps=30, mesh=ExpertMesh(world_size, 1)).rank_load
+    return balance_run(skew=1.5, aux_coef=aux, steps=30,
+                       mesh=Mesh(dp=world_size, ep=world_size)).rank_load
 
 
 def test_per_rank_load_under_expert_parallelism_evens_out_with_the_balancing_loss():

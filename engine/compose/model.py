@@ -6,7 +6,7 @@ untied embeddings, ``qkv_bias``, ``ffn_hidden``, the positions argument a contex
 rank needs. This module adds what lives above the foundation layer:
 
 * the **mixture-of-experts** numbers in :class:`ModelConfig` (``num_experts > 0``: every
-  block's MLP is an :class:`engine.moe.MoE`, as in :class:`engine.moe.gpt.TinyMoEGPT`; with
+  block's MLP is an :class:`engine.moe.MoE` (:func:`engine.moe.gpt.moe_feed_forward`); with
   Switch's balancing loss, ST-MoE's z-loss and optionally DeepSeek-V3's aux-loss-free bias),
   given to the one GPT as its ``feed_forward``;
 * the scatter of the positions under **sequence parallelism** (:mod:`engine.tp.mappings`).

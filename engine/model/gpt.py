@@ -152,8 +152,9 @@ class GPT(nn.Module):
 
     ``feed_forward``: a mixture-of-experts model. Called once, under the seed ``seed + 1``,
     with the number of blocks, it returns one layer per block (each ``hidden -> hidden``),
-    which replaces that block's MLP as ``block.moe`` (:class:`engine.moe.gpt.TinyMoEGPT`,
-    :class:`engine.compose.model.GPT`); this foundation layer never imports the MoE layer.
+    which replaces that block's MLP as ``block.moe`` (:func:`engine.moe.gpt.moe_feed_forward`,
+    given by :class:`engine.compose.model.GPT`); this foundation layer never imports the MoE
+    layer.
 
     ``checkpoint=True`` recomputes each block's forward during backward instead of keeping its
     activations (activation checkpointing, Chen et al., "Training deep nets with sublinear

@@ -4,18 +4,17 @@
 nothing: ``capacity_factor=None``); :mod:`~engine.moe.balance` holds DeepSeek-V3's
 aux-loss-free bias; :mod:`~engine.moe.expert_choice` lets each expert pick its tokens;
 :mod:`~engine.moe.dispatch` sends tokens to the ranks holding their experts and back with two
-all-to-alls; :class:`MoE` is the layer; :mod:`~engine.moe.gpt` the tiny GPT built on it;
-:mod:`~engine.moe.mesh` the expert x data-parallel layout and which group reduces which
-gradient; :mod:`~engine.moe.experiments` the load and drop measurements; at inference,
+all-to-alls; :class:`MoE` is the layer; :mod:`~engine.moe.gpt` gives it to the one GPT as its
+feed-forward layers (the expert x data-parallel layout and which group reduces which gradient:
+:mod:`engine.compose.experts`, applied by :func:`engine.compose.parallelize.parallelize`);
+:mod:`~engine.moe.experiments` the load and drop measurements; at inference,
 :mod:`~engine.moe.redundant` places redundant copies of the hottest experts (DeepSeek-V3,
 section 3.4) and :mod:`~engine.moe.serving` shows why serving drops no token.
 """
 
 from engine.moe.balance import biased_top_k, update_bias
 from engine.moe.dispatch import DispatchState, all_to_all, combine, dispatch, exchange_counts
-from engine.moe.gpt import TinyMoEGPT, expert_parallel, expert_parameters
 from engine.moe.layer import Expert, MoE, MoEStats, single_rank_group
-from engine.moe.mesh import ExpertMesh, check_layout, reduce_gradients
 from engine.moe.expert_choice import ExpertChoice, expert_choice_route
 from engine.moe.redundant import Placement, place_experts, redundancy_table, static_placement
 from engine.moe.router import (Routing, load_balancing_loss, route, router_z_loss,
@@ -23,7 +22,6 @@ from engine.moe.router import (Routing, load_balancing_loss, route, router_z_los
 
 __all__ = ["MoE", "Expert", "MoEStats", "single_rank_group", "Routing", "route",
            "load_balancing_loss", "router_z_loss", "dispatch", "combine", "DispatchState",
-           "all_to_all", "exchange_counts", "TinyMoEGPT", "expert_parallel",
-           "expert_parameters", "ExpertMesh", "check_layout", "reduce_gradients", "update_bias",
-           "biased_top_k", "sequence_balance_loss", "ExpertChoice", "expert_choice_route",
-           "Placement", "place_experts", "static_placement", "redundancy_table"]
+           "all_to_all", "exchange_counts", "update_bias", "biased_top_k",
+           "sequence_balance_loss", "ExpertChoice", "expert_choice_route", "Placement",
+           "place_experts", "static_placement", "redundancy_table"]

@@ -17,6 +17,11 @@ parallelism, every rank's) load, and its MaxVio (:func:`engine.theory.max_violat
 (``aux_coef``), and DeepSeek-V3's aux-loss-free bias (``bias_rate`` = gamma, the biases updated
 after every optimizer step from the step's load, summed over the ranks). ``capacity_factor=None``
 trains dropless.
+
+**Under expert parallelism** (a :class:`engine.topology.Mesh` with ``ep > 1``) each rank reads
+its own tokens and holds ``E / ep`` experts; the gradients follow the rule of
+:mod:`engine.compose.experts` (which :func:`engine.compose.parallelize.parallelize` applies to a
+whole GPT), here for one layer: :func:`expert_optimizers`.
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ from torch import nn
 from engine import theory
 from engine.comm import ops
 from engine.moe.layer import MoE, single_rank_group
-from engine.moe.mesh import ExpertMesh, reduce_gradients
 from engine.moe.router import route
+from engine.topology import Mesh
+from engine.zero import ZeroOptimizer
 
 
 def zipf_bias(num_experts: int, skew: float) -> torch.Tensor:
@@ -72,11 +78,11 @@ def _tokens(step: int, rank: int, tokens: int, hidden: int, direction: torch.Ten
 def balance_run(skew: float, aux_coef: float, steps: int = 60, tokens: int = 128,
                 hidden: int = 16, num_experts: int = 8, top_k: int = 2,
                 capacity_factor: float | None = 1.25, lr: float = 0.01, seed: int = 0,
-                mesh: ExpertMesh | None = None, bias_rate: float | None = None) -> BalanceRun:
+                mesh: Mesh | None = None, bias_rate: float | None = None) -> BalanceRun:
     """Train one MoE layer ``steps`` Adam steps (see the module docstring), in this process,
     or with its experts spread over ``mesh.ep_group`` (each rank its own tokens, gradients
-    reduced by :func:`engine.moe.mesh.reduce_gradients`). ``bias_rate``: balance with
-    DeepSeek-V3's bias, updated by that gamma after every step."""
+    reduced by :func:`expert_optimizers`). ``bias_rate``: balance with DeepSeek-V3's bias,
+    updated by that gamma after every step."""
     group = mesh.ep_group if mesh is not None else None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -92,23 +98,41 @@ def balance_run(skew: float, aux_coef: float, steps: int = 60, tokens: int = 128
         return _train(moe, teacher, direction, steps, tokens, hidden, lr, mesh)
 
 
+def expert_optimizers(moe: MoE, mesh: Mesh, optimizer_cls=torch.optim.Adam, **kwargs
+                      ) -> list[ZeroOptimizer]:
+    """The gradient rule of expert parallelism (:mod:`engine.compose.experts`) for one layer
+    spread over ``mesh.ep_group``, as two :class:`engine.zero.ZeroOptimizer` of stage 0 (one
+    all-reduce each at the step): the dense parameters (the router, any shared experts)
+    averaged over ``mesh.dp_cp_group``, every rank's own tokens; the experts' summed over
+    ``mesh.expert_dp_group`` (their other copies: backward's all-to-alls already brought home
+    every token's gradient) and divided by ``dp x cp`` (``divide_by``), not by the group's
+    size, which would leave them ``ep`` times too large."""
+    experts = list(moe.experts.parameters())
+    mine = {id(p) for p in experts}
+    dense = [p for p in moe.parameters() if id(p) not in mine]
+    return [ZeroOptimizer(dense, optimizer_cls, stage=0, group=mesh.dp_cp_group, **kwargs),
+            ZeroOptimizer(experts, optimizer_cls, stage=0, group=mesh.expert_dp_group,
+                          divide_by=mesh.dp_cp_size, **kwargs)]
+
+
 def _train(moe, teacher, direction, steps, tokens, hidden, lr, mesh) -> BalanceRun:
     group, n = moe.group, moe.ep_size
     rank = mesh.rank if mesh is not None else 0  # each rank reads its own tokens
-    optimizer = torch.optim.Adam(moe.parameters(), lr=lr)
+    optimizers = [torch.optim.Adam(moe.parameters(), lr=lr)] if mesh is None else \
+        expert_optimizers(moe, mesh, lr=lr)
     run = BalanceRun()
     for step in range(steps):
         x = _tokens(step, rank, tokens, hidden, direction)
         with torch.no_grad():
             target = teacher(x)
         task = F.mse_loss(x + moe(x), x + target)
-        optimizer.zero_grad()
+        for optimizer in optimizers:
+            optimizer.zero_grad()
         (task + moe.aux_loss).backward()
-        if mesh is not None:
-            reduce_gradients(moe, mesh)
-        optimizer.step()
+        for optimizer in optimizers:
+            optimizer.step()
         if moe.expert_bias is not None:  # every rank routes with the same biases
-            total = moe.update_bias(group=mesh.dense_group if mesh is not None else "none")
+            total = moe.update_bias(group=mesh.dp_cp_group if mesh is not None else "none")
             run.max_vio.append(theory.max_violation(total.tolist()))
         else:
             run.max_vio.append(theory.max_violation(_global_load(moe.stats.demand, mesh)))
@@ -138,7 +162,7 @@ def _global_load(demand: list[int], mesh) -> list[int]:
     if mesh is None:
         return demand
     load = torch.tensor(demand)
-    ops.all_reduce(load, group=mesh.dense_group)
+    ops.all_reduce(load, group=mesh.dp_cp_group)
     return load.tolist()
 
 

@@ -212,7 +212,8 @@ class MoE(nn.Module):
         """Aux-loss-free balancing: move every expert's bias by ``gamma`` towards balance
         (:func:`engine.moe.balance.update_bias`), from the assignments counted since the
         last update, summed over ``group`` (default: this layer's expert-parallel group; pass
-        every rank that routes with these biases, e.g. ``ExpertMesh.dense_group``). Call it
+        every rank that routes with these biases, e.g. ``mesh.dp_cp_group`` of an
+        :class:`engine.topology.Mesh`). Call it
         after each optimizer step; returns the load it used."""
         if self.expert_bias is None:
             raise ValueError("update_bias needs a layer built with bias_update_rate (gamma)")
