@@ -100,6 +100,50 @@ class FlatBucket(ShardedBucket):
         return self.flatten(lambda p: p.grad)
 
 
+class ShardedUnit(ShardedBucket):
+    """A ZeRO-3 unit (:class:`engine.zero.stage3.ZeroDataParallel`): its parameters as one flat
+    sharded bucket of which a rank keeps ``shard``, gathered whole (``full``, every
+    parameter's ``.data`` a view of it) only while needed, else empty."""
+
+    def __init__(self, name: str, params: list[nn.Parameter], rank: int, n: int, index: int):
+        super().__init__(params, rank, n, index)
+        self.name = name
+        # pack the current values, keep 1/N, in the model's precision (what is gathered)
+        self.shard = self.shard_of(self.flatten(lambda p: p.detach())).clone()
+        # what the optimizer updates: the shard itself (fp32), or an fp32 master copy of it
+        self.master = nn.Parameter(self.shard if self.shard.dtype == torch.float32
+                                   else self.shard.float())
+        self.shard_grad = torch.zeros_like(self.shard)
+        self.full: torch.Tensor | None = None
+        self.pending = None  # an async gather in flight (prefetch)
+        self.free()
+
+    @property
+    def full_bytes(self) -> int:
+        return self.padded * self.shard.element_size()
+
+    def start_gather(self, group) -> None:
+        """Launch the async all-gather of every rank's shard into a new full buffer."""
+        buffer = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
+        work = ops.all_gather_into_tensor(buffer, self.shard.detach(), group=group,
+                                          async_op=True)
+        self.pending = (buffer, work)
+
+    def finish_gather(self) -> None:
+        """Wait for the gather; the parameters become views of the whole unit."""
+        (buffer, work), self.pending = self.pending, None
+        work.wait()
+        self.full = buffer
+        for p in self.params:
+            p.data = self.view_of(p, self.full)
+
+    def free(self) -> None:
+        """Drop the full buffer: the parameters are empty again."""
+        self.full = None
+        for p in self.params:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+
 def check_params(params) -> list[nn.Parameter]:
     params = list(params)
     if any(isinstance(p, dict) for p in params):

@@ -13,10 +13,14 @@ parameters are one flat, padded bucket, and a rank keeps only its 1/N slice of i
 
 Two all-gathers and one reduce-scatter: ``3(N-1)/N * psi`` elements per rank per step, 1.5x
 data parallelism (the paper's section 7). Parameters two units share (tied embeddings) form
-the *root* unit: gathered when the forward starts, freed when the backward ends. What is not
-the algorithm (prefetching, the log of what is gathered, autocast, the units' cut) lives in
-:mod:`engine.zero.stage3_support`. The composed engine's ZeRO-3 is the per-parameter design
-that followed this one (PyTorch FSDP2, :mod:`engine.fsdp`).
+the *root* unit: gathered when the forward starts, freed when the backward ends.
+
+This file is when each unit is gathered, freed and reduce-scattered. A unit's flat bucket and
+its collectives are :class:`engine.zero.flat.ShardedUnit`; what is not the algorithm
+(prefetching, the log of what is gathered, autocast, the units' cut, the optimizer over the
+shards) lives in :mod:`engine.zero.stage3_support`. This is the design chapter 4 teaches; the
+composed engine (``engine train --zero 3``, :func:`engine.compose.parallelize.parallelize`)
+trains with the per-parameter design that followed it (PyTorch FSDP2, :mod:`engine.fsdp`).
 """
 
 from __future__ import annotations
@@ -25,80 +29,35 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.comm import ops
 from engine.dp.buckets import BucketLauncher
-from engine.observe.memory import StateBytes, StateTensors, count_state_bytes, mark_held_by
+from engine.observe.memory import mark_held_by
 from engine.validation import boolean
 from engine.zero import stage3_support as support
-from engine.zero.flat import ShardedBucket, check_params
-
-_EMPTY = torch.empty(0)
+from engine.zero.flat import ShardedUnit, check_params
 
 
-class _Unit(ShardedBucket):
-    """One unit: its parameters as a flat sharded bucket, gathered only while needed."""
-
-    def __init__(self, name: str, params: list[nn.Parameter], rank: int, n: int, index: int):
-        super().__init__(params, rank, n, index)
-        self.name = name
-        # pack the current values, keep 1/N, in the model's precision (what is gathered)
-        self.shard = self.shard_of(self.flatten(lambda p: p.detach())).clone()
-        # what the optimizer updates: the shard itself (fp32), or an fp32 master copy of it
-        self.master = nn.Parameter(self.shard if self.shard.dtype == torch.float32
-                                   else self.shard.float())
-        self.shard_grad = torch.zeros_like(self.shard)
-        self.full: torch.Tensor | None = None
-        self.pending = None  # an async gather in flight (prefetch)
-        self.free()
-
-    @property
-    def full_bytes(self) -> int:
-        return self.padded * self.shard.element_size()
-
-    def start_gather(self, group) -> None:
-        buffer = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
-        work = ops.all_gather_into_tensor(buffer, self.shard.detach(), group=group,
-                                          async_op=True)
-        self.pending = (buffer, work)
-
-    def finish_gather(self) -> None:
-        (buffer, work), self.pending = self.pending, None
-        work.wait()
-        self.full = buffer
-        for p in self.params:
-            p.data = self.view_of(p, self.full)  # the parameters are views of the whole unit
-
-    def free(self) -> None:
-        self.full = None
-        for p in self.params:
-            p.data = _EMPTY.to(dtype=p.dtype, device=p.device)
-
-
-class ZeroDataParallel(nn.Module):
+class ZeroDataParallel(support.Measured, nn.Module):
     """ZeRO stage 3: ``model = ZeroDataParallel(module, torch.optim.AdamW, lr=1e-3)``; then
     ``loss = model(x)...; loss.backward(); model.optimizer.step(); model.optimizer.zero_grad()``.
     ``units``: the modules gathered and freed one at a time (default: every module that owns
     parameters directly); ``forward_prefetch``, ``backward_prefetch``: PyTorch FSDP's, with
     its defaults (:class:`engine.zero.stage3_support.Prefetch`); ``group``: the data-parallel
     group (default: the world); ``**kwargs``: the optimizer's, run on this rank's shards.
-    Call the wrapper, ``model(x)``: it gathers the root unit first."""
+    Call the wrapper, ``model(x)``: it gathers the root unit first. What it holds and
+    gathered: :class:`engine.zero.stage3_support.Measured`."""
 
     def __init__(self, module: nn.Module, optimizer_cls, units=None, *,
                  forward_prefetch: bool = False, backward_prefetch: bool = True, group=None,
                  **kwargs):
         super().__init__()
-        if "prefetch" in kwargs:  # else it goes to the optimizer, which says only "unexpected"
-            raise TypeError("ZeroDataParallel takes forward_prefetch= and backward_prefetch= "
-                            f"(PyTorch FSDP's names), not prefetch={kwargs['prefetch']!r}")
+        support.check_optimizer_kwargs(kwargs)
         check_params(module.parameters())
         self.module, self.group = module, group
         self.world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-        with torch.no_grad():  # every rank starts from the first rank's parameters
-            for p in module.parameters():
-                ops.broadcast(p.data, ops.group_ranks(group)[0], group)
+        support.broadcast_from_first(module, group)  # every rank starts from the same values
         root, cut = support.make_units(module, units)
         groups = ([("(root)", root)] if root else []) + [(name, ps) for _, name, ps in cut]
-        self.all_units = [_Unit(name, ps, rank, self.world_size, i)
+        self.all_units = [ShardedUnit(name, ps, rank, self.world_size, i)
                           for i, (name, ps) in enumerate(groups)]
         self.root = self.all_units[0] if root else None
         self.units = self.all_units[1:] if root else self.all_units
@@ -121,17 +80,17 @@ class ZeroDataParallel(nn.Module):
 
     # -- gather and free, each logged -----------------------------------------------------------
 
-    def _start(self, unit: _Unit, event: str) -> None:
+    def _start(self, unit: ShardedUnit, event: str) -> None:
         if unit.full is None and unit.pending is None:
             unit.start_gather(self.group)
             self.log.add(unit.full_bytes, f"gather {unit.name} ({event})")
 
-    def _gather(self, unit: _Unit, event: str) -> None:
+    def _gather(self, unit: ShardedUnit, event: str) -> None:
         self._start(unit, event)
         if unit.full is None:
             unit.finish_gather()
 
-    def _free(self, unit: _Unit, event: str) -> None:
+    def _free(self, unit: ShardedUnit, event: str) -> None:
         if unit.full is not None:
             unit.free()
             self.log.add(-unit.full_bytes, f"free {unit.name} ({event})")
@@ -145,12 +104,12 @@ class ZeroDataParallel(nn.Module):
         with self.autocast.around_forward():  # under autocast, no bf16 copy kept for backward
             return self.module(*args, **kwargs)
 
-    def _before_forward(self, unit: _Unit) -> None:
+    def _before_forward(self, unit: ShardedUnit) -> None:
         if torch.is_grad_enabled() or unit.full is None:
             self._gather(unit, "forward")
             self.prefetch.before_forward(unit)
 
-    def _after_forward(self, unit: _Unit, output) -> None:
+    def _after_forward(self, unit: ShardedUnit, output) -> None:
         self._free(unit, "after forward")
         self.autocast.after_unit()
         if torch.is_grad_enabled():  # backward will need the unit again: a hook gathers it
@@ -161,7 +120,7 @@ class ZeroDataParallel(nn.Module):
 
     # -- backward: gather, compute, reduce-scatter, free ---------------------------------------
 
-    def _before_backward(self, unit: _Unit) -> None:
+    def _before_backward(self, unit: ShardedUnit) -> None:
         self.launcher.end.queue()
         self._gather(unit, "backward")
         self.prefetch.before_backward(unit)
@@ -173,23 +132,11 @@ class ZeroDataParallel(nn.Module):
         if unit.work is not None:  # its gradients are on their way: its parameters can go
             self._free(unit, "after backward")
 
-    def _launch(self, unit: _Unit):
+    def _launch(self, unit: ShardedUnit):
         return unit.start_reduce_scatter(self.group)
 
-    def _finish_unit(self, unit: _Unit) -> None:
+    def _finish_unit(self, unit: ShardedUnit) -> None:
         unit.add_reduced_grad()
         if unit.pending is not None:  # prefetched, but its backward never came
             unit.finish_gather()
         self._free(unit, "end of backward")
-
-    # -- measuring ------------------------------------------------------------------------------
-
-    gathered_bytes = property(lambda self: self.log.bytes)
-    peak_gathered_bytes = property(lambda self: self.log.peak)
-    memory_timeline = property(lambda self: self.log.timeline)
-
-    def state_tensors(self) -> StateTensors:
-        return support.state_tensors(self)  # what this rank holds (engine.observe.memory)
-
-    def state_bytes(self) -> StateBytes:
-        return count_state_bytes(self.state_tensors())  # each storage counted once

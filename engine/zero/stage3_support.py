@@ -16,8 +16,10 @@ are the strategies it calls at those points, each replaceable on its own:
 * :class:`Autocast`: under bf16 autocast, the casts of a unit's weights are not kept from
   forward to backward (:mod:`engine.zero.recast`): backward casts again from the re-gathered
   unit, so what is held between the two passes is what fp32 holds.
-* :func:`state_tensors`: what a rank holds (:mod:`engine.observe.memory`).
-* :class:`ShardOptimizer`: ``model.optimizer``, the inner optimizer stepping the shards.
+* :class:`Measured`, :func:`state_tensors`: the bytes gathered now and at most, what a rank
+  holds (:mod:`engine.observe.memory`).
+* :class:`ShardOptimizer`: ``model.optimizer``, the inner optimizer stepping the shards;
+  :func:`check_optimizer_kwargs` and :func:`broadcast_from_first`, the wrapper's set-up.
 """
 
 from __future__ import annotations
@@ -28,8 +30,25 @@ import time
 import torch
 from torch import nn
 
-from engine.observe.memory import StateTensors, optimizer_tensors
+from engine.comm import ops
+from engine.observe.memory import (StateBytes, StateTensors, count_state_bytes,
+                                   optimizer_tensors)
 from engine.zero.recast import drop_autocast_cache, recast_in_backward
+
+
+def check_optimizer_kwargs(kwargs: dict) -> None:
+    """A ``prefetch=`` among the optimizer's arguments is a mix-up with PyTorch FSDP's names
+    (else the optimizer would say only "unexpected keyword")."""
+    if "prefetch" in kwargs:
+        raise TypeError("ZeroDataParallel takes forward_prefetch= and backward_prefetch= "
+                        f"(PyTorch FSDP's names), not prefetch={kwargs['prefetch']!r}")
+
+
+def broadcast_from_first(module: nn.Module, group) -> None:
+    """Every rank of ``group`` starts from its first rank's parameters."""
+    with torch.no_grad():
+        for p in module.parameters():
+            ops.broadcast(p.data, ops.group_ranks(group)[0], group)
 
 
 def make_units(module: nn.Module, units=None):
@@ -118,6 +137,22 @@ def output_tensors(output) -> list[torch.Tensor]:
     if isinstance(output, dict):
         return [t for o in output.values() for t in output_tensors(o)]
     return []
+
+
+class Measured:
+    """What a :class:`engine.zero.stage3.ZeroDataParallel` reports: the bytes of whole units
+    held now and at most, and when (its :class:`GatherLog`), and what a rank holds
+    (:mod:`engine.observe.memory`, each storage counted once)."""
+
+    gathered_bytes = property(lambda self: self.log.bytes)
+    peak_gathered_bytes = property(lambda self: self.log.peak)
+    memory_timeline = property(lambda self: self.log.timeline)
+
+    def state_tensors(self) -> StateTensors:
+        return state_tensors(self)
+
+    def state_bytes(self) -> StateBytes:
+        return count_state_bytes(self.state_tensors())
 
 
 def state_tensors(model) -> StateTensors:
