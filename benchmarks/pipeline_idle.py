@@ -37,9 +37,8 @@ import torch
 
 import engine.compose.pipeline as composed_pipeline
 from engine import launch, theory
-from engine.pp import measured_bubble, simulate
+from engine.pp import build_schedule, measured_bubble, simulate
 from engine.model.presets import MODELS
-from engine.train.steps import SCHEDULES
 from engine.train.run import build
 from engine.train.cli import parse
 from engine.train.composed import plan_of
@@ -67,7 +66,7 @@ def breakdown(runs: list, p: int, m: int) -> dict[str, float]:
     shares["host"] = shares["idle"] - shares["p2p"] - shares["fill/drain"]
     times = {kind: [statistics.median(e.seconds for e in run.events if e.args["kind"] == kind)
                     for run in runs] for kind in "FB"}
-    schedule = SCHEDULES["1f1b"](p, m)
+    schedule = build_schedule("1f1b", p, m).actions
     shares["simulator"] = simulate(schedule, t_f=times["F"], t_b=times["B"]).bubble
     rounds = sorted(e.seconds for run in runs for e in run.p2p_events)
     shares["hand-off ms"] = rounds[len(rounds) // 10] * 1e3  # a batch whose peer was ready

@@ -1,29 +1,22 @@
 """The ZeRO-3 ratio of ``engine train --zero 3 --impl both``, measured properly and taken apart.
 
 The trainer times 3 steps of each implementation one after the other; this script builds the
-same strategies the trainer builds (:func:`engine.train.run.build`: the composed engine's
-ZeRO-3 and PyTorch's FSDP, on the same GPT, :func:`engine.train.composed.model_config`, and the
-same global batch and micro-batches), and two reference designs on that GPT, and times them
-interleaved (each repeat runs every variant once, the order rotating) after a warm-up:
+same two strategies the trainer builds (:func:`engine.train.run.build`, on the same GPT,
+:func:`engine.train.composed.model_config`, each step on the composed engine's batch of that
+step, :func:`engine.model.data.global_batch`) and times them interleaved (each repeat runs
+both, the order alternating) after a warm-up:
 
-* ``engine, a unit per module``: ``ZeroDataParallel``'s default units, one per module that
-  owns parameters (the trainer's ZeRO-3 before its units were matched);
-* ``engine (trainer)``: whatever ``engine train --zero 3`` builds now (its units printed: the
-  per-parameter design's ``fully_shard`` groups, :mod:`engine.fsdp`);
-* ``torch, one unit``: FSDP1 ``FULL_SHARD`` with no wrap policy (the whole GPT is one unit)
-  and ``no_sync`` on every micro-batch but the last (the trainer's PyTorch side before);
+* ``engine (trainer)``: ``engine train --zero 3``'s ZeRO-3, the per-parameter design's
+  ``fully_shard`` groups (:mod:`engine.fsdp`), its groups printed as units;
 * ``torch (trainer)``: ``engine train --zero 3 --impl torch``'s FSDP, each transformer block
   wrapped.
 
-The two reference designs step on :func:`engine.train.steps.global_batch`'s fixed batch, the
-trainer's two on the composed engine's batch of each step (:mod:`engine.compose.data`): the
-same shapes and token counts.
-
 Each step is the slowest rank's (times all-reduced with MAX); the table prints the median, the
 10th/90th percentiles, the number of units and the collectives per step (ZeRO-3's
-all-gathers and reduce-scatters, counted with :class:`engine.observe.meter.CommMeter` for the engine,
-the trainer's one all-reduce of the step's loss left out; for FSDP from its units: per micro-batch one
-all-gather per unit in forward and in backward, one reduce-scatter per unit on the last).
+all-gathers and reduce-scatters, counted with :class:`engine.observe.meter.CommMeter` for the
+engine, the trainer's one all-reduce of the step's loss left out; for FSDP from its units: per
+micro-batch one all-gather per unit in forward and in backward, one reduce-scatter per unit on
+the last).
 ``--profile`` also runs ``cProfile`` over a few engine steps on rank 0 and prints the functions
 that took longest (cumulative).
 
@@ -44,43 +37,13 @@ import torch.distributed as dist
 
 from engine import launch
 from engine.observe.meter import CommMeter
-from engine.pp import one_f_one_b
 from engine.model.presets import MODELS
-from engine.train.steps import Strategy, autocast, global_batch, pipeline_step
 from engine.train.run import build
-from engine.topology import Mesh
 from engine.train.cli import parse
-from engine.train.composed import model_config, plan_of
+from engine.train.composed import plan_of
 
 ZERO3_OPS = ("all_gather", "reduce_scatter")  # what a ZeRO-3 step sends, per unit
-VARIANTS = ("engine, a unit per module", "engine (trainer)", "torch, one unit",
-            "torch (trainer)")
-
-
-def _per_module_engine(cfg, mesh, device, inputs, labels) -> Strategy:
-    from engine.compose.model import GPT
-    from engine.zero import ZeroDataParallel
-
-    gpt = GPT(model_config(cfg), seed=cfg.seed)
-    model = ZeroDataParallel(autocast(gpt, "fp32"), torch.optim.AdamW, group=mesh.dp_group,
-                             lr=cfg.lr)
-    step = pipeline_step(model, model.optimizer, mesh, one_f_one_b(1, cfg.microbatches),
-                         inputs, labels)
-    return Strategy("ZeRO-3, a unit per module", model, model.optimizer, step, 0, mesh, device)
-
-
-def _one_unit_torch(cfg, mesh, device, inputs, labels) -> Strategy:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    from engine.compose.model import GPT
-    from engine.train.steps import accumulate_step
-
-    gpt = GPT(model_config(cfg), seed=cfg.seed)
-    model = FSDP(gpt, device_id=device, process_group=mesh.dp_group)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    return Strategy("FSDP, one unit", model, optimizer,
-                    accumulate_step(model, optimizer, mesh, inputs, labels), 0, mesh, device,
-                    engine=False)
+VARIANTS = ("engine (trainer)", "torch (trainer)")
 
 
 def _units(strategy) -> int:
@@ -97,13 +60,10 @@ def _run(rank, world_size, argv, warmup, repeats, profile):
     torch.set_num_threads(1)
     cfg, _, _ = parse(argv)
     device = torch.device("cpu")
-    mesh = Mesh(dp=world_size, tp=1, pp=1)
-    inputs, labels = global_batch(MODELS[cfg.model], mesh, cfg.microbatches, cfg.micro_batch,
-                                  device, seed=cfg.seed + 1)
-    built = {VARIANTS[0]: _per_module_engine(cfg, mesh, device, inputs, labels),
-             VARIANTS[1]: build(cfg, "engine", plan_of(cfg), device, "fp32", mesh),
-             VARIANTS[2]: _one_unit_torch(cfg, mesh, device, inputs, labels),
-             VARIANTS[3]: build(cfg, "torch", plan_of(cfg), device, "fp32", mesh)}
+    plan = plan_of(cfg)
+    mesh = plan.mesh()
+    built = {VARIANTS[0]: build(cfg, "engine", plan, device, "fp32", mesh),
+             VARIANTS[1]: build(cfg, "torch", plan, device, "fp32", mesh)}
     taken = dict.fromkeys(VARIANTS, 0)  # the trainer's strategies step on step k's batch
 
     def step(name):
@@ -111,12 +71,12 @@ def _run(rank, world_size, argv, warmup, repeats, profile):
         return built[name].step(taken[name] - 1)
 
     collectives = {}
-    for name in VARIANTS[:2]:
+    for name in VARIANTS[:1]:
         with CommMeter(count="model") as meter:
             step(name)
         collectives[name] = sum(e.op in ZERO3_OPS for e in meter.events)
     m = cfg.microbatches
-    for name in VARIANTS[2:]:
+    for name in VARIANTS[1:]:
         units = _units(built[name])
         collectives[name] = 2 * m * units + units  # gathers per micro-batch, one reduce-scatter
     times = {name: [] for name in VARIANTS}
@@ -175,12 +135,11 @@ def main(argv=None):
         print(f"{name:<26}{units[name]:>6}{collectives[name]:>11}{medians[name] * 1e3:>11.1f}"
               f"{_pct(t, .1) * 1e3:>8.1f}{_pct(t, .9) * 1e3:>8.1f}"
               f"{tokens / medians[name]:>10,.0f}")
-    pairs = ((VARIANTS[0], VARIANTS[2]), (VARIANTS[1], VARIANTS[3]), (VARIANTS[1], VARIANTS[2]))
-    for ours, theirs in pairs:
-        print(f"tokens/s {ours} / {theirs}: {medians[theirs] / medians[ours]:.2f}x")
+    ours, theirs = VARIANTS
+    print(f"tokens/s {ours} / {theirs}: {medians[theirs] / medians[ours]:.2f}x")
     if text:
-        print("\ncProfile of 5 steps of the engine's ZeRO-3 with a unit per module (the "
-              "trainer's before) on rank 0 (by own time):")
+        print("\ncProfile of 5 steps of the trainer's ZeRO-3 (the engine's) on rank 0 (by own "
+              "time):")
         print(text)
     return medians
 

@@ -1,22 +1,28 @@
-"""``engine.train.steps.accumulate_micro_batches`` reads its losses to the host once, after the last
-micro-batch (on a GPU every read waits for the device: a read per micro-batch would idle it
-inside the timed step), and reports the very same loss as one ``.item()`` per micro-batch did,
-bit for bit."""
+"""The composed step (:func:`engine.compose.loop.train_step`) reads the step's loss to the host
+once, after the last micro-batch's backward, however many micro-batches it accumulates: on a
+GPU every read waits for the device, so a read per micro-batch would idle it inside the timed
+step."""
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from engine.train.steps import accumulate_micro_batches
+from engine.compose.loop import train_step
+from engine.compose.model import GPT, ModelConfig
+from engine.compose.parallelize import parallelize
+from engine.compose.plan import Plan
+from engine.model.data import global_batch
+from tests.helpers import run_ranks
 
 # what copies a tensor's value to the host (on a GPU: a synchronisation)
 HOST_READS = {"item", "tolist", "__float__", "__int__", "__bool__", "__index__", "numpy", "cpu"}
+CFG = ModelConfig(vocab=64, seq_len=8, layers=2, heads=2, hidden=16)
 
 
 class HostReads(TorchFunctionMode):
-    """Counts the tensor methods called that read a value to the host, in order."""
+    """Counts the tensor methods called that read a value to the host, in order, and where
+    the backward passes fell among them."""
 
     def __init__(self):
         super().__init__()
@@ -29,30 +35,24 @@ class HostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _run(m: int, seed: int = 0):
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16))
-    inputs = [torch.randn(5, 16) for _ in range(m)]
-    labels = [torch.randint(0, 16, (5,)) for _ in range(m)]
-    seen, backwards = [], []
-
-    def losses(x, y):
-        loss = nn.functional.cross_entropy(model(x), y)
-        seen.append(loss.detach())
-        loss.register_hook(lambda g: backwards.append(len(reads.reads)))
-        return loss, loss
-
+def _reads(rank, world_size, m):
+    plan = Plan(micro_batches=m)
+    par = parallelize(GPT(CFG, seed=0), plan.mesh(), plan, torch.optim.SGD, lr=0.1)
+    batch = global_batch(0, 2 * m, CFG.seq_len, CFG.vocab)
+    backwards = []
+    par.model.tok.weight.register_hook(lambda g: backwards.append(len(reads.reads)))
     with HostReads() as reads:
-        run = accumulate_micro_batches(losses, inputs, labels, list(model.parameters()), 0)
-    return run, seen, reads.reads, backwards
+        loss = train_step(par, batch)
+    return reads.reads, backwards, loss
 
 
-def test_the_loss_is_read_once_after_the_last_backward_and_is_bit_identical():
-    for m in (1, 4, 7):
-        run, seen, reads, backwards = _run(m, seed=m)
-        # the loss as the old code computed it: one .item() per micro-batch, summed in Python
-        assert run.loss == sum((loss / m).item() for loss in seen), m
-        assert type(run.loss) is float
-        assert reads == ["tolist"], reads  # one read to the host, of all m losses at once
-        assert backwards == [0] * m  # and no read before any backward ran
-        assert len(run.events) == m
+def test_the_loss_is_read_once_after_the_last_backward_whatever_the_micro_batches():
+    seen = {m: run_ranks(_reads, 1, m)[0] for m in (1, 4, 7)}
+    for m, (reads, backwards, loss) in seen.items():
+        assert len(backwards) == m, m  # one backward per micro-batch
+        # no read between the micro-batches' backwards (the one before them is the global
+        # token count, from the host's copy of the batch: no wait on a device) ...
+        assert backwards == [backwards[0]] * m and reads[:backwards[0]] == ["item"], reads
+        # ... and one read of the loss after the last; the same reads whatever m is
+        assert reads[backwards[-1]:] == ["item"] and reads == seen[1][0], (m, reads)
+        assert type(loss) is float

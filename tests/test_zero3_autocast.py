@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.model.mlp import MLP
 from engine.model.data import regression_data
-from engine.train.steps import autocast
+from engine.train.strategy import autocast
 from engine.zero import ZeroDataParallel
 from tests.helpers import run_ranks
 
@@ -41,7 +41,7 @@ class _Casts(TorchDispatchMode):
 
 def _step(rank, world_size, precision, zero, autocast_inside=False):
     """One AdamW step; ``autocast_inside``: the ZeRO-3 wrapper around the trainer's autocast
-    wrapper (``engine.train.steps.autocast``), as ``engine train --zero 3`` builds it."""
+    wrapper (``engine.train.strategy.autocast``), as ``engine train --zero 3`` builds it."""
     torch.manual_seed(0)
     module = MLP(SIZES, seed=2)
     weights = [p.numel() for p in module.parameters() if p.dim() == 2]

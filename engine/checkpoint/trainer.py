@@ -82,7 +82,7 @@ def read_trainer(path) -> dict:
 
 
 def save(root, step: int, strategy, trainer: dict, keep: int) -> Path:
-    """Write checkpoint ``step`` of ``strategy`` (an :class:`engine.train.steps.Strategy`) under
+    """Write checkpoint ``step`` of ``strategy`` (an :class:`engine.train.strategy.Strategy`) under
     ``root``; ``trainer``: what ``trainer.json`` records besides the step. Keeps the newest
     ``keep``. Call on every rank; returns once the checkpoint is in place."""
     return write(root, step, lambda: snapshot(strategy), trainer, keep)

@@ -10,6 +10,6 @@
   ``compose.loop.train_step`` on step k's batch); :mod:`~engine.train.torch_baseline`:
   ``--impl torch``, PyTorch's wrappers on the same GPT and data;
 * :mod:`~engine.train.timed_steps`: the measured outer loop (warm-up, timed steps, bytes by
-  group) over the :class:`~engine.train.steps.Strategy` record (:mod:`~engine.train.steps`);
+  group) over the :class:`~engine.train.strategy.Strategy` record (:mod:`~engine.train.strategy`);
   :mod:`~engine.train.nonfinite` stops a run whose loss is not finite.
 """

@@ -12,7 +12,7 @@ The bounds, and why each is one:
   store never starts); at 1e20 s ``timedelta`` overflows, and a collective that waits more
   than a day for a peer has lost it.
 * ``--seed``: 0 to 2**32 - 1 (:data:`MAX_SEED`): the data's generator is seeded with
-  ``(seed + 1) x 1,000,003 + step`` (:func:`engine.compose.data.global_batch`), which
+  ``(seed + 1) x 1,000,003 + step`` (:func:`engine.model.data.global_batch`), which
   ``torch.Generator.manual_seed`` takes only below 2**64.
 * ``--micro-batch``: at most 2**20 tokens in one micro-batch (:data:`MAX_MICRO_BATCH_TOKENS`,
   sequences x ``--model``'s sequence length); ``--microbatches``: a global batch (dp x

@@ -62,7 +62,7 @@ from engine.compose.plan import CP_METHODS, Plan, check_cp_method
 from engine.moe.gpt import MOE_MODELS
 from engine.pp import SCHEDULES, PipelineRun
 from engine.model.presets import MODELS
-from engine.train.steps import Strategy
+from engine.train.strategy import Strategy
 from engine.topology import Mesh
 from engine.observe.trace import TraceEvent
 
@@ -223,7 +223,7 @@ class ComputeTimer:
 
 def composed_strategy(cfg, plan: Plan, mesh: Mesh, device: torch.device, precision: str
                       ) -> Strategy:
-    """This rank's :class:`engine.train.steps.Strategy` on the composed engine: ``step(k)`` trains
+    """This rank's :class:`engine.train.strategy.Strategy` on the composed engine: ``step(k)`` trains
     on the global batch of step k."""
     from engine.moe.layer import single_rank_group
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from engine.checkpoint import trainer as checkpoints
 from engine.launch.device import rank_device
 from engine.launch.elastic import Peers, kill_point, tell_how_nccl_loses_peers
-from engine.train.steps import Strategy, resolve_precision
+from engine.train.strategy import Strategy, resolve_precision
 from engine.train.timed_steps import StepsRun, run_steps
 from engine.observe.trace import clock_offset, on_clock
 from engine.train.endings import NONFINITE_EXIT, REFUSED_EXIT

@@ -1,6 +1,6 @@
 """The training loop every strategy runs: warm-up, timed steps, the bytes sent by group.
 
-:func:`run_steps` runs a :class:`engine.train.steps.Strategy` for ``warmup + steps`` steps on
+:func:`run_steps` runs a :class:`engine.train.strategy.Strategy` for ``warmup + steps`` steps on
 every rank, the engine's strategies and PyTorch's alike, and measures what a lab needs:
 
 * **time**: each step starts together on every rank (a one-element all-reduce lines them

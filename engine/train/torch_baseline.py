@@ -1,7 +1,7 @@
 """``--impl torch``: PyTorch's own DDP / ZeroRedundancyOptimizer / FSDP on the composed
 engine's GPT and data (:func:`torch_strategy`), so ``--impl both`` prints the same loss per
 step for both. The engine's side is :func:`engine.train.composed.composed_strategy`; the
-:class:`engine.train.steps.Strategy` record both fill lives one layer below.
+:class:`engine.train.strategy.Strategy` record both fill lives one layer below.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from engine.compose.data import rank_slice
 from engine.compose.loss import global_token_loss, masked_sum
 from engine.compose.model import GPT
 from engine.pp import PipelineRun
-from engine.train.steps import Strategy, autocast, parameter_count
+from engine.train.strategy import Strategy, autocast, parameter_count
 from engine.topology import Mesh
 from engine.train.composed import ComputeTimer, global_rows, model_config
 

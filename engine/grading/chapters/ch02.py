@@ -130,7 +130,7 @@ EXERCISES = [
             "model.no_sync():` unless i is the last; add up loss.item(); step(); return the "
             "sum.",
         ),
-        blocks=("engine.train.steps.accumulate_step",),
+        blocks=("engine.compose.loop.accumulate",),
     ),
     Exercise(
         name="ch02.average_gradients",
