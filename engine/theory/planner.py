@@ -135,8 +135,9 @@ def memory_per_gpu(model: ModelSpec, dp: int, tp: int, pp: int, zero: int, micro
                    micro_batches: int, recompute: bool = True, ep: int = 1, cp: int = 1,
                    sp: bool = False) -> dict:
     # an MoE's experts are split over ep and sharded by ZeRO over their dp replicas; the
-    # dense weights are on all dp x ep data-parallel ranks (engine.moe.mesh); context-parallel
-    # ranks hold replicas too, and ZeRO shards over them as well (Megatron-Core's dp x cp)
+    # dense weights are on all dp x ep data-parallel ranks (engine.compose.experts);
+    # context-parallel ranks hold replicas too, and ZeRO shards over them as well
+    # (Megatron-Core's dp x cp)
     dense = (model.params - model.expert_params) / (tp * pp)
     states = theory.zero_model_state_bytes(dense, dp * ep * cp, zero)
     if model.is_moe:
