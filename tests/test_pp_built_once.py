@@ -6,6 +6,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import replace
 
+import pytest
 import torch
 from torch import nn
 
@@ -116,3 +117,14 @@ def test_the_runtime_tells_its_observer_every_action_in_the_schedule_s_order():
     for rank, (seen, order, loss) in enumerate(run_ranks(_observed, 2)):
         assert [tuple(a) for a in order] == seen
         assert (loss is None) == (rank == 0)
+
+
+def test_a_placement_that_contradicts_the_built_schedule_is_refused():
+    """A built schedule carries its placement; another one passed beside it is an error,
+    not silently ignored (before any message is sent)."""
+    schedule = build_schedule("zb_v", 2, 4)
+    data = [torch.ones(1, 4)] * 4
+    with pytest.raises(ValueError, match="placement='interleaved', but the built schedule "
+                                         "'zb_v' places its chunks 'v'"):
+        run_pipeline([nn.Linear(4, 4), nn.Linear(4, 4)], schedule, data, data, stage=0,
+                     placement="interleaved")

@@ -42,12 +42,12 @@ from engine.pp.weight_grad import apply_weight_grads, deferred_weight_grads
 
 def run_pipeline(chunks: list[nn.Module], schedule, inputs: list[torch.Tensor],
                  targets: list[torch.Tensor], loss_fn=nn.functional.mse_loss, *,
-                 stage: int | None = None, group=None, placement: str = "interleaved",
+                 stage: int | None = None, group=None, placement: str | None = None,
                  weight_grads=apply_weight_grads, observer=None) -> PipelineRun:
     """Execute pipeline stage ``stage``'s part of ``schedule`` (one forward and backward over
     ``m`` micro-batches). ``schedule``: a :class:`engine.pp.registry.PipelineSchedule`
-    (:func:`engine.pp.build_schedule`), or a plain ``{stage: [actions]}`` with its
-    ``placement``, checked here. ``stage`` is this rank's position in the pipeline ``group``
+    (:func:`engine.pp.build_schedule`, which carries its placement), or a plain ``{stage:
+    [actions]}`` with its ``placement`` (default ``"interleaved"``), checked here. ``stage`` is this rank's position in the pipeline ``group``
     (its ``mesh.coords.pp``); ``chunks[c]`` is the virtual stage
     ``virtual_stages(stage, p, v, placement)[c]``; ``inputs``/``targets`` are the
     micro-batches (used on the first and last virtual stage). Gradients land in the chunks'
@@ -59,7 +59,10 @@ def run_pipeline(chunks: list[nn.Module], schedule, inputs: list[torch.Tensor],
                         "group: run_pipeline(chunks, schedule, inputs, targets, loss_fn, "
                         "stage=..., group=...)")
     if not isinstance(schedule, PipelineSchedule):  # a schedule that would deadlock: an error
-        schedule = PipelineSchedule(schedule, placement)
+        schedule = PipelineSchedule(schedule, placement or "interleaved")
+    elif placement not in (None, schedule.placement):
+        raise ValueError(f"placement={placement!r}, but the built schedule "
+                         f"{schedule.name!r} places its chunks {schedule.placement!r}")
     p, m, v, placement = schedule.p, schedule.m, schedule.v, schedule.placement
     ranks = _pipeline_ranks(stage, p, group)
     if len(chunks) != v:
