@@ -6,6 +6,10 @@ A parameter of ``d0`` rows over ``n`` ranks is cut in ``n`` chunks of ``ceil(d0 
 local shard, an ``nn.Parameter`` of just those rows, is what the optimizer sees: the padding
 exists only in the buffers of the collectives (:meth:`DimZeroShard.padded`), never in a
 parameter, a gradient or an optimizer state.
+
+:class:`ShardedParam` is one parameter of a ``fully_shard`` call: its shard and the module
+slots that hold it; :func:`shard_params` makes them for a module
+(:class:`engine.fsdp.group.ShardGroup`).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 
 @dataclass
@@ -87,3 +92,35 @@ class DimZeroShard:
         flat[:k * c].view(k, c).copy_(chunks[:k])
         if rest:
             flat[k * c:].copy_(chunks[k, :rest])
+
+
+class ShardedParam:
+    """A parameter's local shard, its layout, and the (module, name) slots that hold it
+    (more than one for a tied parameter)."""
+
+    def __init__(self, param: nn.Parameter, slots: list[tuple[nn.Module, str]],
+                 world_size: int, rank: int):
+        self.layout = DimZeroShard(param.shape, world_size, rank)
+        self.shard = nn.Parameter(self.layout.take(param.detach()),
+                                  requires_grad=param.requires_grad)
+        self.shard.fsdp_layout = self.layout  # full_state_dict finds its shards by it
+        self.slots = slots
+        self.point_at(self.shard)
+
+    def point_at(self, tensor: torch.Tensor) -> None:
+        """Every slot of the parameter holds ``tensor`` (its shard, or it whole)."""
+        for module, name in self.slots:
+            module._parameters[name] = tensor
+
+
+def shard_params(module: nn.Module, world_size: int, rank: int,
+                 ignored: frozenset = frozenset()) -> list[ShardedParam]:
+    """Every parameter of ``module`` and its children not sharded yet (a child's
+    ``fully_shard`` took its own) nor ``ignored`` (ids), sharded; each once, however many
+    slots hold it."""
+    slots: dict[int, tuple[nn.Parameter, list]] = {}
+    for owner in module.modules():
+        for name, p in owner._parameters.items():
+            if p is not None and not hasattr(p, "fsdp_layout") and id(p) not in ignored:
+                slots.setdefault(id(p), (p, []))[1].append((owner, name))
+    return [ShardedParam(p, where, world_size, rank) for p, where in slots.values()]

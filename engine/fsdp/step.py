@@ -6,7 +6,7 @@ gradients for later (``group.later``).
 
 * **the step** (:meth:`ShardedStep.gathered`): the runtime calls the chunks, not the root
   module, and runs a backward at every B. For the step every group's slots hold the same whole
-  tensors (:meth:`engine.fsdp.group.ShardGroup.open_step`), empty until a forward or a backward
+  tensors (:meth:`ShardedStep._open`), empty until a forward or a backward
   fills them and freed after each (:class:`FreeAfterBackward`), so the runtime's deferral of
   the linear layers
   (:mod:`engine.pp.weight_grad`, by parameter identity) sees them. The root's own parameters
@@ -32,6 +32,7 @@ from torch import nn
 
 from engine.fsdp import comm
 from engine.fsdp.group import Unshard
+from engine.fsdp.root import lazy_init
 
 
 class FreeAfterBackward(torch.autograd.Function):
@@ -76,7 +77,7 @@ class ShardedStep:
     def gathered(self):
         """Through a pipeline step (module docstring); the gradients kept are reduce-scattered
         at its end (a failed step drops them)."""
-        self.root.lazy_init()
+        lazy_init(self.root)
         for group in self.groups:
             group.later = self
             self._open(group, held=group is self.root)
@@ -129,8 +130,8 @@ class ShardedStep:
         return group.held or group in self.late
 
     def keep(self, group, grads) -> None:
-        dtype = group.policy.reduce_dtype or group.gather_dtype
-        self.waiting[group] = comm.pack(group.params, grads, self.waiting.get(group), dtype)
+        self.waiting[group] = comm.pack(group.params, grads, self.waiting.get(group),
+                                        group.reduce_dtype)
 
     # -- late gradients (W) -------------------------------------------------------------------
 

@@ -1,0 +1,57 @@
+"""The whole parameters of one ``fully_shard`` group, gathered into tensors that autograd may
+save and freed without letting autograd see a change.
+
+A :class:`Gathered` is made once per forward call (or per pipeline step) by
+:class:`engine.fsdp.group.Unshard`: one tensor per parameter, its full shape, in the group's
+``gather_dtype``. :meth:`Gathered.free` resizes their storage to 0 bytes (autograd keeps the
+tensors, not their bytes); :meth:`Gathered.refill` allocates the bytes again and all-gathers
+into them (:func:`engine.fsdp.comm.all_gather`): the same tensors, the same values, so the
+version counters autograd checks are kept. The group's ``observer`` is told each (+ and -).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from engine.fsdp import comm
+
+
+class Gathered:
+    """The whole parameters of one forward call (or one pipeline step), freed and filled
+    again as backward needs."""
+
+    def __init__(self, group, gather: bool):
+        self.group, self.freed = group, True
+        self.tensors = [torch.empty(p.layout.shape, dtype=group.gather_dtype,
+                                    device=p.shard.device) for p in group.params]
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors)
+        for t, p in zip(self.tensors, group.params):
+            t.fsdp_param = p  # a deferred weight gradient (W) finds its shard by it
+        if gather:
+            self.refill()
+        else:  # empty until its first use
+            self._resize(0)
+
+    def _resize(self, full: int) -> None:
+        for t in self.tensors:
+            t.untyped_storage().resize_(full * t.numel() * t.element_size())
+
+    def free(self) -> None:
+        if not self.freed and not self.group.held:
+            self._resize(0)
+            self.freed = True
+            self.group.observe(-self.nbytes)
+
+    def refill(self) -> None:
+        if self.freed:
+            self._resize(1)
+            # autograd saved these tensors: new bytes, the same values, not a modification
+            with torch.no_grad(), contextlib.ExitStack() as keep:
+                for t in self.tensors:
+                    keep.enter_context(torch.autograd._unsafe_preserve_version_counter(t))
+                comm.all_gather(self.group.params, self.group.gather_dtype, self.group.group,
+                                self.group.world_size, self.tensors)
+            self.freed = False
+            self.group.observe(self.nbytes)
