@@ -1,7 +1,7 @@
 """The convergence experiment of chapter 03 (issue 5): every compressor, the same training
 run, bytes sent against final quality.
 
-4 Gloo ranks train the same student MLP on a teacher-labelled task (engine.compress.experiment)
+4 Gloo ranks train the same student MLP on a teacher-labelled task (engine.labs.compression)
 for the same number of steps with the same seeds; only the compressor changes. Prints a table
 (bytes per rank, fraction of dense, held-out loss and accuracy) and saves loss curves and the
 bytes-vs-accuracy frontier.
@@ -17,7 +17,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from engine import launch
-from engine.compress.experiment import RUNS, train_compressed
+from engine.labs.compression import RUNS, train_compressed
 from engine.viz.compress import compression_figure
 
 

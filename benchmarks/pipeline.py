@@ -22,7 +22,7 @@ import statistics
 from engine import launch, theory
 from engine.pp import (balanced_boundaries, gpipe, measured_bubble, measured_idle, one_f_one_b,
                        simulate, stage_times, uniform_boundaries)
-from engine.pp.experiments import pipeline_step, profile_layers, schedule_by_name
+from engine.labs.pipeline import pipeline_step, profile_layers, schedule_by_name
 
 MB = 2**20
 

@@ -194,7 +194,7 @@ def test_the_muon_prose_quotes_the_side_by_side_formulas():
     """Item 11: the reading's bytes and FLOPs are theory's for SIZES (the same formulas are
     checked against the bytes and FLOPs counted on real ranks in tests/test_muon.py)."""
     from engine.optim import assign_owners
-    from engine.optim.measure import SIZES
+    from engine.labs.muon import SIZES
     shapes = [(o, i) for i, o in SIZES]
     numels = [o * i for o, i in shapes]
     psi = sum(numels)

@@ -292,14 +292,14 @@ def test_integer_gradients_are_a_clear_error(make):
     ("gzip", "unknown compressor spec 'gzip'"),
 ])
 def test_bad_compressor_specs_are_clear_errors(spec, message):
-    from engine.compress.experiment import make_compressor
+    from engine.compress.spec import make_compressor
 
     with pytest.raises(ValueError, match=message):
         make_compressor(spec)
 
 
 def test_experiment_counts_topk_bytes_as_n_times_the_ratio_of_dense():
-    from engine.compress.experiment import STUDENT, train_compressed
+    from engine.labs.compression import STUDENT, train_compressed
 
     numel = sum(p.numel() for p in MLP(STUDENT).parameters())  # one bucket
     for world_size in (2, 3):

@@ -146,16 +146,16 @@ def test_importing_the_engines_answer_inside_an_exercise_is_refused(tmp_path, na
 
 
 def test_the_engines_answer_taken_from_an_engine_table_is_refused_too():
-    from engine.pp.experiments import SCHEDULES  # a table of the engine's schedules
+    from engine.labs.pipeline import SCHEDULES  # a table of the engine's schedules
 
     def through_a_table(p, m):
         return SCHEDULES["1f1b"][0](p, m)
 
-    def through_the_trainers_table(p, m):
-        from engine.train import steps
-        return steps.SCHEDULES["1f1b"](p, m)
+    def through_the_registry(p, m):
+        from engine.pp.registry import SCHEDULES as REGISTRY
+        return REGISTRY["1f1b"].make(p, m)
 
-    for impl in (through_a_table, through_the_trainers_table):
+    for impl in (through_a_table, through_the_registry):
         report = run_checks("ch06.one_f_one_b", impl=impl)
         assert [r.kind for r in report.results] == [BLOCKED] * 3
 

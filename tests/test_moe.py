@@ -27,7 +27,7 @@ from engine.compose.plan import Plan
 from engine.compose.state import dense_state
 from engine.model.data import global_batch
 from engine.moe import (MoE, load_balancing_loss, route, router_z_loss, single_rank_group)
-from engine.moe.experiments import balance_run, drop_rates, one_thread, zipf_logits
+from engine.labs.moe import balance_run, drop_rates, one_thread, zipf_logits
 from engine.topology import Mesh
 from tests.helpers import BEYOND_CPU, DEVICE_WORLD_SIZES, rank_device, run_ranks
 

@@ -17,7 +17,7 @@ import torch
 from engine import theory
 from engine.moe import (MoE, biased_top_k, expert_choice_route, load_balancing_loss, route,
                         sequence_balance_loss, single_rank_group, update_bias)
-from engine.moe.experiments import balance_run, zipf_bias
+from engine.labs.moe import balance_run, zipf_bias
 from engine.comm import ops
 from tests.helpers import run_ranks
 

@@ -1,6 +1,6 @@
 """MoE at inference: redundant experts (engine.moe.redundant) conserve tokens and never raise
 the busiest GPU's load; with a capacity, a token's output depends on its batch, dropless it
-does not (engine.moe.serving)."""
+does not (engine.labs.moe_serving)."""
 
 import random
 
@@ -8,7 +8,7 @@ import pytest
 
 from engine.moe.redundant import (imbalance_floor, place_experts, redundancy_table,
                                   static_placement)
-from engine.moe.serving import batching_experiment
+from engine.labs.moe_serving import batching_experiment
 
 
 def _random_loads(rng, experts):

@@ -10,8 +10,9 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from engine import theory
-from engine.optim import (COEFFICIENTS, Muon, assign_owners, muon_vs_zero2, naive_error,
-                          newton_schulz, newton_schulz_flops, single_muon, split_params)
+from engine.optim import (COEFFICIENTS, Muon, assign_owners, naive_error, newton_schulz,
+                          newton_schulz_flops, split_params)
+from engine.labs.muon import muon_vs_zero2, single_muon
 from tests.helpers import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("error")

@@ -12,7 +12,7 @@ from engine.pp import (Action, balanced_boundaries, gpipe, interleaved_1f1b, mea
                        one_f_one_b, run_pipeline, simulate, split_model, uniform_boundaries,
                        validate, virtual_stages)
 from engine.observe.nccl_rules import nccl_rules
-from engine.pp.experiments import schedule_by_name
+from engine.labs.pipeline import schedule_by_name
 from engine.pp.reference import torch_order
 from tests.helpers import BEYOND_CPU, DEVICE_WORLD_SIZES, rank_device, run_ranks
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from engine.comm import ops
 from engine.observe.nccl_rules import nccl_rules
-from engine.pp.experiments import schedule_by_name
+from engine.labs.pipeline import schedule_by_name
 from engine.pp.link import plan_rounds, rendezvous_deadlock
 from tests import test_pp
 from tests.helpers import run_ranks

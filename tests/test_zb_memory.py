@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from engine import theory
-from engine.pp.memory_table import NAMES, memory_rank, memory_rows
+from engine.labs.pipeline_memory import NAMES, memory_rank, memory_rows
 from tests.helpers import run_ranks
 
 

@@ -220,7 +220,7 @@ def test_memory_held_per_stage_is_the_orders_count_times_the_measured_sizes(name
 
 
 def test_the_gantt_chart_shows_w_and_the_explorer_runs_every_schedule():
-    from engine.pp.experiments import schedule_by_name
+    from engine.labs.pipeline import schedule_by_name
     from engine.viz.pipeline import SCHEDULES, formula_line, gantt_figure, pipeline_explorer
 
     result = simulate(zb_v(2, 4), t_w=1.0, placement="v")

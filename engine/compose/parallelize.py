@@ -76,7 +76,7 @@ from engine.compose.model import GPT
 from engine.compose.pipeline import apply_pipeline, sum_tied_embedding, tied_across_ranks
 from engine.compose.plan import Plan, usp_degrees
 from engine.compose.usp import usp_core
-from engine.compress.experiment import make_compressor
+from engine.compress.spec import make_compressor
 from engine.cp.allgather import allgather_attention
 from engine.cp.ring import ring_attention
 from engine.cp.ulysses import ulysses_attention
@@ -206,7 +206,7 @@ def apply_context_parallel(model: GPT, mesh: Mesh, method: str = "ring-zigzag") 
 def apply_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls, compress=None,
                         **kwargs) -> tuple[nn.Module, Any, Callable[[], Any]]:
     """Step 5: ``(module, optimizer, no_sync)`` for ZeRO stage ``zero`` over
-    ``mesh.dp_cp_group``; ``compress``: a spec of :func:`engine.compress.experiment.
+    ``mesh.dp_cp_group``; ``compress``: a spec of :func:`engine.compress.spec.
     make_compressor` for the gradients' all-reduce (zero = 0: DDP's, or in a pipeline the
     step's)."""
     group = mesh.dp_cp_group
@@ -256,7 +256,7 @@ def apply_fully_shard(model: GPT, group, pipeline: bool, ignored_params=()) -> N
 
 
 def compressor_for(compress: str | None, zero: int):
-    """The compressor of ``compress`` (a spec of :func:`engine.compress.experiment.
+    """The compressor of ``compress`` (a spec of :func:`engine.compress.spec.
     make_compressor`; ``None``: none), which compresses an all-reduce: ZeRO-0 only."""
     if compress is not None and zero:
         raise ValueError(f"compress={compress!r} compresses the gradients' all-reduce: it "

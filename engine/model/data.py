@@ -3,7 +3,8 @@
 * **Regression** for the small MLPs: :func:`regression_data` (a noisy linear map),
   :func:`noise_regression_data` (inputs against small pure-noise targets: gradients small
   enough to underflow in fp16, chapter 12), :func:`teacher_data` (a fixed random tanh
-  teacher, learnable); :func:`shard`, a rank's contiguous slice of a batch.
+  teacher, learnable); :func:`teacher_classes` (classes labelled by a random MLP, chapter
+  03); :func:`shard`, a rank's contiguous slice of a batch.
 * **Tokens**: :func:`token_data` (uniform random ids: nothing to learn, the shapes only), and
   the language every GPT run trains on, a first-order Markov chain over the vocabulary
   (:func:`transition_table`, :func:`markov_rows`), as :func:`markov_tokens` pairs or as the
@@ -36,6 +37,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.model.mlp import MLP
+from engine.model.seed import seeded
+
 
 def regression_data(
     n: int, d_in: int, d_out: int, seed: int = 0
@@ -46,6 +50,16 @@ def regression_data(
     w = torch.randn(d_in, d_out, generator=g) / math.sqrt(d_in)
     y = x @ w + 0.01 * torch.randn(n, d_out, generator=g)
     return x, y
+
+
+def teacher_classes(samples: int, seed: int, teacher: tuple[int, ...] = (32, 64, 10)):
+    """``samples`` Gaussian inputs labelled by a fixed random MLP ``teacher`` (the same for
+    every seed: its weights are drawn from seed 1234) with its argmax class: a task a student
+    MLP really learns (chapter 03's convergence experiment)."""
+    net = MLP(teacher, seed=1234)
+    with seeded(seed), torch.no_grad():
+        x = torch.randn(samples, teacher[0])
+        return x, net(x).argmax(dim=1)
 
 
 def token_data(

@@ -6,10 +6,10 @@ aux-loss-free bias; :mod:`~engine.moe.expert_choice` lets each expert pick its t
 :mod:`~engine.moe.dispatch` sends tokens to the ranks holding their experts and back with two
 all-to-alls; :class:`MoE` is the layer; :mod:`~engine.moe.gpt` gives it to the one GPT as its
 feed-forward layers (the expert x data-parallel layout and which group reduces which gradient:
-:mod:`engine.compose.experts`, applied by :func:`engine.compose.parallelize.parallelize`);
-:mod:`~engine.moe.experiments` the load and drop measurements; at inference,
-:mod:`~engine.moe.redundant` places redundant copies of the hottest experts (DeepSeek-V3,
-section 3.4) and :mod:`~engine.moe.serving` shows why serving drops no token.
+:mod:`engine.compose.experts`, applied by :func:`engine.compose.parallelize.parallelize`); at
+inference, :mod:`~engine.moe.redundant` places redundant copies of the hottest experts
+(DeepSeek-V3, section 3.4). The load and drop measurements are :mod:`engine.labs.moe`, and why
+serving drops no token :mod:`engine.labs.moe_serving`.
 """
 
 from engine.moe.balance import biased_top_k, update_bias

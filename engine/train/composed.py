@@ -195,7 +195,7 @@ def check_composed_compress(cfg) -> None:
     """``--compress`` plugs into the dense gradients' all-reduce over dp x cp: DDP's buckets,
     or the step's all-reduce in a pipeline or beside spread experts; ZeRO-0 only
     (:func:`engine.compose.parallelize.compressor_for`)."""
-    from engine.compress.experiment import make_compressor
+    from engine.compress.spec import make_compressor
 
     make_compressor(cfg.compress)  # a bad spec is a clear ValueError naming it
     if cfg.zero != 0:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from engine.moe.experiments import zipf_logits
+from engine.labs.moe import zipf_logits
 from engine.moe.router import route
 from engine.viz.style import COLORS, apply_style, full_labels
 
@@ -13,7 +13,7 @@ from engine.viz.style import COLORS, apply_style, full_labels
 def load_figure(capacity_factor: float = 1.25, skew: float = 1.0, num_experts: int = 8,
                 top_k: int = 2, tokens: int = 512, seed: int = 0):
     """Assignments per expert for ``tokens`` tokens of a power-law router of ``skew``
-    (:func:`engine.moe.experiments.zipf_logits`): the part within capacity and the part
+    (:func:`engine.labs.moe.zipf_logits`): the part within capacity and the part
     dropped, with the capacity line."""
     apply_style()
     r = route(zipf_logits(tokens, num_experts, skew, seed), top_k, capacity_factor)

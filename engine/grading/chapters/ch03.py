@@ -16,7 +16,7 @@ from torch import nn
 
 from engine import theory
 from engine.observe.meter import CommMeter
-from engine.compress.experiment import train_compressed
+from engine.labs.compression import train_compressed
 from engine.compress.powersgd import PowerSGD, orthogonalize
 from engine.dp.buckets import GradBucket
 from engine.grading.core import CheckFailed, Exercise, passed, run_ranks

@@ -10,7 +10,7 @@ import torch
 from engine.observe.meter import CommMeter
 from engine.grading.core import CheckFailed, Exercise, run_here, run_ranks
 from engine.grading.drill import Drill
-from engine.moe.experiments import zipf_logits
+from engine.labs.moe import zipf_logits
 from engine.moe.router import load_balancing_loss, route
 
 # -- ch10.router ----------------------------------------------------------------------------

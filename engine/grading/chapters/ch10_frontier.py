@@ -10,7 +10,7 @@ from torch import nn
 from engine.observe.meter import CommMeter
 from engine.grading.core import CheckFailed, Exercise, run_here, run_ranks
 from engine.moe.balance import biased_top_k, update_bias
-from engine.moe.experiments import zipf_logits
+from engine.labs.moe import zipf_logits
 from engine.moe.layer import Expert
 
 # -- ch10.dropless_dispatch -------------------------------------------------------------------

@@ -25,7 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from engine.moe.experiments import zipf_bias
+from engine.labs.moe import zipf_bias
 from engine.moe.layer import MoE
 
 
@@ -58,7 +58,7 @@ def changed_tokens(a: torch.Tensor, b: torch.Tensor, rows=None, tol: float = 1e-
 def skewed_layer(capacity_factor: float | None, hidden: int = 16, num_experts: int = 8,
                  top_k: int = 2, skew: float = 1.0, seed: int = 0) -> tuple[MoE, torch.Tensor]:
     """A float64 :class:`MoE` whose router prefers low-numbered experts along a shared
-    direction ``u`` (as :func:`engine.moe.experiments.balance_run` starts), and ``u``."""
+    direction ``u`` (as :func:`engine.labs.moe.balance_run` starts), and ``u``."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         direction = F.normalize(torch.randn(hidden), dim=0)

@@ -5,9 +5,8 @@ classes, and a student MLP learns to reproduce the labels (accuracy on held-out 
 Every run uses 4 ranks, the same seeds, the same number of steps and momentum SGD; only the
 compressor changes. ``CommMeter`` counts the bytes each rank sends for gradients.
 
-Compressors are named by strings so a run is easy to launch and to label:
-``"dense"``, ``"fp16"``, ``"bf16"``, ``"topk:0.01"`` (with error feedback),
-``"topk:0.01:no-ef"``, ``"randomk:0.01"``, ``"powersgd:4"``.
+Compressors are named by strings (:func:`engine.compress.spec.make_compressor`); the data is
+:func:`engine.model.data.teacher_classes`.
 """
 
 from __future__ import annotations
@@ -17,43 +16,14 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.observe.meter import CommMeter
-from engine.compress.cast import BF16, FP16
-from engine.compress.powersgd import PowerSGD
-from engine.compress.topk import RandomK, TopK
+from engine.compress.spec import make_compressor
 from engine.dp import DataParallel
+from engine.model.data import teacher_classes
 from engine.model.mlp import MLP
-from engine.model.seed import seeded
 
 STUDENT = (32, 256, 256, 10)
-TEACHER = (32, 64, 10)
 RUNS = ("dense", "fp16", "topk:0.1", "topk:0.1:no-ef", "topk:0.01", "topk:0.01:no-ef",
         "topk:0.001", "topk:0.001:no-ef", "powersgd:1", "powersgd:4")
-
-
-def make_compressor(spec: str):
-    """The compressor a run's name stands for (``None`` for dense)."""
-    kind, *rest = spec.split(":")
-    try:
-        if kind == "dense" and not rest:
-            return None
-        if kind in ("fp16", "bf16") and not rest:
-            return FP16() if kind == "fp16" else BF16()
-        if kind in ("topk", "randomk") and rest and rest[1:] in ([], ["no-ef"]):
-            cls = TopK if kind == "topk" else RandomK
-            return cls(float(rest[0]), error_feedback=rest[1:] != ["no-ef"])
-        if kind == "powersgd" and len(rest) == 1:
-            return PowerSGD(int(rest[0]), start_iter=0)  # compress from the first step
-    except ValueError as e:
-        raise ValueError(f"bad compressor spec {spec!r}: {e}") from None
-    raise ValueError(f"unknown compressor spec {spec!r}; expected one like {', '.join(RUNS)}")
-
-
-def teacher_data(samples: int, seed: int):
-    """Inputs and the teacher's labels (the teacher is the same for every seed)."""
-    teacher = MLP(TEACHER, seed=1234)
-    with seeded(seed), torch.no_grad():
-        x = torch.randn(samples, TEACHER[0])
-        return x, teacher(x).argmax(dim=1)
 
 
 def train_compressed(rank: int, world_size: int, spec, steps: int = 300, lr: float = 0.1,
@@ -70,8 +40,8 @@ def train_compressed(rank: int, world_size: int, spec, steps: int = 300, lr: flo
     spec = spec if isinstance(spec, str) else repr(compressor)
     model = DataParallel(MLP(STUDENT, seed=seed), compressor=compressor)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    x, y = teacher_data(batch * world_size * steps, seed=seed + 1)
-    test_x, test_y = teacher_data(2000, seed=seed + 2)
+    x, y = teacher_classes(batch * world_size * steps, seed=seed + 1)
+    test_x, test_y = teacher_classes(2000, seed=seed + 2)
     losses, window = [], torch.zeros(2)  # (sum of losses, count)
     counted = []  # bytes counted on the wire in the first and the last step
     for step in range(steps):
