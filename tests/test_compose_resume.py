@@ -125,7 +125,7 @@ def _resume_families(rank, world_size, names, root):
         if name == names[0]:  # a rank that cannot serialise: every rank raises, no manifest
             found["failed save"] = _failed_save(rank, first, f"{directory}-failed")
         if plan.compress:  # the same resume without the compressor's memory: not the same run
-            from engine.compress.experiment import make_compressor
+            from engine.compress.spec import make_compressor
 
             lost = _build(plan, moe)
             load_per_rank(directory, *rank_state(lost))
