@@ -51,12 +51,12 @@ def _ops(rank, make):
 
 
 def _as_if_on_nccl(rank, world_size, nccl_times_itself):
-    import engine.launch.device
+    from engine.launch import device as launch_device
     from engine.observe.clock import Clock
 
     calls = dict(duration=0, synchronize=0)
     dist.get_backend = lambda group=None: "nccl"
-    engine.launch.device.local_gpu = lambda index=None: torch.device("cpu")
+    launch_device.local_gpu = lambda index=None: torch.device("cpu")
     if nccl_times_itself:  # else Gloo's own: "This Backend doesn't support getDuration"
         def duration(work):
             calls["duration"] += 1

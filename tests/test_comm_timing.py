@@ -16,17 +16,17 @@ from tests.helpers import run_ranks
 
 
 def _as_if_on_nccl(fn, *args):
-    import engine.launch.device
+    from engine.launch import device as launch_device
 
-    get_backend, local_gpu = dist.get_backend, engine.launch.device.local_gpu
+    get_backend, local_gpu = dist.get_backend, launch_device.local_gpu
     dist.get_backend = lambda group=None: "nccl"
-    engine.launch.device.local_gpu = lambda index=None: torch.device("cpu")
+    launch_device.local_gpu = lambda index=None: torch.device("cpu")
     try:
         return fn(*args)
     except ValueError as e:
         return f"ValueError: {e}"
     finally:
-        dist.get_backend, engine.launch.device.local_gpu = get_backend, local_gpu
+        dist.get_backend, launch_device.local_gpu = get_backend, local_gpu
 
 
 def _timed_on_nccl(rank, world_size, *names):

@@ -128,7 +128,7 @@ def _stack_walks(rank, world_size, where):
 
     import torch.distributed as dist
 
-    import engine.launch.device
+    from engine.launch import device as launch_device
     from engine.observe import nccl_rules as rules
 
     walks = []
@@ -137,7 +137,7 @@ def _stack_walks(rank, world_size, where):
     inspect.stack = lambda *a, **k: walks.append("inspect.stack") or stack(*a, **k)
     if where == "on nccl":  # the backend reported as NCCL, the rank's GPU as the CPU
         dist.get_backend = lambda group=None: "nccl"
-        engine.launch.device.local_gpu = lambda index=None: torch.device("cpu")
+        launch_device.local_gpu = lambda index=None: torch.device("cpu")
     rules_on = nccl_rules("cpu") if where == "inside nccl_rules()" else contextlib.nullcontext()
     with rules_on:
         t = torch.ones(8, device="cpu")

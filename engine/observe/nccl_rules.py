@@ -47,12 +47,16 @@ _FACTORIES = {torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.empt
               torch.randperm}
 _MOVES = {torch.Tensor.to, torch.Tensor.cuda}
 _MARK = "_engine_made_without_device"
-_COMM = os.path.dirname(os.path.abspath(__file__))
+# the engine's own communication code, whose frames a refusal looks past: the wrappers and
+# collectives (engine/comm) and this package (engine/observe: the rules, the meter, the patcher)
+_ENGINE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_COMM = tuple(os.path.join(_ENGINE, package) + os.sep for package in ("comm", "observe"))
 _ACTIVE: list["nccl_rules"] = []  # the rules entered on this rank, innermost last
 
 
 def caller() -> str:
-    """``file:line in function`` of the first frame outside ``engine/comm`` and torch.
+    """``file:line in function`` of the first frame outside ``engine/comm``, ``engine/observe``
+    and torch.
 
     A walk up the stack: :func:`check` takes it only for an op it refuses, so the rules cost
     no walk per op (and nothing at all on a backend other than NCCL, outside ``nccl_rules()``).
