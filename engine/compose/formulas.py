@@ -213,7 +213,8 @@ def pp_formula(gpt, plan: Plan, mesh: Mesh, b: int, steps: int) -> Formula:
 
 def dp_formula(par_bytes: int, replicas: int, zero: int, steps: int, micro_batches: int,
                root_bytes: int = 0, tied_bucket_bytes: int = 0, chunks: int = 1,
-               index: int | None = None, pipeline: bool = False) -> float:
+               index: int | None = None, pipeline: bool = False,
+               dtype_scales: tuple[float, float] = (1.0, 1.0)) -> float:
     """Bytes one rank sends over dp x cp in ``steps`` steps (module docstring), for
     ``par_bytes`` of (padded) parameters; ``root_bytes``: ZeRO-3's root group, padded;
     ``tied_bucket_bytes``: ZeRO-2's bucket holding a tied embedding gathered in a pipeline;
@@ -222,18 +223,35 @@ def dp_formula(par_bytes: int, replicas: int, zero: int, steps: int, micro_batch
     ``index``: this rank's place in the dp x cp ring, for the loss's exact bytes (a scalar
     does not split evenly: :func:`engine.theory.ring_all_reduce_rank_bytes`; None: the mean);
     ``pipeline``: ZeRO-3's root is gathered and reduce-scattered once a step
-    (:meth:`engine.fsdp.step.ShardedStep.gathered`), not once a micro-batch."""
+    (:meth:`engine.fsdp.step.ShardedStep.gathered`), not once a micro-batch;
+    ``dtype_scales``: ZeRO-3's ``(gathered, reduced)`` bytes per byte of ``par_bytes``
+    (:func:`zero3_dtype_scales`: ``(0.5, 1)`` for fp32 shards gathered in bf16 and reduced in
+    fp32). A group other than the root sends two all-gathers and a reduce-scatter per
+    micro-batch, ``(2g + r) A / 2``; the root one of each, per micro-batch or per step."""
     if replicas == 1:
         return 0.0
     if zero == 3:
-        root_times = 1 if pipeline else micro_batches  # all-reduces' worth of the root
-        per_step = ring_all_reduce(par_bytes, replicas) * 3 / 2 * micro_batches - \
-            ring_all_reduce(root_bytes, replicas) * (3 / 2 * micro_batches - root_times)
+        g, r = dtype_scales
+        root_times = 1 if pipeline else micro_batches  # gathers (and reductions) of the root
+        per_step = ring_all_reduce(par_bytes, replicas) / 2 * (2 * g + r) * micro_batches - \
+            ring_all_reduce(root_bytes, replicas) / 2 * \
+            ((2 * g + r) * micro_batches - (g + r) * root_times)
     else:
         per_step = ring_all_reduce(par_bytes, replicas) * gradient_all_reduces(
             zero, micro_batches * chunks)
     per_step += theory.ring_all_gather_bytes(tied_bucket_bytes, replicas)
     return steps * (per_step + loss_all_reduce(replicas, index))
+
+
+def zero3_dtype_scales(par) -> tuple[float, float]:
+    """ZeRO-3's bytes gathered and reduced per byte of its fp32 shards
+    (:class:`engine.fsdp.MixedPrecisionPolicy`: ``param_dtype``, ``reduce_dtype``);
+    ``(1, 1)`` without a policy or without ZeRO-3."""
+    if par.sharding is None or not par.sharding.groups:
+        return 1.0, 1.0
+    group = par.sharding.groups[0]
+    shard = group.params[0].shard.element_size()
+    return (group.gather_dtype.itemsize / shard, group.reduce_dtype.itemsize / shard)
 
 
 def ring_all_reduce(size: float, n: int) -> float:
@@ -303,13 +321,17 @@ def layout_formulas(par, micro_rows: int, steps: int = 1,
                             f"{counted(steps)} x ({c.text} + the loss 2(N-1)/N x 4 B; MoE: + "
                             "the balancing statistics, experts.balance_bytes)")
     else:
+        scales = zero3_dtype_scales(par)
         out["dp"] = Formula(dp_formula(size, n, plan.zero, steps, plan.micro_batches, root,
                                        tied, chunks_per_rank(plan.schedule) if plan.pp > 1
-                                       else 1, index, plan.pp > 1)
+                                       else 1, index, plan.pp > 1, scales)
                             + balance_bytes(gpt, mesh, plan.micro_batches, steps),
                             f"{counted(steps)} x ZeRO-{plan.zero} over N = {n}: "
-                            f"parameters of {size:,} B (+ the loss 2(N-1)/N x 4 B; MoE: + "
-                            "the balancing statistics, experts.balance_bytes)")
+                            f"parameters of {size:,} B" + (
+                                f", gathered x {scales[0]:g} and reduced x {scales[1]:g} "
+                                "(MixedPrecisionPolicy)" if scales != (1.0, 1.0) else "") +
+                            " (+ the loss 2(N-1)/N x 4 B; MoE: + the balancing statistics, "
+                            "experts.balance_bytes)")
     out["tp"] = tp_formula(gpt, plan, b, steps) if plan.tp > 1 else Formula(0, "tp = 1")
     out["cp"] = cp_formula(gpt, plan, b, steps) if plan.cp > 1 else Formula(0, "cp = 1")
     out["ep"] = ep_formula(gpt, plan, mesh, par.optimizer, steps, crossing_rows) \

@@ -81,7 +81,7 @@ from engine.cp.allgather import allgather_attention
 from engine.cp.ring import ring_attention
 from engine.cp.ulysses import ulysses_attention
 from engine.dp import DataParallel
-from engine.fsdp import fully_shard
+from engine.fsdp import MixedPrecisionPolicy, fully_shard
 from engine.fsdp.step import ShardedStep
 from engine.pp.registry import build_schedule
 from engine.topology import Mesh
@@ -204,15 +204,16 @@ def apply_context_parallel(model: GPT, mesh: Mesh, method: str = "ring-zigzag") 
 
 
 def apply_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls, compress=None,
-                        **kwargs) -> tuple[nn.Module, Any, Callable[[], Any]]:
+                        mp_policy: MixedPrecisionPolicy | None = None, **kwargs
+                        ) -> tuple[nn.Module, Any, Callable[[], Any]]:
     """Step 5: ``(module, optimizer, no_sync)`` for ZeRO stage ``zero`` over
     ``mesh.dp_cp_group``; ``compress``: a spec of :func:`engine.compress.spec.
     make_compressor` for the gradients' all-reduce (zero = 0: DDP's, or in a pipeline the
-    step's)."""
+    step's); ``mp_policy``: ZeRO-3's (:func:`apply_fully_shard`)."""
     group = mesh.dp_cp_group
     compressor = compressor_for(compress, zero)
     if zero == 3:  # the model's parameters are its shards now: any optimizer steps them
-        apply_fully_shard(model, group, pipeline=mesh.pp > 1)
+        apply_fully_shard(model, group, pipeline=mesh.pp > 1, mp_policy=mp_policy)
         return model, optimizer_cls(list(model.parameters()), **foreach(optimizer_cls, kwargs)), \
             contextlib.nullcontext
     if mesh.pp > 1:
@@ -235,12 +236,14 @@ def foreach(optimizer_cls, kwargs: dict) -> dict:
     return {"foreach": True, **kwargs} if takes else kwargs
 
 
-def apply_fully_shard(model: GPT, group, pipeline: bool, ignored_params=()) -> None:
+def apply_fully_shard(model: GPT, group, pipeline: bool, ignored_params=(),
+                      mp_policy: MixedPrecisionPolicy | None = None) -> None:
     """ZeRO-3 of step 5, in place: ``fully_shard`` (:mod:`engine.fsdp`) over ``group`` on each
     transformer block (in a pipeline: on each module that owns parameters no other module
     shares), then on the model, which takes the rest (module docstring); ``ignored_params``
-    (experts) stay as they are. The model's :class:`engine.fsdp.step.ShardedStep` is kept as
-    ``model.sharded_step``."""
+    (experts) stay as they are; ``mp_policy``: the dtypes every group gathers and reduces in
+    (:class:`engine.fsdp.MixedPrecisionPolicy`; ``None``: the parameters'). The model's
+    :class:`engine.fsdp.step.ShardedStep` is kept as ``model.sharded_step``."""
     ignored = {id(p) for p in ignored_params}
     if pipeline:
         owners = Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
@@ -249,9 +252,10 @@ def apply_fully_shard(model: GPT, group, pipeline: bool, ignored_params=()) -> N
                  and all(owners[id(p)] == 1 for p in m.parameters(recurse=False))]
     else:  # torchtitan's: a unit per block, the rest (embeddings, final norm, head) the root
         units = [b for b in model.blocks if any(True for _ in b.parameters())]
+    policy = mp_policy or MixedPrecisionPolicy()
     for unit in reversed(units):  # children before the modules around them
-        fully_shard(unit, group, ignored_params=ignored_params)
-    fully_shard(model, group, ignored_params=ignored_params)
+        fully_shard(unit, group, mp_policy=policy, ignored_params=ignored_params)
+    fully_shard(model, group, mp_policy=policy, ignored_params=ignored_params)
     model.sharded_step = ShardedStep(model)
 
 
@@ -265,7 +269,8 @@ def compressor_for(compress: str | None, zero: int):
 
 
 def apply_expert_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls,
-                               across: bool = True, compress: str | None = None, **kwargs
+                               across: bool = True, compress: str | None = None,
+                               mp_policy: MixedPrecisionPolicy | None = None, **kwargs
                                ) -> tuple[nn.Module, Any, Callable[[], None]]:
     """Step 5 with experts spread over ``mesh.ep_group``: ``(module, optimizer,
     finish_gradients)``; the dense parameters over ``mesh.dp_cp_group`` (through the
@@ -276,7 +281,8 @@ def apply_expert_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls,
     # the experts' gradients: summed over the R / ep ranks holding a copy, divided by R
     experts = dict(group=mesh.expert_dp_group, divide_by=mesh.dp_cp_size, **kwargs)
     if zero == 3:  # dense: ZeRO-3 over dp x cp; experts: ZeRO-1 over expert_dp (docstring)
-        apply_fully_shard(model, mesh.dp_cp_group, mesh.pp > 1, expert_parameters(model))
+        apply_fully_shard(model, mesh.dp_cp_group, mesh.pp > 1, expert_parameters(model),
+                          mp_policy)
         dense = [p for p in model.parameters() if hasattr(p, "fsdp_layout")]
         optimizers = Optimizers(optimizer_cls(dense, **foreach(optimizer_cls, kwargs)),
                                 ZeroOptimizer(expert_parameters(model), optimizer_cls, stage=1,
@@ -314,11 +320,18 @@ def defer_linear_gradients(module: nn.Module, optimizer, schedule) -> list:
     return holders
 
 
-def parallelize(model: GPT, mesh: Mesh, plan: Plan, optimizer_cls=torch.optim.AdamW,
-                **optimizer_kwargs) -> Parallel:
+def parallelize(model: GPT, mesh: Mesh, plan: Plan, optimizer_cls=torch.optim.AdamW, *,
+                mp_policy: MixedPrecisionPolicy | None = None, **optimizer_kwargs) -> Parallel:
     """This rank's :class:`Parallel` of ``model`` (built whole, from the same seed, on every
     rank; changed in place) for ``plan`` on ``mesh`` (``plan.mesh()``: the groups of the plan's
-    layout, built once), with ``optimizer_cls(**kwargs)``."""
+    layout, built once), with ``optimizer_cls(**kwargs)``; ``mp_policy``: at ZeRO-3, the
+    :class:`engine.fsdp.MixedPrecisionPolicy` every ``fully_shard`` call gets (FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``: the
+    parameters gathered and computed with in bf16, the gradients reduced in fp32, the shards
+    and the optimizer in fp32)."""
+    if mp_policy is not None and plan.zero != 3:
+        raise ValueError(f"mp_policy={mp_policy!r} is ZeRO-3's (the dtype fully_shard gathers "
+                         f"in); this plan has zero = {plan.zero}: run it under torch.autocast")
     if plan.tp > 1:
         apply_tensor_parallel(model, mesh, plan.sequence_parallel)
     if plan.cp > 1:
@@ -336,13 +349,15 @@ def parallelize(model: GPT, mesh: Mesh, plan: Plan, optimizer_cls=torch.optim.Ad
     across = plan.pp == 1 or tied_across_ranks(plan.schedule)
     if plan.ep > 1:
         module, optimizer, finish = apply_expert_data_parallel(
-            model, mesh, plan.zero, optimizer_cls, across, plan.compress, **optimizer_kwargs)
+            model, mesh, plan.zero, optimizer_cls, across, plan.compress, mp_policy,
+            **optimizer_kwargs)
         return Parallel(model, module, optimizer, mesh, plan, contextlib.nullcontext, tp_group,
                         mesh.dp_cp_size, finish, schedule,
                         late_gradients=defer_linear_gradients(module, optimizer, schedule),
                         sharding=getattr(model, "sharded_step", None))
     module, optimizer, no_sync = apply_data_parallel(model, mesh, plan.zero, optimizer_cls,
-                                                     plan.compress, **optimizer_kwargs)
+                                                     plan.compress, mp_policy,
+                                                     **optimizer_kwargs)
     return Parallel(model, module, optimizer, mesh, plan, no_sync, tp_group, mesh.dp_cp_size,
                     lambda: sum_tied_embedding(model, mesh, optimizer, across), schedule,
                     late_gradients=defer_linear_gradients(module, optimizer, schedule),

@@ -215,6 +215,10 @@ class ActivationTracker:
     :data:`CAST_AND_VIEW_NODES`) is not an activation either. Its bytes, memory held until
     backward all the same, are in ``cast_bytes``. (A parameter that does not require grad has
     no such link: its copy is counted as an activation.)
+
+    :meth:`held` is what is saved and still allocated *now* (between forward and backward:
+    what the rank holds for backward); a storage freed since the op saved it, such as the
+    whole parameters ZeRO-3 gathers and frees after each module's forward, counts 0 there.
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()):
@@ -223,10 +227,13 @@ class ActivationTracker:
         self.bytes = 0
         self.count = 0
         self.cast_bytes = 0  # copies of excluded parameters kept for backward (autocast's)
+        self._saved: list[weakref.ref] = []  # every tensor saved, not excluded: for held()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
+        if key is not None and key not in self._parameters:
+            self._saved.append(weakref.ref(t))
         if key is not None and key not in self._seen:
             self._seen.add(key)
             if self._is_parameter_copy(t):
@@ -235,6 +242,11 @@ class ActivationTracker:
                 self.bytes += t.untyped_storage().nbytes()
                 self.count += 1
         return t
+
+    def held(self) -> int:
+        """Bytes now allocated of the storages saved while the context was open (parameters
+        in ``exclude`` aside), each counted once: what autograd holds for backward now."""
+        return unique_storage_bytes(t for ref in self._saved if (t := ref()) is not None)
 
     def _is_parameter_copy(self, t: torch.Tensor) -> bool:
         """Whether ``t`` comes from an excluded parameter through casts and views only."""

@@ -59,6 +59,7 @@ from engine.compose.model import GPT, ModelConfig
 from engine.compose.parallelize import parallelize
 from engine.compose.resume import rank_state
 from engine.compose.plan import CP_METHODS, Plan, check_cp_method
+from engine.fsdp import MixedPrecisionPolicy
 from engine.moe.gpt import MOE_MODELS
 from engine.pp import SCHEDULES, PipelineRun
 from engine.model.presets import MODELS
@@ -221,6 +222,18 @@ class ComputeTimer:
                                   args={"kind": "FB", "mb": 0, "chunk": 0})]
 
 
+def mp_policy(plan: Plan, precision: str) -> MixedPrecisionPolicy | None:
+    """bf16 at ZeRO-3: the parameters gathered in bf16 and the gradients reduced in fp32
+    (FSDP2's ``MixedPrecisionPolicy``, as torchtitan trains), so that what autograd keeps for
+    backward is the gathered storage ZeRO-3 frees after each module, not autocast's bf16 copy
+    of it (held to the module's backward: the blocks' matrices in bf16 on every rank); the
+    step still runs under autocast (it casts what is not sharded: spread experts). ``None``
+    otherwise: autocast alone."""
+    if precision == "bf16" and plan.zero == 3:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return None
+
+
 def composed_strategy(cfg, plan: Plan, mesh: Mesh, device: torch.device, precision: str
                       ) -> Strategy:
     """This rank's :class:`engine.train.strategy.Strategy` on the composed engine: ``step(k)`` trains
@@ -230,7 +243,8 @@ def composed_strategy(cfg, plan: Plan, mesh: Mesh, device: torch.device, precisi
     model_cfg = model_config(cfg)
     alone = single_rank_group() if model_cfg.num_experts else None  # every rank: every expert
     gpt = GPT(model_cfg, seed=cfg.seed, expert_group=alone).to(device)
-    par = parallelize(gpt, mesh, plan, torch.optim.AdamW, lr=cfg.lr)
+    par = parallelize(gpt, mesh, plan, torch.optim.AdamW, mp_policy=mp_policy(plan, precision),
+                      lr=cfg.lr)
     timer, rows = ComputeTimer(device, mesh.rank), global_rows(cfg)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else \
         contextlib.nullcontext()
