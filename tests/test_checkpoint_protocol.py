@@ -1,13 +1,16 @@
 """The checkpoint failure protocol (engine.checkpoint.protocol): an exception on one rank during a
 save or a load, while that rank's process lives on, reaches every rank at once as a
 CheckpointError naming that rank and the cause; no checkpoint that looks complete is left
-behind; and every process goes on to run collectives (and checkpoints) afterwards.
+behind; and every process goes on to run collectives (and checkpoints) afterwards. On the
+per-rank format (engine.checkpoint.per_rank), the engine's one: of ranks holding different
+parameters, and of ranks holding ZeRO-2 shards (the composed engine's rank state,
+engine.compose.resume, which is what engine train saves).
 
 Faults are injected on one rank only, inside the rank function: ``torch.save`` or
 ``torch.load`` raising (serialising), ``os.fsync`` failing as on a full disk (writing), rank
 0's rename of the manifest failing (the last write), ``Path.read_bytes`` failing (reading) and
 one rank's own file corrupted (verifying). Each launch runs all the faults of one kind of
-checkpoint and one direction in turn, so the ranks of one process group live through all of
+rank state and one direction in turn, so the ranks of one process group live through all of
 them: world size 2, tiny models, a few seconds in all.
 """
 
@@ -27,7 +30,12 @@ from torch import nn
 
 from engine.checkpoint import (MANIFEST, CheckpointError, load_per_rank, read_rank_state,
                                save_per_rank)
-from engine.zero import ZeroOptimizer, consolidate, load_sharded, save_sharded
+from engine.compose.loop import train_step
+from engine.compose.model import GPT, ModelConfig
+from engine.compose.parallelize import Parallel, parallelize
+from engine.compose.plan import Plan
+from engine.compose.resume import rank_state
+from engine.model.data import global_batch
 from tests.helpers import run_ranks
 
 REACHES_EVERY_RANK_S = 15  # the acceptance bound; measured: well under a second
@@ -88,34 +96,49 @@ LOAD_FAULTS = {
 }
 
 
-# -- the two kinds of checkpoint, on tiny models ----------------------------------------------
+# -- two kinds of rank state, on tiny models ---------------------------------------------------
 
 
-def _sharded(rank, seed):
-    torch.manual_seed(seed)
-    model = nn.Linear(4, 3)
-    optimizer = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=0.1)
-    return model, optimizer
+TINY = ModelConfig(vocab=16, seq_len=4, layers=1, heads=2, hidden=8)
 
 
-def _per_rank(rank, seed):
+def _zero2(rank, seed):
+    """A composed rank of dp2 ZeRO-2 (its optimizer state a shard of each bucket), saved as
+    engine train saves it: its rank state (engine.compose.resume)."""
+    plan = Plan(dp=2, zero=2)
+    par = parallelize(GPT(TINY, seed=seed), plan.mesh(), plan, torch.optim.AdamW, lr=0.1)
+    return par, None
+
+
+def _different(rank, seed):
     torch.manual_seed(seed + rank)
     model = nn.Linear(4, 3 + rank)  # the ranks hold different parameters
     return model, torch.optim.AdamW(model.parameters(), lr=0.1)
 
 
-KINDS = {"sharded": (_sharded, save_sharded, load_sharded),
-         "per-rank": (_per_rank, save_per_rank, load_per_rank)}
+def _save(directory, model, optimizer):
+    save_per_rank(directory, *(rank_state(model) if optimizer is None else (model, optimizer)))
+
+
+def _load(directory, model, optimizer):
+    load_per_rank(directory, *(rank_state(model) if optimizer is None else (model, optimizer)))
+
+
+KINDS = {"zero2": (_zero2, _save, _load), "different": (_different, _save, _load)}
 
 
 def _step(model, optimizer):
+    if isinstance(model, Parallel):
+        train_step(model, global_batch(0, 4, TINY.seq_len, TINY.vocab, 1))
+        return
     model(torch.ones(2, 4)).square().mean().backward()
     optimizer.step()
     optimizer.zero_grad()
 
 
 def _params(model):
-    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    held = model.model if isinstance(model, Parallel) else model
+    return torch.cat([p.detach().reshape(-1).clone() for p in held.parameters()])
 
 
 def _everyone_still_answers(rank, world_size) -> bool:
@@ -187,14 +210,14 @@ def _check(results: list[dict], faults: dict, verb: str) -> None:
             assert answers, f"{name}: rank {rank}'s all_reduce after the failure"
 
 
-def _not_complete(directory: Path, kind: str) -> None:
+def _not_complete(directory: Path) -> None:
     """No manifest, no temporary file; a save that failed while serialising made no
     directory at all."""
     assert not (directory / MANIFEST).exists()
     if directory.exists():
         assert not [p.name for p in directory.iterdir() if p.name.endswith(".tmp")]
     with pytest.raises(CheckpointError, match="manifest.json does not exist"):
-        consolidate(directory) if kind == "sharded" else read_rank_state(directory, 0)
+        read_rank_state(directory, 0)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -202,7 +225,7 @@ def test_a_failed_save_on_one_rank_reaches_every_rank(kind, tmp_path):
     results = run_ranks(_faulty_saves, 2, kind, tmp_path, timeout=PROCESS_GROUP_TIMEOUT_S)
     _check(results, SAVE_FAULTS, "save")
     for name in SAVE_FAULTS:
-        _not_complete(tmp_path / name, kind)
+        _not_complete(tmp_path / name)
     assert (tmp_path / "afterwards" / MANIFEST).exists()
 
 
