@@ -14,9 +14,9 @@ import torch
 
 from engine import LaunchError
 from engine.__main__ import main as engine_main
+from engine.checkpoint.files import MANIFEST
 from engine.checkpoint.per_rank import read_rank_state
 from engine.checkpoint.trainer import complete, step_dir
-from engine.zero.checkpoint import MANIFEST
 from tests.helpers import descendants
 
 LAYOUTS = {

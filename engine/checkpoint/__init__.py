@@ -1,5 +1,5 @@
-"""Checkpoints: one package for the files, the protocol every rank follows, and one failure
-protocol for every checkpoint of the engine.
+"""Checkpoints: one package for the files, the protocol every rank follows, one failure protocol
+for every checkpoint of the engine, and its one on-disk format.
 
 Layers, each importing only those above it in this list:
 
@@ -11,25 +11,24 @@ Layers, each importing only those above it in this list:
   agreement of every rank, so **any** exception on **any** rank reaches every rank as a
   :class:`CheckpointError` naming the rank and the cause, at once, with every process alive,
   and a failed save leaves no manifest.
-* :mod:`~engine.checkpoint.per_rank`: every rank its own whole state (expert parallelism).
-* :mod:`~engine.checkpoint.sharded`: the sharded checkpoint's file names and manifest, and
-  :mod:`~engine.checkpoint.consolidate`, which joins its shards offline.
+* :mod:`~engine.checkpoint.snapshot`: a rank's state taken now and written later (an
+  asynchronous save).
+* :mod:`~engine.checkpoint.per_rank`: the format. Every rank writes its own state as it holds
+  it (its ZeRO shards, tensor-parallel slices, pipeline stage, experts), one file a rank, and
+  the manifest lists each file's SHA-256 and each rank's layout.
 
-Built on them, above this package: ZeRO's sharded save and load
-(:mod:`engine.zero.checkpoint`) and the re-cutting of a whole state into ZeRO's buckets
-(:mod:`engine.zero.recut`), the trainer's checkpoints (:mod:`engine.checkpoint.trainer`), and
-resharding (:mod:`engine.compose.reshard`).
+Built on them, above this package: the trainer's checkpoints (:mod:`engine.checkpoint.trainer`),
+what a composed rank saves and where each of its tensors sits in the whole model
+(:mod:`engine.compose.resume`), and the universal re-cut (:mod:`engine.compose.reshard`: the
+files joined offline into the whole model's ``state_dict`` and AdamW state, then cut for any
+layout; into ZeRO's buckets by :mod:`engine.zero.recut`).
 """
 
 from engine.checkpoint.files import (MANIFEST, CheckpointError, manifest_json, read_verified,
                                      sha256, write_atomically)
 from engine.checkpoint.protocol import Agreement, load_files, save_files
 from engine.checkpoint.per_rank import load_per_rank, read_rank_state, save_per_rank
-from engine.checkpoint.sharded import MeshShape, Place, read_manifest
-from engine.checkpoint.consolidate import (DenseOptimizerState, consolidate,
-                                           consolidate_optimizer)
 
 __all__ = ["MANIFEST", "CheckpointError", "manifest_json", "read_verified", "sha256",
            "write_atomically", "Agreement", "load_files", "save_files", "load_per_rank",
-           "read_rank_state", "save_per_rank", "MeshShape", "Place", "read_manifest",
-           "DenseOptimizerState", "consolidate", "consolidate_optimizer"]
+           "read_rank_state", "save_per_rank"]

@@ -1,7 +1,7 @@
 """Checkpoint files: written atomically, read back verified against the manifest's SHA-256.
 
-The bottom of every checkpoint in the engine (ZeRO's sharded ones, the per-rank ones, the
-trainer's): the disk alone, no process group.
+The bottom of every checkpoint in the engine (the per-rank ones, the trainer's): the disk
+alone, no process group.
 
 * :func:`write_atomically` writes under a temporary name in the same directory, syncs, then
   renames into place (``os.replace`` is atomic on one filesystem): whoever looks, or
@@ -13,8 +13,6 @@ trainer's): the disk alone, no process group.
 * :data:`MANIFEST` is written last by every save (:mod:`engine.checkpoint.protocol`), so a
   directory holds a complete checkpoint exactly when it holds a manifest;
   :func:`manifest_json` reads one, or says which save did not finish.
-* :func:`onto` is the ``map_location`` of a load: ``torch.save`` records the device each
-  tensor came from (``cuda:3``), and ``torch.load`` goes back there unless told otherwise.
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ import os
 from pathlib import Path
 
 import torch
-from torch.serialization import default_restore_location
 
 MANIFEST = "manifest.json"
 
@@ -79,7 +76,7 @@ def read_verified(path: Path, digest: str, expected: str, map_location) -> dict:
     return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
 
 
-def manifest_json(directory: Path, kind: str = "sharded") -> dict:
+def manifest_json(directory: Path, kind: str) -> dict:
     """``directory``'s manifest as JSON, unchecked: a :class:`CheckpointError` if there is
     none (not a ``kind`` checkpoint, or a save that did not finish) or it does not parse."""
     path = Path(directory) / MANIFEST
@@ -96,10 +93,3 @@ def write_json(path: Path, record: dict) -> None:
     """``record`` as indented JSON, written atomically (a manifest, ``trainer.json``)."""
     write_atomically(path, json.dumps(record, indent=1).encode())
 
-
-def onto(device: torch.device):
-    """``map_location`` for a load: tensors saved from an accelerator onto ``device``; those
-    saved on the CPU stay there (offloaded state, Adam's step counters)."""
-    def restore(storage, location: str):
-        return default_restore_location(storage, "cpu" if location == "cpu" else str(device))
-    return restore

@@ -1,19 +1,24 @@
-"""Per-rank checkpoints: every rank writes its own model and optimizer state, whole.
+"""Per-rank checkpoints, the engine's one format: every rank writes its own state, as it holds
+it, and global rank 0 a manifest.
 
-For strategies whose ranks hold *different* parameters but shard none of them, as expert
-parallelism does: in each MoE layer a rank holds the experts of its expert-parallel slot and
-the dense weights whole (Lepikhin et al., GShard, 2020, section 2.2). ZeRO's flat-bucket
-checkpoints (:mod:`engine.zero.checkpoint`) do not apply, and there is nothing to join: rank
-``r`` writes
+A rank of a parallel layout holds its own part of the training state: under ZeRO its shard of
+the optimizer state (and at stage 3 of the parameters: no rank holds the whole model), its
+tensor-parallel slices, its pipeline stage, its experts (Rajbhandari et al., ZeRO, SC 2020,
+section 5; Lepikhin et al., GShard, 2020, section 2.2). Nothing is gathered: rank ``r``
+writes
 
     rank{r}-of{W}.pt    its module's ``state_dict()`` and its optimizer's
 
+(the composed engine passes objects with those two methods that hold the whole rank, ZeRO's
+inner optimizers and where each tensor sits in the whole model: :mod:`engine.compose.resume`),
 and global rank 0 writes ``manifest.json`` last, with every rank's parameter names and shapes
-and the SHA-256 of every file. ``load_per_rank`` puts each rank's state back, bit for bit;
-a checkpoint of another world size or model, a missing file or a corrupted one is a
-:class:`~engine.checkpoint.files.CheckpointError` naming the file and what was expected.
-Data-parallel replicas write the same dense weights: simple, at the price of ``W`` copies of
-them on disk.
+and the SHA-256 of every file. ``load_per_rank`` puts each rank's state back on the same
+layout, bit for bit; a checkpoint of another world size or model, a missing file or a
+corrupted one is a :class:`~engine.checkpoint.files.CheckpointError` naming the file and what
+was expected. Offline, :func:`read_rank_state` opens any rank's file on the CPU (a file
+written on a GPU too), and :mod:`engine.compose.reshard` joins every rank's into the whole
+model's ``state_dict`` and cuts it for another layout. Data-parallel replicas write the same
+tensors: simple, at the price of their copies on disk.
 
 Both go through :mod:`engine.checkpoint.protocol`: files written atomically, the manifest
 last, and any error of any rank, in any step, raised on every rank, naming it.
@@ -88,8 +93,8 @@ def read_per_rank_manifest(directory) -> dict:
     manifest = manifest_json(directory, KIND)
     path = directory / MANIFEST
     if manifest.get("kind") != KIND:
-        raise CheckpointError(f"{path} is not a per-rank checkpoint (a ZeRO checkpoint? load "
-                              "it with engine.zero.load_sharded)")
+        raise CheckpointError(f"{path} is not a per-rank checkpoint: its kind is "
+                              f"{manifest.get('kind')!r}")
     world = manifest.get("world_size")
     files, layouts = manifest.get("files"), manifest.get("layouts")
     if not (isinstance(world, int) and world >= 1 and isinstance(files, dict)

@@ -46,7 +46,6 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.checkpoint.consolidate import DenseOptimizerState
 from engine.checkpoint.files import CheckpointError
 from engine.checkpoint.per_rank import read_per_rank_manifest, read_rank_state
 from engine.checkpoint.protocol import load_files
@@ -56,7 +55,7 @@ from engine.compose.parallelize import Parallel, apply_tensor_parallel
 from engine.compose.pipeline import apply_pipeline
 from engine.tp.layout import join, qkv_sizes
 from engine.zero import ZeroOptimizer
-from engine.zero.recut import load_dense
+from engine.zero.recut import DenseOptimizerState, load_dense
 
 
 @dataclass

@@ -41,6 +41,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from engine.checkpoint.files import CheckpointError
 from engine.launch import resolve_backend
 from engine.moe.gpt import MOE_MODELS
 from engine.model.presets import MODELS
@@ -54,7 +55,6 @@ from engine.train.report import report
 from engine.train.resume import resume_point, total_steps
 from engine.train.run import train_on_rank
 from engine.validation import one_of, positive_int, positive_number
-from engine.zero.checkpoint import CheckpointError
 
 IMPLS = {"engine": ("engine",), "torch": ("torch",), "both": ("engine", "torch")}
 

@@ -6,8 +6,6 @@ from engine.zero.optimizer import ZeroOptimizer
 from engine.zero.stage3 import ZeroDataParallel
 from engine.zero.tuned import TunedZeroOptimizer
 from engine.zero.hsdp import HybridShardedDataParallel
-from engine.zero.checkpoint import CheckpointError, consolidate, load_sharded, save_sharded
 
-__all__ = ["ZeroOptimizer", "TunedZeroOptimizer", "ZeroDataParallel", "save_sharded",
-           "load_sharded", "consolidate", "CheckpointError", "FlatBucket", "make_buckets",
-           "HybridShardedDataParallel"]
+__all__ = ["ZeroOptimizer", "TunedZeroOptimizer", "ZeroDataParallel", "FlatBucket",
+           "make_buckets", "HybridShardedDataParallel"]
