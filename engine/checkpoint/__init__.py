@@ -17,11 +17,12 @@ Layers, each importing only those above it in this list:
   it (its ZeRO shards, tensor-parallel slices, pipeline stage, experts), one file a rank, and
   the manifest lists each file's SHA-256 and each rank's layout.
 
-Built on them, above this package: the trainer's checkpoints (:mod:`engine.checkpoint.trainer`),
-what a composed rank saves and where each of its tensors sits in the whole model
-(:mod:`engine.compose.resume`), and the universal re-cut (:mod:`engine.compose.reshard`: the
-files joined offline into the whole model's ``state_dict`` and AdamW state, then cut for any
-layout; into ZeRO's buckets by :mod:`engine.zero.recut`).
+Built on them, and on the strategies (so in their layer, not imported here): the trainer's
+checkpoints (:mod:`engine.checkpoint.trainer`) and the last step of a re-cut, a whole state
+into a ZeRO optimizer's buckets (:mod:`engine.checkpoint.recut`). Above them: what a composed
+rank saves and where each of its tensors sits in the whole model (:mod:`engine.compose.resume`),
+and the universal re-cut (:mod:`engine.compose.reshard`: the files joined offline into the
+whole model's ``state_dict`` and AdamW state, then cut for any layout).
 """
 
 from engine.checkpoint.files import (MANIFEST, CheckpointError, manifest_json, read_verified,

@@ -24,7 +24,7 @@ distributed checkpoint does with each tensor's recorded placement:
    :func:`engine.compose.parallelize.parallelize`: tensor parallelism, expert parallelism, the
    pipeline split; context parallelism changes no parameter), once for the parameters and once
    for each optimizer state, and loaded into this rank's data-parallel wrapper: its ZeRO
-   buckets by :func:`engine.zero.recut.load_dense`, a plain AdamW (ZeRO-3's over its dim-0
+   buckets by :func:`engine.checkpoint.recut.load_dense`, a plain AdamW (ZeRO-3's over its dim-0
    shards, cut from the whole) by its ``load_state_dict``.
 
 So any change of dp, cp (and its method), ep, tp, pp (and the schedule), ZeRO stage,
@@ -49,13 +49,13 @@ import torch
 from engine.checkpoint.files import CheckpointError
 from engine.checkpoint.per_rank import read_per_rank_manifest, read_rank_state
 from engine.checkpoint.protocol import load_files
+from engine.checkpoint.recut import DenseOptimizerState, load_dense
 from engine.compose.experts import Optimizers, apply_expert_parallel
 from engine.compose.model import GPT, ModelConfig
 from engine.compose.parallelize import Parallel, apply_tensor_parallel
 from engine.compose.pipeline import apply_pipeline
 from engine.tp.layout import join, qkv_sizes
 from engine.zero import ZeroOptimizer
-from engine.zero.recut import DenseOptimizerState, load_dense
 
 
 @dataclass
@@ -185,7 +185,7 @@ def cut(values: dict[str, torch.Tensor], par: Parallel, expert_group=None
 def load_universal(state: UniversalState, par: Parallel, expert_group=None) -> None:
     """Load ``state`` into this rank's part of ``par``, any layout: the parameters and every
     optimizer state cut by :func:`cut`, then packed into each ZeRO optimizer's buckets
-    (:func:`engine.zero.recut.load_dense`: every rank reads the same whole state, nothing is
+    (:func:`engine.checkpoint.recut.load_dense`: every rank reads the same whole state, nothing is
     sent) or given to a plain AdamW as its ``state_dict``. Call on every rank."""
     buffers = sorted(name for name, _ in par.model.named_buffers())
     if buffers:

@@ -5,7 +5,9 @@ into this rank's ZeRO-0/1/2 buckets, whatever layout the state came from.
 (every parameter and its AdamW moments under one process's names, the way DeepSpeed's universal
 checkpoint keeps per-parameter fp32 "atoms") and cuts it for another layout (tp, pp, cp, ep);
 this module is its last step for a :class:`~engine.zero.optimizer.ZeroOptimizer`: each flat
-bucket packed from the named tensors, and this rank's slice of it kept.
+bucket packed from the named tensors, and this rank's slice of it kept. It reads ZeRO's
+buckets, so it sits in the strategies' layer (tests/test_structure.py), as
+:mod:`engine.checkpoint.trainer` does: the rest of :mod:`engine.checkpoint` imports neither.
 """
 
 from __future__ import annotations
