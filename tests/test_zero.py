@@ -231,3 +231,23 @@ def test_offload_moves_the_optimizer_state_off_the_device_and_changes_nothing_el
         assert held.optimizer == 0 and held.params == ref_held.params
         # off the device: fp32 master weights + Adam's two moments, 12 bytes per owned element
         assert offloaded == pytest.approx(12 * psi / 2, rel=0.02)
+
+
+def _bare_save(rank, world_size, directory):
+    from engine.checkpoint.per_rank import save_per_rank
+
+    model = MLP((4, 8, 2), seed=0)
+    optimizer = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=1e-2)
+    model(torch.ones(3, 4)).sum().backward()
+    optimizer.step()
+    save_per_rank(directory, model, optimizer)
+
+
+def test_a_bare_zero_optimizer_is_not_saved_as_if_its_state_were_in_torchs_state_dict(tmp_path):
+    """torch's default state_dict holds none of the shard's optimizer state or the fp32
+    masters: a save through it would load back nothing. It is refused, naming the way."""
+    from engine import RankError
+
+    with pytest.raises(RankError, match=r"ZeroOptimizer.state_dict\(\): its state is the "
+                                        r"inner optimizer's .*rank_state"):
+        run_ranks(_bare_save, 2, str(tmp_path))

@@ -162,6 +162,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._all_gather(b)
         return loss
 
+    def state_dict(self):
+        """Refused: torch's default would hold none of what this rank keeps (the inner
+        optimizer's state over the shard, the fp32 masters), so a load would silently restore
+        nothing. The composed engine saves them rank by rank
+        (:func:`engine.compose.resume.rank_state`, :mod:`engine.checkpoint.per_rank`)."""
+        raise TypeError("ZeroOptimizer.state_dict(): its state is the inner optimizer's over "
+                        "this rank's shard (.inner) and the fp32 masters, which torch's "
+                        "default state_dict would not hold; save a ZeRO run with the "
+                        "composed engine (engine.compose.resume.rank_state, "
+                        "engine.checkpoint.per_rank.save_per_rank)")
+
+    def load_state_dict(self, state_dict) -> None:
+        """Refused, as :meth:`state_dict` is."""
+        self.state_dict()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         if self.grad_sharding is not None:  # stage 2: the accumulated shards too
