@@ -177,8 +177,10 @@ def parser() -> argparse.ArgumentParser:
                         "/ FSDP on the same GPT and data (--dp only); both: one after the "
                         "other (default: %(default)s)")
     p.add_argument("--precision", default=d.precision, choices=("auto", "fp32", "bf16"),
-                   help="auto: bf16 autocast on a GPU, fp32 on the CPU; MFU uses this "
-                        "precision's peak (default: %(default)s)")
+                   help="auto: bf16 autocast on a GPU, fp32 on the CPU; with --zero 3 bf16 "
+                        "also gathers the parameters in bf16 and reduces the gradients in "
+                        "fp32 (engine.fsdp's MixedPrecisionPolicy); MFU uses this precision's "
+                        "peak (default: %(default)s)")
     p.add_argument("--compress", default=d.compress, metavar="SPEC",
                    help="gradient compression of the dense gradients' all-reduce over dp x "
                         "cp (--zero 0: DDP's, or a pipeline stage's at the step, also beside "
