@@ -422,3 +422,62 @@ def test_a_block_that_returns_a_dict_keeps_its_parameters_for_backward():
         shards = [grads[name] for grads, _ in results]
         whole = torch.cat(shards)[: p.shape[0]]  # dim-0 shards, the last one padded or short
         assert (whole - p.grad).abs().max().item() <= 1e-6, name
+
+
+def _gathers_in_order(rank, world_size):
+    model, (x, y) = Net(), _data()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    names = {id(b.fsdp_state): f"block{i}" for i, b in enumerate(model.blocks)}
+    seen = []
+    for block in model.blocks:
+        block.fsdp_state.observer = lambda group, nbytes: seen.append(
+            (names[id(group)], "+" if nbytes > 0 else "-"))
+    landed = []
+    model.blocks[0].up.register_full_backward_hook(  # block 0's backward, block 1's done
+        lambda *a: landed.append(all(p.grad is None for p in model.blocks[1].parameters())))
+    mine = slice(rank * ROWS // world_size, (rank + 1) * ROWS // world_size)
+    loss = nn.functional.mse_loss(model(x[mine]), y[mine])
+    forward = list(seen)
+    seen.clear()
+    loss.backward()
+    return forward, seen, landed, all(p.grad is not None for p in model.parameters())
+
+
+def test_backward_prefetches_the_next_group_and_gradients_land_when_backward_ends():
+    """Backward reaches block 1 and gathers it; block 0's backward comes next, so its gather
+    starts then (FSDP's backward prefetch), before block 1 is freed: two blocks whole at
+    once, never three. Block 1's reduce-scatter travels while block 0 computes: its shards'
+    gradients land when the backward ends, not before."""
+    for forward, backward, landed, every_grad in run_ranks(_gathers_in_order, 2):
+        assert forward == [("block0", "+"), ("block0", "-"), ("block1", "+"), ("block1", "-")]
+        assert backward == [("block1", "+"), ("block0", "+"), ("block1", "-"),
+                            ("block0", "-")]
+        assert landed == [True] and every_grad
+
+
+def _after_a_failed_backward(rank, world_size, fail):
+    model, (x, y) = Net(), _data()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    mine = slice(rank * ROWS // world_size, (rank + 1) * ROWS // world_size)
+    if fail:  # block 1's reduce-scatter is in flight when block 0's backward raises
+        def boom(*args):
+            raise RuntimeError("a backward that raises")
+        handle = model.blocks[0].up.register_full_backward_hook(boom)
+        try:
+            nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+        except RuntimeError:
+            pass
+        handle.remove()
+        for p in model.parameters():
+            p.grad = None
+    nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+    return full_grads(model)
+
+
+def test_a_backward_that_raised_leaves_no_gradient_to_the_next_step():
+    clean, after = (run_ranks(_after_a_failed_backward, 2, fail)[0] for fail in (False, True))
+    assert _worst(clean, after) == 0

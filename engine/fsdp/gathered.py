@@ -23,12 +23,14 @@ class Gathered:
     again as backward needs."""
 
     def __init__(self, group, gather: bool):
-        self.group, self.freed = group, True
+        self.group, self.freed, self.pending = group, True, None
         self.tensors = [torch.empty(p.layout.shape, dtype=group.gather_dtype,
                                     device=p.shard.device) for p in group.params]
         self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors)
         for t, p in zip(self.tensors, group.params):
             t.fsdp_param = p  # a deferred weight gradient (W) finds its shard by it
+        # the all-gather's copy-out targets, seen once (views stay valid across resizes)
+        self.rows = group.columns.rows_of(self.tensors) if group.columns.even else None
         if gather:
             self.refill()
         else:  # empty until its first use
@@ -40,18 +42,34 @@ class Gathered:
 
     def free(self) -> None:
         if not self.freed and not self.group.held:
+            if self.pending is not None:  # prefetched, but its backward never came
+                self.pending.wait()
+                self.pending = None
             self._resize(0)
             self.freed = True
             self.group.observe(-self.nbytes)
 
+    def prefetch(self) -> None:
+        """Start filling the tensors: the all-gather in flight, while other work runs;
+        :meth:`refill` finishes it (:mod:`engine.fsdp.prefetch` decides when)."""
+        if self.freed:
+            self._resize(1)
+            self.pending = comm.Gathering(self.group.columns, self.group.gather_dtype,
+                                          self.group.group, async_op=True)
+            self.freed = False
+            self.group.observe(self.nbytes)
+
     def refill(self) -> None:
         if self.freed:
             self._resize(1)
+            self.pending = comm.Gathering(self.group.columns, self.group.gather_dtype,
+                                          self.group.group)
+            self.freed = False
+            self.group.observe(self.nbytes)
+        if self.pending is not None:
             # autograd saved these tensors: new bytes, the same values, not a modification
             with torch.no_grad(), contextlib.ExitStack() as keep:
                 for t in self.tensors:
                     keep.enter_context(torch.autograd._unsafe_preserve_version_counter(t))
-                comm.all_gather(self.group.params, self.group.gather_dtype, self.group.group,
-                                self.group.world_size, self.tensors)
-            self.freed = False
-            self.group.observe(self.nbytes)
+                self.pending.finish(self.tensors, self.rows)
+            self.pending = None

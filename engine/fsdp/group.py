@@ -13,13 +13,15 @@ FSDP", VLDB 2023, for FSDP1's flat parameter it replaces; ZeRO stage 3, Rajbhand
   when backward reaches the module, into the slots while its backward runs (a recompute under
   activation checkpointing uses them). The root keeps its parameters: backward starts there.
 * **reduce** (backward of :class:`Unshard`): autograd calls it once the gradients of all the
-  group's whole parameters are complete; they are reduce-scattered in ``reduce_dtype`` and
-  returned as the shards' gradients; the whole tensors are freed.
+  group's whole parameters are complete; they are reduce-scattered in ``reduce_dtype``, the
+  whole tensors freed, and the shards' gradients land in their ``.grad`` when the backward
+  ends (the reduce-scatter travels while the modules before this one compute backward).
 
 What is not the algorithm lives elsewhere: the collectives (:mod:`engine.fsdp.comm`), the
 whole tensors freed and filled in place (:class:`engine.fsdp.gathered.Gathered`), the shards
 and their slots (:mod:`engine.fsdp.shard`), the dtypes (:mod:`engine.fsdp.policy`),
-which module is the root (:mod:`engine.fsdp.root`), and what a pipeline adds
+which module is the root (:mod:`engine.fsdp.root`), which gather starts early
+(:mod:`engine.fsdp.prefetch`), and what a pipeline adds
 (:mod:`engine.fsdp.step`): ``later`` keeps gradients reduced after this backward, ``step`` is
 the whole tensors a pipeline step keeps in the slots; ``observer(group, bytes)`` is told each
 gather (+) and free (-).
@@ -48,6 +50,7 @@ class Unshard(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group: "ShardGroup", gather: bool, *shards):
         ctx.set_materialize_grads(False)  # a gradient that did not come: None, not zeros
+        comm.forget_unlanded()  # a backward that raised: its gradients belong to no step
         ctx.group = group
         ctx.gathered = group.last = Gathered(group, gather)
         return tuple(ctx.gathered.tensors)
@@ -59,8 +62,10 @@ class Unshard(torch.autograd.Function):
             group.later.keep(group, grads)
             shard_grads = [None] * len(grads)
         else:
-            buffer = comm.pack(group.params, grads, None, group.reduce_dtype)
-            shard_grads = comm.reduce_scatter(group.params, buffer, group.group)
+            buffer = comm.pack(group.columns, grads, None, group.reduce_dtype)
+            reduction = comm.Reduction(group.columns, buffer, group.group, async_op=True)
+            comm.land_when_backward_ends(group.columns, reduction)  # into the shards' .grad
+            shard_grads = [None] * len(grads)
         ctx.gathered.free()
         if group.backward is ctx.gathered:  # the module's backward is over: the shards again
             group.backward = None
@@ -77,12 +82,14 @@ class ShardGroup:
         self.reshard_after_forward = reshard_after_forward
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.params = shard_params(module, self.world_size, self.rank, ignored)
+        self.columns = comm.Columns(self.params) if self.params else None
         self.gather_dtype = policy.gather_dtype(self.params, type(module).__name__)
         self.reduce_dtype = policy.reduce_dtype or self.gather_dtype
         self.last: Gathered | None = None  # of the last forward
         self.backward: Gathered | None = None  # in the slots while the module's backward runs
         self.is_root: bool | None = None  # decided at the first forward (engine.fsdp.root)
         self.later = self.step = self.observer = None  # module docstring
+        self.prefetch = None  # the root's BackwardPrefetch, shared (engine.fsdp.root)
         self.held = False  # whole through a pipeline step (its root)
         # the pre-hook also on a module whose children took every parameter: it is the root
         module.register_forward_pre_hook(self.pre_forward, with_kwargs=True)
@@ -109,6 +116,7 @@ class ShardGroup:
         elif self.backward is None:  # (else a recompute in its backward: whole already)
             Unshard.apply(self, True, *[p.shard for p in self.params])
             self.point_at(self.last)
+            self.prefetch.ran_forward(self)
         return self.policy.cast_inputs(args, kwargs)
 
     def post_forward(self, module, args, output):
@@ -135,3 +143,4 @@ class ShardGroup:
         if self.step is None:
             self.backward = gathered
             self.point_at(gathered)
+            self.prefetch.backward_reached(self)  # the next group's gather travels meanwhile

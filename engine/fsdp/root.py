@@ -3,10 +3,13 @@
 As PyTorch's FSDP2 does (``FSDPState._lazy_init``): the sharded module whose forward runs
 first is the root, every sharded module inside it is not. The root keeps its parameters from
 forward to backward (backward starts with them); it is decided then rather than at
-``fully_shard`` time, when the modules around it may not be sharded yet.
+``fully_shard`` time, when the modules around it may not be sharded yet. The root and every
+group inside it share one :class:`engine.fsdp.prefetch.BackwardPrefetch`.
 """
 
 from __future__ import annotations
+
+from engine.fsdp.prefetch import BackwardPrefetch
 
 
 def lazy_init(state) -> None:
@@ -15,6 +18,7 @@ def lazy_init(state) -> None:
     if state.is_root is not None:
         return
     state.is_root = True
+    state.prefetch = BackwardPrefetch()  # one for the root and every group inside it
     for name, sub in state.module.named_modules():
         inner = getattr(sub, "fsdp_state", None)
         if sub is state.module or inner is None:
@@ -24,4 +28,4 @@ def lazy_init(state) -> None:
                 f"fully_shard: {name!r} ({type(sub).__name__}) already ran forward as a "
                 f"root before {type(state.module).__name__} did; run the first forward "
                 "through the root module (as PyTorch's FSDP2 requires)")
-        inner.is_root = False
+        inner.is_root, inner.prefetch = False, state.prefetch

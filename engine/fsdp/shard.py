@@ -14,6 +14,7 @@ slots that hold it; :func:`shard_params` makes them for a module
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -22,29 +23,30 @@ from torch import nn
 
 @dataclass
 class DimZeroShard:
-    """Where one parameter's rows live: the full shape, the chunk, this rank's rows."""
+    """Where one parameter's rows live: the full shape, the chunk, this rank's rows (each
+    worked out once: every collective of the group asks)."""
 
     shape: torch.Size  # the full parameter's
     world_size: int
     rank: int
 
-    @property
+    @functools.cached_property
     def rows(self) -> int:
         return self.shape[0]
 
-    @property
+    @functools.cached_property
     def chunk_rows(self) -> int:
         return -(-self.rows // self.world_size)  # ceil
 
-    @property
+    @functools.cached_property
     def row_numel(self) -> int:
         return self.shape[1:].numel()
 
-    @property
+    @functools.cached_property
     def chunk_numel(self) -> int:
         return self.chunk_rows * self.row_numel
 
-    @property
+    @functools.cached_property
     def padded_rows(self) -> int:
         return self.chunk_rows * self.world_size
 

@@ -130,7 +130,7 @@ class ShardedStep:
         return group.held or group in self.late
 
     def keep(self, group, grads) -> None:
-        self.waiting[group] = comm.pack(group.params, grads, self.waiting.get(group),
+        self.waiting[group] = comm.pack(group.columns, grads, self.waiting.get(group),
                                         group.reduce_dtype)
 
     # -- late gradients (W) -------------------------------------------------------------------
@@ -181,6 +181,6 @@ class ShardedStep:
         return list(self.waiting.values())
 
     def _reduce(self, group) -> None:
-        grads = comm.reduce_scatter(group.params, self.waiting.pop(group), group.group)
+        grads = comm.reduce_scatter(group.columns, self.waiting.pop(group), group.group)
         for p, grad in zip(group.params, grads):
             p.shard.grad = grad if p.shard.grad is None else p.shard.grad.add_(grad)
