@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import pipeline_idle, zero3_trainer
 from engine import launch
@@ -44,19 +45,42 @@ def test_the_breakdown_splits_the_measured_idle_without_overlap(pipeline_runs):
         assert 0 < shares["simulator"] <= shares["sim+hand-off"] < 1
 
 
-def test_zero3_engine_rows_count_m_times_3u_minus_1_collectives_as_the_faq_says():
+def _unit_per_module(rank, world_size, m):
+    """The trainer's ZeRO-3 before the fix: ZeroDataParallel's default units (one per module
+    that owns parameters) on the tiny GPT, one step of ``m`` micro-batches, its collectives
+    counted."""
+    from engine.compose.model import GPT
+    from engine.observe.meter import CommMeter
+    from engine.train.composed import model_config
+    from engine.train.cli import parse
+    from engine.zero import ZeroDataParallel
+
+    cfg, _, _ = parse(["--world-size", "2", "--dp", "2", "--zero", "3", "--model", "tiny"])
+    model = ZeroDataParallel(GPT(model_config(cfg), seed=cfg.seed), torch.optim.AdamW, lr=1e-3)
+    ids = torch.randint(0, model_config(cfg).vocab, (m, 2, model_config(cfg).seq_len))
+    with CommMeter(count="model") as meter:
+        for x in ids:
+            model(x).float().logsumexp(-1).mean().backward()
+        model.optimizer.step()
+    return len(model.all_units), sum(e.op in zero3_trainer.ZERO3_OPS for e in meter.events)
+
+
+def test_zero3_rows_count_m_times_3u_minus_1_collectives_as_the_faq_says():
+    """Per micro-batch, 2 gathers and 1 reduce-scatter of every unit but the root, whose one
+    gather is kept through backward: m (3u - 1). The trainer's two sides now (the FAQ's last
+    numbers), and the unit per module the trainer once cut (the FAQ's first)."""
     argv = ["--world-size", "2", "--dp", "2", "--zero", "3", "--model", "tiny"]
     times, units, collectives, _ = launch(zero3_trainer._run, 2, argv, 0, 1, False,
                                           backend="gloo", quiet=True)[0]
     m = 2  # the trainer's default --microbatches
-    for name in zero3_trainer.VARIANTS[:2]:  # per micro-batch: 2 gathers and 1 reduce-scatter
-        # of every unit but the root, whose one gather is kept through backward
-        assert collectives[name] == m * (3 * units[name] - 1), (name, units, collectives)
-    assert units[zero3_trainer.VARIANTS[1]] == 3 and units[zero3_trainer.VARIANTS[2]] == 1
-    engine, torch_ = zero3_trainer.VARIANTS[0], zero3_trainer.VARIANTS[2]
-    assert f"**{units[engine]} units**" in FAQ and f"**{collectives[engine]} collectives**" \
-        in FAQ and f"**{collectives[torch_]}** for FSDP" in FAQ
-    assert re.search(rf"\| tiny \| engine, a unit per module \(the trainer before\) \| "
-                     rf"{units[engine]} \| "
-                     rf"{collectives[engine]} \|", FAQ)
+    engine, torch_ = zero3_trainer.VARIANTS
+    assert units == {engine: 3, torch_: 3}
+    assert collectives[engine] == m * (3 * units[engine] - 1) == 16
+    assert f"`engine (trainer)` {units[engine]} units, {collectives[engine]}" in \
+        " ".join(FAQ.split())
     assert all(len(t) == 1 and t[0] > 0 for t in times.values())
+    before_units, before = launch(_unit_per_module, 2, m, backend="gloo", quiet=True)[0]
+    assert before == m * (3 * before_units - 1)
+    assert f"**{before_units} units**" in FAQ and f"**{before} collectives**" in FAQ
+    assert re.search(rf"\| tiny \| engine, a unit per module \(the trainer before\) \| "
+                     rf"{before_units} \| {before} \|", FAQ)
