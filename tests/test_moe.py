@@ -615,3 +615,24 @@ def test_engine_train_refuses_bad_expert_parallel_layouts_before_any_rank(args, 
     from engine.__main__ import main as engine_main
     assert engine_main(["train", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_mixing_the_experts_under_bf16_autocast_sums_in_the_tokens_dtype():
+    """Under bf16 autocast the experts' rows come back in bf16 while the tokens (the residual
+    stream) are fp32: the weighted sum is taken in fp32 (it raised a dtype error)."""
+    from torch import nn
+
+    from engine.moe.dropless import mix_experts
+
+    torch.manual_seed(0)
+    experts = [nn.Linear(8, 8) for _ in range(2)]
+    tokens = torch.randn(5, 8)
+    token, expert = torch.tensor([0, 1, 1, 3, 4]), torch.tensor([0, 0, 1, 1, 0])
+    gate = torch.rand(5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, processed = mix_experts(tokens, token, expert, gate, experts, 2)
+    plain, _ = mix_experts(tokens, token, expert, gate, experts, 2)
+    assert out.dtype == torch.float32 and processed == [3, 2]
+    # bf16 rounds the inputs, the weights and the rows to 8 bits (2^-9 relative each) on
+    # values below 1: measured 0.0027 at most here; bound 2^-7
+    assert (out[2] == 0).all() and (out - plain).abs().max() <= 2**-7

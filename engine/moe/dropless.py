@@ -48,7 +48,9 @@ def mix_experts(tokens: torch.Tensor, token: torch.Tensor, expert: torch.Tensor,
     assignments ``token``, ``expert``, ``gate`` (one entry each); a token with none gets
     zeros. Returns ``out`` and the rows each local expert processed."""
     y, processed = run_experts(tokens[token], expert, experts, num_experts, group)
-    out = tokens.new_zeros(tokens.shape).index_add(0, token, y * gate.unsqueeze(-1))
+    # summed in the tokens' dtype: under bf16 autocast the experts' rows come back in bf16
+    mixed = (y * gate.unsqueeze(-1)).to(tokens.dtype)
+    out = tokens.new_zeros(tokens.shape).index_add(0, token, mixed)
     return out, processed
 
 
