@@ -13,7 +13,7 @@ attention all-gathers K and V (small under grouped-query attention: 8 KV heads o
 * **Backward**: K/V gathered again (not kept from forward, so a rank holds the whole K/V only
   inside its own layer), then dK/dV for the whole sequence, computed from this rank's queries,
   are **reduce-scattered**: each rank receives the sum, over the ranks, of its own tokens'
-  gradients. Twice the forward's bytes, as the ring (:func:`engine.theory.cp_bytes`).
+  gradients. Twice the forward's bytes, as the ring (:func:`engine.theory.allgather_cp_bytes`).
 * **Memory**: the whole K/V, ``2 S kv_hidden`` values, and in backward also dK/dV for the whole
   sequence in the accumulation dtype (:func:`engine.theory.cp_memory_bytes`): ``N`` times the
   ring's two blocks, which is why it pays only when K/V is small next to the queries.
