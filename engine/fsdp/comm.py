@@ -37,6 +37,20 @@ class Columns:
         self.starts = [sum(self.chunks[:i]) for i in range(len(params))]
         self.total = sum(self.chunks)
         self.even = all(p.layout.rows % self.n == 0 for p in params)  # no padding anywhere
+        self.flat = self._one_buffer() if self.even else None
+
+    def _one_buffer(self) -> torch.Tensor | None:
+        """An even group's shards moved into one buffer, each a view of it, so the all-gather
+        sends the buffer itself (no copy in; FSDP1's flat shard, as
+        :class:`engine.zero.flat.ShardedUnit` keeps). Shards of mixed dtypes keep their own."""
+        shards = [p.shard for p in self.params]
+        if len({(t.dtype, t.device) for t in shards}) != 1:
+            return None
+        flat = torch.empty(self.total, dtype=shards[0].dtype, device=shards[0].device)
+        for t, lo, c in zip(shards, self.starts, self.chunks):
+            flat[lo:lo + c].copy_(t.detach().reshape(-1))
+            t.data = flat[lo:lo + c].view(t.shape)
+        return flat
 
     def rows_of(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each whole tensor seen as its ``n x chunk`` rows (even groups only)."""
@@ -50,7 +64,9 @@ class Gathering:
     def __init__(self, columns: Columns, dtype: torch.dtype, group, async_op: bool = False):
         params, self.columns = columns.params, columns
         device = params[0].shard.device
-        if columns.even:
+        if columns.flat is not None:  # the shards' own buffer (a cast only if the policy asks)
+            send = columns.flat.to(dtype)
+        elif columns.even:
             send = torch.empty(columns.total, dtype=dtype, device=device)
             torch.cat([p.shard.detach().reshape(-1) for p in params], out=send)
         else:

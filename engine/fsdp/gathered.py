@@ -11,8 +11,6 @@ version counters autograd checks are kept. The group's ``observer`` is told each
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from engine.fsdp import comm
@@ -68,8 +66,7 @@ class Gathered:
             self.group.observe(self.nbytes)
         if self.pending is not None:
             # autograd saved these tensors: new bytes, the same values, not a modification
-            with torch.no_grad(), contextlib.ExitStack() as keep:
-                for t in self.tensors:
-                    keep.enter_context(torch.autograd._unsafe_preserve_version_counter(t))
+            with torch.no_grad(), \
+                    torch.autograd._unsafe_preserve_version_counter(tuple(self.tensors)):
                 self.pending.finish(self.tensors, self.rows)
             self.pending = None
