@@ -481,3 +481,25 @@ def _after_a_failed_backward(rank, world_size, fail):
 def test_a_backward_that_raised_leaves_no_gradient_to_the_next_step():
     clean, after = (run_ranks(_after_a_failed_backward, 2, fail)[0] for fail in (False, True))
     assert _worst(clean, after) == 0
+
+
+def _shards_given_new_storage(rank, world_size):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))  # rows even over 2
+    fully_shard(model[0])
+    fully_shard(model)
+    even = model[0].fsdp_state.columns.holds_the_shards()
+    for p in model.parameters():  # as a module.to(...) that converts does: new storage
+        p.data = p.data.clone() + 1.0
+    expected = gather_full(model[0].weight)
+    seen = []
+    model[0].register_forward_hook(lambda m, a, o: seen.append(o.detach()))
+    model(torch.ones(2, 8))
+    return even, torch.allclose(seen[0], torch.ones(2, 8) @ expected.T + gather_full(
+        model[0].bias))
+
+
+def test_shards_given_new_storage_are_gathered_as_they_are_now():
+    """An even group's shards live in one buffer the all-gather sends as it is; shards that
+    were given storage of their own since are copied in instead, never the stale buffer."""
+    assert run_ranks(_shards_given_new_storage, 2) == [(True, True), (True, True)]

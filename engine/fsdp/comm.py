@@ -52,6 +52,14 @@ class Columns:
             t.data = flat[lo:lo + c].view(t.shape)
         return flat
 
+    def holds_the_shards(self) -> bool:
+        """Whether every shard is still a view of :attr:`flat` (a ``module.to(...)`` that
+        converted them gives each its own storage again: then they are copied in)."""
+        if self.flat is None:
+            return False
+        ptr = self.flat.untyped_storage().data_ptr()
+        return all(p.shard.untyped_storage().data_ptr() == ptr for p in self.params)
+
     def rows_of(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each whole tensor seen as its ``n x chunk`` rows (even groups only)."""
         return [t.view(self.n, c) for t, c in zip(tensors, self.chunks)]
@@ -64,7 +72,7 @@ class Gathering:
     def __init__(self, columns: Columns, dtype: torch.dtype, group, async_op: bool = False):
         params, self.columns = columns.params, columns
         device = params[0].shard.device
-        if columns.flat is not None:  # the shards' own buffer (a cast only if the policy asks)
+        if columns.holds_the_shards():  # their own buffer (a cast only if the policy asks)
             send = columns.flat.to(dtype)
         elif columns.even:
             send = torch.empty(columns.total, dtype=dtype, device=device)
