@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from engine import theory
@@ -503,3 +502,37 @@ def test_shards_given_new_storage_are_gathered_as_they_are_now():
     """An even group's shards live in one buffer the all-gather sends as it is; shards that
     were given storage of their own since are copied in instead, never the stale buffer."""
     assert run_ranks(_shards_given_new_storage, 2) == [(True, True), (True, True)]
+
+
+def _gathered_alive_after_steps(rank, world_size):
+    import gc
+    import weakref
+
+    from engine.fsdp import gathered as gathered_module
+    made = []
+    real_init = gathered_module.Gathered.__init__
+
+    def counted(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    model, (x, y) = Net(), _data()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    gathered_module.Gathered.__init__ = counted
+    try:
+        _train(model, x, y, "sgd")
+    finally:
+        gathered_module.Gathered.__init__ = real_init
+    gc.collect()
+    return len(made), sum(ref() is not None for ref in made)
+
+
+def test_a_forwards_gathered_tensors_are_not_kept_after_its_backward():
+    """Each forward makes one ``Gathered`` a group; once its backward is through, only the
+    group's ``last`` may keep it. (Unshard returning the tensors the Gathered holds made a
+    cycle through their autograd node that the collector cannot see: every one lived on.)"""
+    made, alive = run_ranks(_gathered_alive_after_steps, 2)[0]
+    assert made == 3 * STEPS  # the root and two blocks, each step
+    assert alive == 3  # each group's last

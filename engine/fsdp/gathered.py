@@ -25,14 +25,23 @@ class Gathered:
         self.tensors = [torch.empty(p.layout.shape, dtype=group.gather_dtype,
                                     device=p.shard.device) for p in group.params]
         self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors)
-        for t, p in zip(self.tensors, group.params):
-            t.fsdp_param = p  # a deferred weight gradient (W) finds its shard by it
         # the all-gather's copy-out targets, seen once (views stay valid across resizes)
         self.rows = group.columns.rows_of(self.tensors) if group.columns.even else None
         if gather:
             self.refill()
         else:  # empty until its first use
             self._resize(0)
+
+    def aliases(self) -> tuple[torch.Tensor, ...]:
+        """What :class:`engine.fsdp.group.Unshard` returns: each tensor's alias (``detach``:
+        the same storage and version counter), which autograd points at its node. Were the
+        tensors themselves returned, node -> this -> tensors -> node would be a cycle Python's
+        collector cannot see through (a tensor's node is not traversed): every forward's
+        ``Gathered`` would live for good."""
+        aliases = tuple(t.detach() for t in self.tensors)
+        for alias, p in zip(aliases, self.group.params):
+            alias.fsdp_param = p  # a deferred weight gradient (W) finds its shard by it
+        return aliases
 
     def _resize(self, full: int) -> None:
         for t in self.tensors:

@@ -53,7 +53,7 @@ class Unshard(torch.autograd.Function):
         comm.forget_unlanded()  # a backward that raised: its gradients belong to no step
         ctx.group = group
         ctx.gathered = group.last = Gathered(group, gather)
-        return tuple(ctx.gathered.tensors)
+        return ctx.gathered.aliases()
 
     @staticmethod
     def backward(ctx, *grads):
@@ -86,6 +86,7 @@ class ShardGroup:
         self.gather_dtype = policy.gather_dtype(self.params, type(module).__name__)
         self.reduce_dtype = policy.reduce_dtype or self.gather_dtype
         self.last: Gathered | None = None  # of the last forward
+        self.whole: tuple | None = None  # its Unshard's outputs, from pre- to post-forward
         self.backward: Gathered | None = None  # in the slots while the module's backward runs
         self.is_root: bool | None = None  # decided at the first forward (engine.fsdp.root)
         self.later = self.step = self.observer = None  # module docstring
@@ -100,10 +101,10 @@ class ShardGroup:
         if self.observer is not None:
             self.observer(self, nbytes)
 
-    def point_at(self, gathered: Gathered | None) -> None:
-        """The slots hold ``gathered``'s whole tensors (``None``: the shards)."""
+    def point_at(self, whole: tuple | None) -> None:
+        """The slots hold ``whole``, :class:`Unshard`'s outputs (``None``: the shards)."""
         for i, p in enumerate(self.params):
-            p.point_at(p.shard if gathered is None else gathered.tensors[i])
+            p.point_at(p.shard if whole is None else whole[i])
 
     # -- the algorithm: gather, compute, free; gather again for backward -----------------------
 
@@ -114,15 +115,16 @@ class ShardGroup:
         if self.step is not None:  # a pipeline step: its tensors, filled again
             args = self.later.before_forward(self, args)
         elif self.backward is None:  # (else a recompute in its backward: whole already)
-            Unshard.apply(self, True, *[p.shard for p in self.params])
-            self.point_at(self.last)
+            self.whole = Unshard.apply(self, True, *[p.shard for p in self.params])
+            self.point_at(self.whole)
             self.prefetch.ran_forward(self)
         return self.policy.cast_inputs(args, kwargs)
 
     def post_forward(self, module, args, output):
         if self.backward is not None:  # a recompute in its backward: kept whole
             return output
-        gathered = self.step or self.last
+        gathered, whole = self.step or self.last, self.whole
+        self.whole = None  # its node points at this group: not kept here past the forward
         if self.step is None:
             self.point_at(None)
         # every tensor of the output, however nested (dicts, dataclasses registered with
@@ -134,13 +136,13 @@ class ShardGroup:
         elif self.reshard_after_forward and not self.is_root:
             gathered.free()
             for o in needs_grad:
-                o.register_hook(functools.partial(self.pre_backward, gathered))
+                o.register_hook(functools.partial(self.pre_backward, gathered, whole))
         return output
 
-    def pre_backward(self, gathered: Gathered, grad) -> None:
+    def pre_backward(self, gathered: Gathered, whole: tuple | None, grad) -> None:
         """Backward reached the module: its parameters whole again, in the slots."""
         gathered.refill()
         if self.step is None:
             self.backward = gathered
-            self.point_at(gathered)
+            self.point_at(whole)
             self.prefetch.backward_reached(self)  # the next group's gather travels meanwhile

@@ -104,10 +104,9 @@ class ShardedStep:
         to the step's end; ``held``: not freed in between (used by modules the runtime calls,
         not by the root itself: gathered now)."""
         group.held = held
-        Unshard.apply(group, False, *[p.shard for p in group.params])
+        whole = Unshard.apply(group, False, *[p.shard for p in group.params])
         group.step = group.last
-        for p, whole in zip(group.params, group.step.tensors):
-            p.point_at(whole)
+        group.point_at(whole)
         if held:
             group.step.refill()
 
