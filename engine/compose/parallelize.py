@@ -214,8 +214,8 @@ def apply_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls, compre
     compressor = compressor_for(compress, zero)
     if zero == 3:  # the model's parameters are its shards now: any optimizer steps them
         apply_fully_shard(model, group, pipeline=mesh.pp > 1, mp_policy=mp_policy)
-        return model, optimizer_cls(list(model.parameters()), **foreach(optimizer_cls, kwargs)), \
-            contextlib.nullcontext
+        kwargs = multi_tensor(optimizer_cls, kwargs)
+        return model, optimizer_cls(list(model.parameters()), **kwargs), contextlib.nullcontext
     if mesh.pp > 1:
         optimizer = ZeroOptimizer(list(model.parameters()), optimizer_cls, stage=zero,
                                   group=group, compressor=compressor, **kwargs)
@@ -228,12 +228,19 @@ def apply_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls, compre
     return model, optimizer, contextlib.nullcontext
 
 
-def foreach(optimizer_cls, kwargs: dict) -> dict:
-    """``kwargs`` with ``foreach=True`` where the optimizer takes it and the caller did not
-    choose: ZeRO-3 steps every shard as its own tensor (where ZeRO-1/2 step one flat bucket),
-    so the multi-tensor kernels, PyTorch's default on GPUs, matter on CPUs too."""
-    takes = "foreach" in inspect.signature(optimizer_cls).parameters
-    return {"foreach": True, **kwargs} if takes else kwargs
+def multi_tensor(optimizer_cls, kwargs: dict) -> dict:
+    """``kwargs`` with ``fused=True`` (else ``foreach=True``) where the optimizer takes it and
+    the caller chose neither: ZeRO-3 steps every shard as its own tensor, where ZeRO-1/2 step
+    one flat bucket, so the cost of a step per tensor matters on CPUs too. AdamW over
+    ``--model tiny``'s 28 shards, measured on one CPU core: 0.39 ms a step with ``foreach``
+    (its bias corrections read each step count with ``.item()``), 0.12 ms fused, 0.11 ms over
+    three flat tensors. torchtitan's default AdamW is the fused one too."""
+    params = inspect.signature(optimizer_cls).parameters
+    if "fused" in kwargs or "foreach" in kwargs:
+        return kwargs
+    if "fused" in params:
+        return {"fused": True, **kwargs}
+    return {"foreach": True, **kwargs} if "foreach" in params else kwargs
 
 
 def apply_fully_shard(model: GPT, group, pipeline: bool, ignored_params=(),
@@ -284,7 +291,7 @@ def apply_expert_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls,
         apply_fully_shard(model, mesh.dp_cp_group, mesh.pp > 1, expert_parameters(model),
                           mp_policy)
         dense = [p for p in model.parameters() if hasattr(p, "fsdp_layout")]
-        optimizers = Optimizers(optimizer_cls(dense, **foreach(optimizer_cls, kwargs)),
+        optimizers = Optimizers(optimizer_cls(dense, **multi_tensor(optimizer_cls, kwargs)),
                                 ZeroOptimizer(expert_parameters(model), optimizer_cls, stage=1,
                                               **experts))
         return model, optimizers, lambda: sum_tied_embedding(model, mesh, None, across)
