@@ -536,3 +536,56 @@ def test_a_forwards_gathered_tensors_are_not_kept_after_its_backward():
     made, alive = run_ranks(_gathered_alive_after_steps, 2)[0]
     assert made == 3 * STEPS  # the root and two blocks, each step
     assert alive == 3  # each group's last
+
+
+def _two_forwards_seen(rank, world_size):
+    model, (x, y) = Net(), _data()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    names = {id(b.fsdp_state): f"block{i}" for i, b in enumerate(model.blocks)}
+    seen = []
+    for block in model.blocks:
+        block.fsdp_state.observer = lambda group, nbytes: seen.append(
+            (names[id(group)], "+" if nbytes > 0 else "-"))
+    forwards = []
+    for _ in range(2):
+        loss = nn.functional.mse_loss(model(x), y)
+        forwards.append(list(seen))
+        loss.backward()
+        seen.clear()
+    return forwards
+
+
+def test_a_forward_prefetches_the_group_the_last_forward_ran_next():
+    """The first forward knows no order: each block is gathered as it starts. The second
+    starts block 1's gather once block 0 is gathered, so it travels while block 0 computes
+    (FSDP1's forward_prefetch): two blocks whole at once, as in backward, never three."""
+    for first, second in run_ranks(_two_forwards_seen, 2):
+        assert first == [("block0", "+"), ("block0", "-"), ("block1", "+"), ("block1", "-")]
+        assert second == [("block0", "+"), ("block1", "+"), ("block0", "-"), ("block1", "-")]
+
+
+def _after_a_forward_that_raised(rank, world_size):
+    model, (x, y) = Net(), _data()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    nn.functional.mse_loss(model(x), y).backward()  # the order: block 0, then block 1
+    fail = model.blocks[0].up.register_forward_hook(lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        model(x)  # block 1's gather started early, and no forward takes it
+    fail.remove()
+    with torch.no_grad():  # a step: the values that gather carried are stale now
+        for p in model.parameters():
+            p.add_(1.0)
+    reference = Net()
+    reference.load_state_dict(full_state_dict(model))
+    return torch.equal(model(x), reference(x))
+
+
+def test_a_prefetch_no_forward_took_is_dropped_not_used_later():
+    """A forward that raised in block 0 leaves the shards in every slot (the post-forward hook
+    runs anyway) and the gather it started early for block 1 is dropped when the next forward
+    starts: after a step, that forward computes with the new values, not the stale ones."""
+    assert run_ranks(_after_a_forward_that_raised, 2) == [True, True]

@@ -24,10 +24,13 @@ class Gathered:
         self.group, self.freed, self.pending = group, True, None
         self.tensors = [torch.empty(p.layout.shape, dtype=group.gather_dtype,
                                     device=p.shard.device) for p in group.params]
-        self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors)
+        self.nbytes = group.nbytes
         # the all-gather's copy-out targets, seen once (views stay valid across resizes)
         self.rows = group.columns.rows_of(self.tensors) if group.columns.even else None
-        if gather:
+        if gather and group.prefetched is not None:  # started early: counted since then
+            self.pending, group.prefetched, self.freed = group.prefetched, None, False
+            self.refill()
+        elif gather:
             self.refill()
         else:  # empty until its first use
             self._resize(0)

@@ -20,8 +20,8 @@ FSDP", VLDB 2023, for FSDP1's flat parameter it replaces; ZeRO stage 3, Rajbhand
 What is not the algorithm lives elsewhere: the collectives (:mod:`engine.fsdp.comm`), the
 whole tensors freed and filled in place (:class:`engine.fsdp.gathered.Gathered`), the shards
 and their slots (:mod:`engine.fsdp.shard`), the dtypes (:mod:`engine.fsdp.policy`),
-which module is the root (:mod:`engine.fsdp.root`), which gather starts early
-(:mod:`engine.fsdp.prefetch`), and what a pipeline adds
+which module is the root (:mod:`engine.fsdp.root`), which gathers start early, in forward
+and in backward (:mod:`engine.fsdp.prefetch`), and what a pipeline adds
 (:mod:`engine.fsdp.step`): ``later`` keeps gradients reduced after this backward, ``step`` is
 the whole tensors a pipeline step keeps in the slots; ``observer(group, bytes)`` is told each
 gather (+) and free (-).
@@ -84,22 +84,43 @@ class ShardGroup:
         self.params = shard_params(module, self.world_size, self.rank, ignored)
         self.columns = comm.Columns(self.params) if self.params else None
         self.gather_dtype = policy.gather_dtype(self.params, type(module).__name__)
+        self.nbytes = sum(p.layout.shape.numel() * self.gather_dtype.itemsize
+                          for p in self.params)  # the group whole
         self.reduce_dtype = policy.reduce_dtype or self.gather_dtype
         self.last: Gathered | None = None  # of the last forward
         self.whole: tuple | None = None  # its Unshard's outputs, from pre- to post-forward
         self.backward: Gathered | None = None  # in the slots while the module's backward runs
         self.is_root: bool | None = None  # decided at the first forward (engine.fsdp.root)
         self.later = self.step = self.observer = None  # module docstring
-        self.prefetch = None  # the root's BackwardPrefetch, shared (engine.fsdp.root)
+        self.prefetch = None  # the root's Prefetch, shared (engine.fsdp.root)
+        self.prefetched = None  # this group's forward all-gather, started early
         self.held = False  # whole through a pipeline step (its root)
         # the pre-hook also on a module whose children took every parameter: it is the root
         module.register_forward_pre_hook(self.pre_forward, with_kwargs=True)
         if self.params:
-            module.register_forward_hook(self.post_forward)
+            # also when the forward raised: the slots hold the shards again, the bytes freed
+            module.register_forward_hook(self.post_forward, always_call=True)
 
     def observe(self, nbytes: int) -> None:
         if self.observer is not None:
             self.observer(self, nbytes)
+
+    def forward_prefetch(self) -> bool:
+        """Start the all-gather of this group's coming forward (:mod:`engine.fsdp.prefetch`),
+        its bytes counted from now; :class:`Unshard` takes it. Whether it started."""
+        if self.prefetched is not None or self.backward is not None or self.step is not None:
+            return False
+        self.prefetched = comm.Gathering(self.columns, self.gather_dtype, self.group,
+                                         async_op=True)
+        self.observe(self.nbytes)
+        return True
+
+    def drop_prefetch(self) -> None:
+        """A forward all-gather started early that no forward took: waited for, dropped."""
+        if self.prefetched is not None:
+            self.prefetched.wait()
+            self.prefetched = None
+            self.observe(-self.nbytes)
 
     def point_at(self, whole: tuple | None) -> None:
         """The slots hold ``whole``, :class:`Unshard`'s outputs (``None``: the shards)."""
@@ -123,6 +144,10 @@ class ShardGroup:
     def post_forward(self, module, args, output):
         if self.backward is not None:  # a recompute in its backward: kept whole
             return output
+        if self.step is None and self.whole is None:  # the pre-hook raised: nothing gathered
+            return output
+        if output is None and torch._C._current_graph_task_id() != -1:
+            return output  # a recompute torch.utils.checkpoint stopped early (by raising)
         gathered, whole = self.step or self.last, self.whole
         self.whole = None  # its node points at this group: not kept here past the forward
         if self.step is None:

@@ -4,12 +4,12 @@ As PyTorch's FSDP2 does (``FSDPState._lazy_init``): the sharded module whose for
 first is the root, every sharded module inside it is not. The root keeps its parameters from
 forward to backward (backward starts with them); it is decided then rather than at
 ``fully_shard`` time, when the modules around it may not be sharded yet. The root and every
-group inside it share one :class:`engine.fsdp.prefetch.BackwardPrefetch`.
+group inside it share one :class:`engine.fsdp.prefetch.Prefetch`.
 """
 
 from __future__ import annotations
 
-from engine.fsdp.prefetch import BackwardPrefetch
+from engine.fsdp.prefetch import Prefetch
 
 
 def lazy_init(state) -> None:
@@ -18,7 +18,7 @@ def lazy_init(state) -> None:
     if state.is_root is not None:
         return
     state.is_root = True
-    state.prefetch = BackwardPrefetch()  # one for the root and every group inside it
+    state.prefetch = Prefetch()  # one for the root and every group inside it
     for name, sub in state.module.named_modules():
         inner = getattr(sub, "fsdp_state", None)
         if sub is state.module or inner is None:
