@@ -105,23 +105,6 @@ class ShardGroup:
         if self.observer is not None:
             self.observer(self, nbytes)
 
-    def forward_prefetch(self) -> bool:
-        """Start the all-gather of this group's coming forward (:mod:`engine.fsdp.prefetch`),
-        its bytes counted from now; :class:`Unshard` takes it. Whether it started."""
-        if self.prefetched is not None or self.backward is not None or self.step is not None:
-            return False
-        self.prefetched = comm.Gathering(self.columns, self.gather_dtype, self.group,
-                                         async_op=True)
-        self.observe(self.nbytes)
-        return True
-
-    def drop_prefetch(self) -> None:
-        """A forward all-gather started early that no forward took: waited for, dropped."""
-        if self.prefetched is not None:
-            self.prefetched.wait()
-            self.prefetched = None
-            self.observe(-self.nbytes)
-
     def point_at(self, whole: tuple | None) -> None:
         """The slots hold ``whole``, :class:`Unshard`'s outputs (``None``: the shards)."""
         for i, p in enumerate(self.params):

@@ -3,7 +3,7 @@
 **Forward.** A model's forwards run its groups in the same order every time. So when the
 root's forward starts, and after each group's gather while the order still follows the last
 forward's, :class:`Prefetch` starts the all-gather of the group that ran next last time
-(:meth:`engine.fsdp.group.ShardGroup.forward_prefetch`): it travels while this group computes,
+(``group.prefetched``): it travels while this group computes,
 and that group's forward only waits for what is left of it (FSDP1's ``forward_prefetch=True``;
 FSDP2 gets the same on GPUs by issuing its all-gathers on a stream of their own ahead of the
 compute, or explicitly with ``set_modules_to_forward_prefetch``). A forward that leaves the
@@ -24,6 +24,8 @@ parameters through the step and is never prefetched; a pipeline step
 
 from __future__ import annotations
 
+from engine.fsdp import comm
+
 
 class Prefetch:
     """The order this forward and the last one ran the groups in; the next group's gather,
@@ -38,7 +40,7 @@ class Prefetch:
     def ran_forward(self, group) -> None:
         if group.is_root:  # a forward from the root: a new order
             for early in self.started:  # what the forward before did not take
-                early.drop_prefetch()
+                _drop_forward_gather(early)
             self.started = []
             self.last_order, self.order, self.on_track = self.order, [], True
         elif group.reshard_after_forward:
@@ -51,7 +53,7 @@ class Prefetch:
         at = len(self.order)
         if self.on_track and at < len(self.last_order):
             following = self.last_order[at]
-            if following.forward_prefetch():
+            if _start_forward_gather(following):
                 self.started.append(following)
 
     def backward_reached(self, group) -> None:
@@ -60,3 +62,22 @@ class Prefetch:
         at = len(self.order) - 1 - self.order[::-1].index(group)
         if at > 0 and self.order[at - 1].last is not None:
             self.order[at - 1].last.prefetch()
+
+
+def _start_forward_gather(group) -> bool:
+    """Start the all-gather of ``group``'s coming forward, its bytes counted from now;
+    :class:`engine.fsdp.group.Unshard` takes it (``group.prefetched``). Whether it started."""
+    if group.prefetched is not None or group.backward is not None or group.step is not None:
+        return False
+    group.prefetched = comm.Gathering(group.columns, group.gather_dtype, group.group,
+                                      async_op=True)
+    group.observe(group.nbytes)
+    return True
+
+
+def _drop_forward_gather(group) -> None:
+    """A forward all-gather started early that no forward took: waited for, dropped."""
+    if group.prefetched is not None:
+        group.prefetched.wait()
+        group.prefetched = None
+        group.observe(-group.nbytes)
