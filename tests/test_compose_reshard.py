@@ -32,13 +32,15 @@ TOLERANCE = 1e-6  # the parity matrix's (engine.compose.parity)
 # (measured), at 1e-4 every parameter by under 1e-6 (engine.compose.parity's note)
 COMMON = ["train", "--micro-batch", "2", "--lr", str(LR)]
 MOE = ["--model", "tiny-moe"]
+LLAMA = ["--model", "llama-tiny"]
 # one process, per model. The MoE balancing loss and z-loss are taken over each global
 # micro-batch (engine.compose.experts): not linear in it, so one process must cut the step's 4
 # rows into the same global micro-batches as the layouts: 1 of 4 rows for dp2 x 1 x 2 (with 2
 # of 2 rows one process differs from tiny-MoE dp2 by 8e-6 in the loss: measured)
 ONE = {"tiny": ["--world-size", "1", "--microbatches", "2", "--zero", "0"],
        "tiny-moe": [*MOE, "--world-size", "1", "--microbatches", "1", "--micro-batch", "4",
-                    "--zero", "0"]}
+                    "--zero", "0"],
+       "llama-tiny": [*LLAMA, "--world-size", "1", "--microbatches", "2", "--zero", "0"]}
 PAIRS = {  # name: (layout A, layout B)
     "dp2 zero1 -> tp2xpp2 zero0": (
         ["--dp", "2", "--zero", "1", "--microbatches", "1"],
@@ -51,6 +53,12 @@ PAIRS = {  # name: (layout A, layout B)
         [*MOE, "--dp", "2", "--ep", "2", "--zero", "3", "--microbatches", "1"],
         [*MOE, "--world-size", "4", "--dp", "2", "--tp", "2", "--zero", "1",
          "--microbatches", "1"]),
+    # SwiGLU's fused [gate | up] cut by halves over tp 2, joined and cut again over tp 2 x pp 2
+    "llama-tiny dp2xtp2 zero3 -> tp2xpp2 zero0": (
+        [*LLAMA, "--world-size", "4", "--dp", "2", "--tp", "2", "--zero", "3",
+         "--microbatches", "1"],
+        [*LLAMA, "--world-size", "4", "--dp", "1", "--tp", "2", "--pp", "2", "--zero", "0",
+         "--microbatches", "2"]),
 }
 
 
@@ -88,7 +96,7 @@ def test_resharded_run_equals_one_process(pair, one_process, tmp_path, capsys):
     assert engine_main([*COMMON, *after, "--steps", "4", "--save", str(tmp_path), "--resume",
                         "--reshard"]) == 0
     assert "(re-cut for this layout)" in capsys.readouterr().out
-    model = "tiny-moe" if MOE[1] in after else "tiny"
+    model = next((name for name in ("tiny-moe", "llama-tiny") if name in after), "tiny")
     losses, final = _losses(tmp_path), _final(tmp_path, model)
     reference, alone = one_process(model)
     assert len(losses) == len(reference) == 4

@@ -27,6 +27,9 @@ EXPECTED = [
 MOE = ["moe dp2", "moe dp2xep2", "moe dp2xep2 zero1", "moe dp2xep2 zero2",
        "moe cp2xep2 ring-zigzag", "moe dp2xep2xtp2", "moe dp2xep2xtp2 sp",
        "moe dp2xep2xpp2 1f1b", "moe dp2xep2 zero3"]
+LLAMA = ["dp2", "tp2", "tp2 sp", "cp2 ring-zigzag", "cp2 ulysses", "pp2 1f1b",
+         "cp2xpp2 ring-zigzag 1f1b", "cp2xtp2 ring-zigzag", "dp2xtp2xpp2 1f1b zero1",
+         "dp2 zero3"]
 EXPECTED += ["pp2 interleaved", "pp2 zb_v", "pp2 dualpipe_v",  # 4 layers: 2 chunks a rank
              "dp2xpp2 interleaved zero3"]
 EXPECTED = [*EXPECTED, *(f"{name} varlen" for name in EXPECTED), "dp2xtp2 untied",
@@ -34,7 +37,8 @@ EXPECTED = [*EXPECTED, *(f"{name} varlen" for name in EXPECTED), "dp2xtp2 untied
             "dp2xpp2 zb_h1 zero3 varlen",  # ZeRO-3 under W actions: one row (4 s)
             "dp2xpp2 zb_h1 zero2", "dp2xpp2 zb_v zero3", "moe dp2xep2xpp2 zb_h1 zero1",
             "moe cp2xep2xpp2 ring-zigzag dualpipe_v zero1",  # W actions (parity.W_ROWS)
-            "cp2xtp2xpp2 ring-zigzag zb_v zero3 varlen"]
+            "cp2xtp2xpp2 ring-zigzag zb_v zero3 varlen",
+            *(f"llama {name} untied" for name in LLAMA)]  # rotary positions, RMSNorm, SwiGLU
 
 
 def test_no_row_is_missing():

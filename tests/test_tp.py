@@ -311,16 +311,23 @@ def test_one_layout_table_says_how_every_parameter_is_cut(world_size):
 
 
 def test_join_puts_back_together_what_the_table_cuts():
-    from engine.tp.layout import HEADS, TP_SPLIT, heads_slice, join, split_dim
+    from engine.tp.layout import HALVES, HEADS, TP_SPLIT, halves, heads_slice, join, split_dim
 
     g = torch.Generator().manual_seed(0)
     for t in (1, 2, 3):
         for name, split in TP_SPLIT.items():
             whole = torch.randn(6 * t, 3 * t, generator=g)
-            slices = ([heads_slice(whole, t, r) for r in range(t)] if split == HEADS
-                      else list(whole.chunk(t, dim=split)))
+            if split == HEADS:
+                slices = [heads_slice(whole, t, r) for r in range(t)]
+            elif split == HALVES:  # rank r: [gate_r | up_r], its rows of each half
+                slices = [heads_slice(whole, t, r, halves(6 * t)) for r in range(t)]
+            else:
+                slices = list(whole.chunk(t, dim=split))
             assert torch.equal(join(f"blocks.1.{name}", slices), whole), (name, t)
     assert split_dim("blocks.0.ln1.weight") is None and split_dim("attn.proj.bias") is None
+    gate_up = torch.arange(8.0).unsqueeze(1)  # gate rows 0-3, up rows 4-7
+    mine = heads_slice(gate_up, 2, 1, halves(8))
+    assert mine.flatten().tolist() == [2.0, 3.0, 6.0, 7.0]  # rank 1: its gate rows, its up rows
     assert join("pos.weight", [torch.ones(2), torch.ones(2)]).shape == (2,)  # replicated
 
 

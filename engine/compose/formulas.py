@@ -98,21 +98,24 @@ def tp_formula(gpt, plan: Plan, b: int, steps: int) -> Formula:
     first, last = gpt.tok is not None, gpt.head is not None
     if plan.sequence_parallel:
         lns = 2 * layers + last
+        norm_vectors = 1 if cfg.norm == "rmsnorm" else 2  # RMSNorm: a gain, no bias
+        positions = first and gpt.pos is not None  # learned ones: scattered as the tokens
         biases = sum(blk.attn.proj.bias is not None for blk in gpt.blocks if isinstance(
             blk, Block)) + sum(blk.out.bias is not None for blk in gpt.blocks
                                if isinstance(blk, Block) and blk.moe is None)
         per_mb = dense * theory.sp_comm_elements_per_layer(b, s, h, t) + \
             (layers - dense) * (theory.sp_comm_elements_per_layer(b, s, h, t) / 2 +
                                 2 * r * b * s * h) + \
-            first * (2 * r * b * s * h + r * s * h) + last * 3 * r * b * s * h + \
-            (2 * lns + biases) * 2 * r * h
+            first * 2 * r * b * s * h + positions * r * s * h + last * 3 * r * b * s * h + \
+            (norm_vectors * lns + biases) * 2 * r * h
         text = (f"10bsh(t-1)/t x {dense} dense layers (theory.sp_comm_elements_per_layer)"
                 + (f" + (5 + 2)bsh(t-1)/t x {layers - dense} MoE layers (the attention's, "
                    "and the whole sequence gathered in, its gradient gathered back: "
                    "experts.sequence_parallel_experts)" if layers > dense else "")
-                + (" + embedding 2bsh(t-1)/t + positions sh(t-1)/t" if first else "")
+                + (" + embedding 2bsh(t-1)/t" if first else "")
+                + (" + positions sh(t-1)/t" if positions else "")
                 + (" + output layer 3bsh(t-1)/t" if last else "")
-                + f" + {2 * lns + biases} LayerNorm/row-bias gradients x 2h(t-1)/t")
+                + f" + {norm_vectors * lns + biases} norm/row-bias gradients x 2h(t-1)/t")
     else:
         per_mb = dense * theory.tp_comm_elements_per_layer(b, s, h, t) + \
             (layers - dense) * theory.tp_comm_elements_per_layer(b, s, h, t) / 2 + \

@@ -12,9 +12,10 @@ context manager around each step (``context_parallel``), not a module rewrite.
    becomes vocab-parallel, the output layer column-parallel over the vocabulary (tied: the
    same slice), each attention's fused ``[q | k | v]`` column-parallel by heads (rank r: its
    ``1/t`` of the query heads and of the KV heads) and its output row-parallel, each MLP
-   column- then row-parallel. With sequence parallelism (Korthikanti et al. 2023) the
-   LayerNorms become :class:`engine.tp.layers.SequenceParallelLayerNorm` and the positions
-   are scattered with the tokens.
+   column- then row-parallel (SwiGLU: ``gate`` and ``fc`` column-parallel alike). With
+   sequence parallelism (Korthikanti et al. 2023) the norms become their sequence-parallel
+   forms (:func:`engine.tp.layers.sequence_parallel_norm`: LayerNorm or RMSNorm) and learned
+   positions are scattered with the tokens.
 2. **Context parallelism**, :func:`apply_context_parallel`: each attention's ``core`` becomes
    ring attention (Liu et al. 2023; zig-zag or contiguous layout), Ulysses (Jacobs et al.
    2023), all-gather (Llama 3) or USP (:mod:`engine.compose.usp`) over ``mesh.cp_group``.
@@ -85,8 +86,8 @@ from engine.fsdp import MixedPrecisionPolicy, fully_shard
 from engine.fsdp.step import ShardedStep
 from engine.pp.registry import build_schedule
 from engine.topology import Mesh
-from engine.tp.layers import (ColumnParallelLinear, RowParallelLinear,
-                              SequenceParallelLayerNorm, VocabParallelEmbedding)
+from engine.tp.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                              sequence_parallel_norm)
 from engine.tp.layout import heads_slice
 from engine.zero import ZeroOptimizer
 
@@ -144,17 +145,33 @@ def qkv_heads_slice(whole: torch.Tensor, sizes: list[int], t: int, rank: int) ->
     return heads_slice(whole, t, rank, sizes)
 
 
-def parallel_qkv(attn: nn.Module, group, rank: int, t: int, sp: bool) -> ColumnParallelLinear:
-    dense, d = attn.qkv, attn.head_dim
-    sizes = [attn.heads * d, attn.kv_heads * d, attn.kv_heads * d]
-    qkv = ColumnParallelLinear(dense.in_features, dense.out_features, dense.bias is not None,
-                               gather_output=False, group=group, device=dense.weight.device,
-                               dtype=dense.weight.dtype, sequence_parallel=sp)
+def parallel_fused(dense: nn.Linear, sizes: list[int], group, rank: int, t: int, sp: bool
+                   ) -> ColumnParallelLinear:
+    """``dense``, the fused parts of ``sizes`` rows (``[q | k | v]``, SwiGLU's ``[gate |
+    up]``), column-parallel: rank ``rank`` holds its ``1/t`` of each part, side by side."""
+    fused = ColumnParallelLinear(dense.in_features, dense.out_features, dense.bias is not None,
+                                 gather_output=False, group=group, device=dense.weight.device,
+                                 dtype=dense.weight.dtype, sequence_parallel=sp)
     with torch.no_grad():
-        qkv.weight.copy_(qkv_heads_slice(dense.weight, sizes, t, rank))
+        fused.weight.copy_(qkv_heads_slice(dense.weight, sizes, t, rank))
         if dense.bias is not None:
-            qkv.bias.copy_(qkv_heads_slice(dense.bias, sizes, t, rank))
-    return qkv
+            fused.bias.copy_(qkv_heads_slice(dense.bias, sizes, t, rank))
+    return fused
+
+
+def parallel_qkv(attn: nn.Module, group, rank: int, t: int, sp: bool) -> ColumnParallelLinear:
+    d = attn.head_dim
+    sizes = [attn.heads * d, attn.kv_heads * d, attn.kv_heads * d]
+    return parallel_fused(attn.qkv, sizes, group, rank, t, sp)
+
+
+def parallel_halves(dense: nn.Linear, group, rank: int, t: int, sp: bool
+                    ) -> ColumnParallelLinear:
+    """SwiGLU's fused ``[gate | up]``: rank ``rank`` holds its ``1/t`` of the gate's rows and
+    of the up projection's, so ``silu(gate) * up`` is local
+    (:data:`engine.tp.layout.HALVES`)."""
+    half = dense.out_features // 2
+    return parallel_fused(dense, [half, half], group, rank, t, sp)
 
 
 def apply_tensor_parallel(model: GPT, mesh: Mesh, sequence_parallel: bool = False) -> None:
@@ -174,15 +191,18 @@ def apply_tensor_parallel(model: GPT, mesh: Mesh, sequence_parallel: bool = Fals
                                                  sequence_parallel=sp)
         attn.heads, attn.kv_heads = attn.heads // t, attn.kv_heads // t
         if block.moe is None:
-            block.fc = ColumnParallelLinear.from_dense(block.fc, group, gather_output=False,
-                                                       sequence_parallel=sp)
+            if hasattr(block, "gate_up"):  # SwiGLU: rank r holds its rows of gate and of up
+                block.gate_up = parallel_halves(block.gate_up, group, rank, t, sp)
+            else:
+                block.fc = ColumnParallelLinear.from_dense(block.fc, group, gather_output=False,
+                                                           sequence_parallel=sp)
             block.out = RowParallelLinear.from_dense(block.out, group, input_is_parallel=True,
                                                      sequence_parallel=sp)
         if sp:
-            block.ln1, block.ln2 = (SequenceParallelLayerNorm.from_dense(ln, group)
+            block.ln1, block.ln2 = (sequence_parallel_norm(ln, group)
                                     for ln in (block.ln1, block.ln2))
     if sp:
-        model.ln_f = SequenceParallelLayerNorm.from_dense(model.ln_f, group)
+        model.ln_f = sequence_parallel_norm(model.ln_f, group)
         model.sp_group = group
 
 

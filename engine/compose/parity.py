@@ -26,6 +26,7 @@ import torch
 from engine.observe.meter import CommMeter
 from engine.observe.nccl_rules import nccl_rules
 from engine.model.data import global_batch
+from engine.model.presets import MODELS
 from engine.compose.experts import balance_bytes
 from engine.compose.loss import masked_sum
 from engine.compose.loop import train
@@ -45,6 +46,9 @@ from engine.compose.traffic import KINDS, bytes_by_kind
 # (measured: 1.7e-6 after 3 steps at lr 1e-3 where every other parameter agrees within 4e-8).
 MODEL = ModelConfig(vocab=64, seq_len=16, layers=2, heads=4, hidden=32, kv_heads=2,
                     qkv_bias=False)
+# The Llama rows: the same sizes with Llama 3's RMSNorm, rotary positions (each rank rotates
+# its tokens by their global positions), SwiGLU, no biases and an untied head
+LLAMA_MODEL = ModelConfig.from_gpt(MODELS["llama-tiny"])
 # Adam divides each gradient element by its own running size, so an element that is a sum of
 # terms cancelling to almost nothing (its relative rounding error large) moves by a different
 # fraction of lr in each layout: the parameter differences scale with lr. At lr 1e-3 one
@@ -74,10 +78,12 @@ class Row:
     layers: int = 2  # multi-chunk schedules: 4 (two chunks of one layer on each of 2 ranks)
     optimizer: str = "adamw"  # or "sgd": sees a gradient off by a constant factor
     balance: str = ""  # MoE: "loss" (balancing loss and z-loss), "bias" (aux-loss-free)
+    llama: bool = False  # LLAMA_MODEL's architecture (tied=False: its untied head)
 
     @property
     def name(self) -> str:
-        return ("moe " if self.moe else "") + self.plan.name + \
+        return ("llama " if self.llama else "") + ("moe " if self.moe else "") + \
+            self.plan.name + \
             ("" if self.tied else " untied") + (" varlen" if self.varlen else "") + \
             ("" if self.optimizer == "adamw" else f" {self.optimizer}") + \
             {"": "", "loss": " balanced", "bias": " bias"}[self.balance]
@@ -104,6 +110,11 @@ MOE_LAYOUTS = [_p(dp=2), _p(dp=2, ep=2), _p(dp=2, ep=2, zero=1), _p(dp=2, ep=2, 
 MULTI_CHUNK = [Plan(pp=2, schedule=name, micro_batches=4)
                for name in ("interleaved", "zb_v", "dualpipe_v")] + \
     [_p(dp=2, pp=2, schedule="interleaved", zero=3)]  # ZeRO-3 over a stage's two chunks
+# Llama's rotary positions under every way of holding tokens: data, tensor (and sequence),
+# context (ring zig-zag, Ulysses), pipeline, and their compositions
+LLAMA_LAYOUTS = [_p(dp=2), _p(tp=2), _p(tp=2, sequence_parallel=True), _p(cp=2),
+                 _p(cp=2, cp_method="ulysses"), _p(pp=2), _p(cp=2, pp=2), _p(cp=2, tp=2),
+                 _p(dp=2, tp=2, pp=2, zero=1), _p(dp=2, zero=3)]
 # the W actions of the zero-bubble schedules with what keeps gradients outside .grad: ZeRO-2's
 # buckets, ZeRO-3's root unit (a tied embedding on one rank under the V placement), expert
 # parallelism (alone, and DeepSeek-V3's layout: PP x EP x ZeRO-1 under DualPipe, here DualPipeV)
@@ -121,7 +132,8 @@ ROWS_PHASE_1 = [Row(plan, varlen) for varlen in (False, True) for plan in PHASE_
     [Row(_p(dp=2, tp=2), tied=False), Row(_p(tp=2, sequence_parallel=True), True, False)] + \
     [Row(plan, varlen, moe=True) for varlen in (False, True) for plan in MOE_LAYOUTS] + \
     [Row(_p(dp=2, pp=2, schedule="zb_h1", zero=3), varlen=True)] + \
-    W_ROWS  # ZeRO-3's W (one row: 4 s), and W_ROWS
+    W_ROWS + \
+    [Row(plan, tied=False, llama=True) for plan in LLAMA_LAYOUTS]  # ZeRO-3's W: 4 s
 # Lossy gradient compression (engine.compress has no lossless spec): expected to differ from
 # one process, by at most drift_bound / loss_bound (below)
 COMPRESSED_ROWS = [Row(_p(dp=2, compress="fp16")), Row(_p(dp=2, compress="bf16")),
@@ -198,7 +210,7 @@ BALANCE = {"": {}, "loss": dict(aux_loss_coef=0.01, z_loss_coef=1e-3),
 
 
 def model_config(row: Row) -> ModelConfig:
-    return replace(MODEL, tied=row.tied, layers=row.layers,
+    return replace(LLAMA_MODEL if row.llama else MODEL, tied=row.tied, layers=row.layers,
                    **({**MOE, **BALANCE[row.balance]} if row.moe else {}))
 
 

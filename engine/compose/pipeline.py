@@ -132,7 +132,7 @@ class ChunkCall(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
             x = self.model.embed(x, self.positions)
-        out = self.model.run_blocks(x, self.start, self.end)
+        out = self.model.run_blocks(x, self.start, self.end, self.positions)
         losses = self.model.router_losses(self.start, self.end)
         if isinstance(losses, torch.Tensor) and losses.requires_grad:
             out = RouterLossScaler.apply(out, losses, self.router_scale)

@@ -17,7 +17,7 @@ import torch
 from engine.compose.parallelize import Parallel
 from engine.fsdp import gather_full
 from engine.tp.mappings import gather_dim
-from engine.tp.layout import HEADS, heads_joined, qkv_sizes, split_dim
+from engine.tp.layout import HALVES, HEADS, halves, heads_joined, qkv_sizes, split_dim
 
 _EXPERT = re.compile(r"blocks\.(\d+)\.moe\.experts\.(\d+)\.(.*)")
 
@@ -37,10 +37,12 @@ def join_tp(name: str, local: torch.Tensor, par: Parallel) -> torch.Tensor:
     split = split_dim(name)
     if par.tp_group is None or split is None:
         return local.clone()
-    if split != HEADS:
+    if split not in (HEADS, HALVES):
         return gather_dim(local, split, par.tp_group)
     cfg = par.model.cfg
     slices = list(gather_dim(local, 0, par.tp_group).chunk(par.mesh.tp, dim=0))
+    if split == HALVES:
+        return heads_joined(slices, halves(2 * cfg.ffn))
     return heads_joined(slices, qkv_sizes(cfg.heads, cfg.kv_heads_or_heads, cfg.head_dim))
 
 

@@ -3,7 +3,11 @@
 :class:`GPT` is nanoGPT's layout (Radford et al. 2019, GPT-2: pre-LayerNorm blocks, causal
 self-attention, a GELU MLP, learned positions) with the three choices 2026 models make:
 grouped-query attention (Ainslie et al. 2023), dense or mixture-of-experts feed-forward layers
-(the MoE layer is given from above: :mod:`engine.moe`), tied or untied embeddings.
+(the MoE layer is given from above: :mod:`engine.moe`), tied or untied embeddings. Four more
+choices give Llama 3's architecture (Grattafiori et al., "The Llama 3 Herd of Models", 2024):
+RMSNorm (:mod:`engine.model.rmsnorm`), rotary positions (:mod:`engine.model.rope`), a SwiGLU
+MLP (Shazeer, "GLU Variants Improve Transformer", 2020, eq. 6: ``out(silu(x W) * (x V))``,
+``[W | V]`` one linear layer ``gate_up`` as Megatron-LM fuses it) and no biases.
 :class:`TinyGPT` is its name in the chapters. Every constructor takes a ``seed``: the same seed
 gives bit-identical weights on every rank and in the single-process reference, which is what
 the equivalence tests compare against. Every parallel layout changes its modules from outside
@@ -21,16 +25,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from engine.model.attention import causal_attention
+from engine.model.rmsnorm import RMSNorm
+from engine.model.rope import rotate
 from engine.model.seed import seeded
-from engine.validation import non_negative_int, positive_int
+from engine.validation import non_negative_int, one_of, positive_int, positive_number
 
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """The sizes of a GPT, and the three choices 2026 models make (each default is GPT-2's):
-    ``kv_heads`` (grouped-query attention; 0: as many as the query heads), ``tied`` (the
-    output layer shares the input embedding's weight), ``qkv_bias`` (False: Llama's q, k, v
-    without bias) and ``ffn_hidden`` (the MLP's width; 0: ``4 hidden``)."""
+    """The sizes of a GPT and its choices, each default GPT-2's: ``kv_heads`` (grouped-query
+    attention; 0: as many as the query heads), ``tied`` (the output layer shares the input
+    embedding's weight), ``qkv_bias`` (False: Llama's q, k, v without bias), ``ffn_hidden``
+    (the MLP's width; 0: ``4 hidden``); Llama 3's: ``norm="rmsnorm"``, ``mlp="swiglu"``,
+    ``positions="rope"`` (rotated by ``rope_theta``; no position embedding) and ``bias=False``
+    (no bias in the output projection and the MLP either)."""
 
     vocab: int = 64
     seq_len: int = 16
@@ -41,6 +49,11 @@ class GPTConfig:
     tied: bool = True
     qkv_bias: bool = True
     ffn_hidden: int = 0
+    norm: str = "layernorm"  # or "rmsnorm"
+    mlp: str = "gelu"  # or "swiglu"
+    positions: str = "learned"  # or "rope"
+    rope_theta: float = 10_000.0  # RoFormer's; Llama 3's is 500,000
+    bias: bool = True
 
     def __post_init__(self):
         name = type(self).__name__
@@ -51,6 +64,13 @@ class GPTConfig:
         if self.hidden % self.heads:
             raise ValueError(f"{name}.hidden={self.hidden} must be divisible by "
                              f"heads={self.heads}")
+        one_of(f"{name}.norm", self.norm, ("layernorm", "rmsnorm"))
+        one_of(f"{name}.mlp", self.mlp, ("gelu", "swiglu"))
+        one_of(f"{name}.positions", self.positions, ("learned", "rope"))
+        positive_number(f"{name}.rope_theta", self.rope_theta)
+        if self.positions == "rope" and self.head_dim % 2:
+            raise ValueError(f"{name}: rotary positions turn pairs of features, so head_dim ="
+                             f" hidden / heads = {self.head_dim} must be even")
         if self.heads % self.kv_heads_or_heads:
             raise ValueError(f"{name}.kv_heads={self.kv_heads} must divide heads={self.heads}:"
                              " each KV head serves a group of query heads")
@@ -66,6 +86,9 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    def make_norm(self) -> nn.Module:
+        return RMSNorm(self.hidden) if self.norm == "rmsnorm" else nn.LayerNorm(self.hidden)
 
 
 def grouped_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -86,22 +109,29 @@ class Attention(nn.Module):
 
     ``heads`` and ``kv_heads`` are this module's (a tensor-parallel rank holds ``1/t`` of
     each); ``core`` is the attention itself: :func:`grouped_causal_attention`, or ring /
-    Ulysses attention over a context-parallel group (:mod:`engine.cp`), set from outside."""
+    Ulysses attention over a context-parallel group (:mod:`engine.cp`), set from outside.
+    With rotary positions (``rope_theta`` > 0) q and k are rotated by the tokens' global
+    ``positions`` before ``core`` sees them (:func:`engine.model.rope.rotate`)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads_or_heads, cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden, (self.heads + 2 * self.kv_heads) * self.head_dim,
                              bias=cfg.qkv_bias)
-        self.proj = nn.Linear(cfg.hidden, cfg.hidden)
+        self.proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        self.rope_theta = cfg.rope_theta if cfg.positions == "rope" else 0.0
         self.core = grouped_causal_attention
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         qkv = self.qkv(x)  # with sequence parallelism x holds s/t tokens, qkv all s
         b, s, _ = qkv.shape
         d = self.head_dim
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q, k, v = (t.view(b, s, -1, d).transpose(1, 2) for t in (q, k, v))
+        if self.rope_theta:
+            if positions is None:
+                positions = torch.arange(s, device=x.device)
+            q, k = rotate(q, positions, self.rope_theta), rotate(k, positions, self.rope_theta)
         y = self.core(q, k, v).transpose(1, 2).reshape(b, s, self.heads * d)
         return self.proj(y)
 
@@ -110,23 +140,34 @@ CausalSelfAttention = Attention  # its name before grouped-query attention
 
 
 class Block(nn.Module):
-    """A pre-LayerNorm block: ``x + attn(ln1(x))``, then ``x + ffn(ln2(x))``, where the
-    feed-forward layer is the MLP ``out(gelu(fc(.)))`` or, once one is set, ``moe`` (a
-    mixture of experts, :class:`engine.moe.MoE`)."""
+    """A pre-norm block: ``x + attn(ln1(x))``, then ``x + ffn(ln2(x))``, where the
+    feed-forward layer is the MLP ``out(gelu(fc(.)))`` (SwiGLU: ``out(silu(gate) * up)``,
+    ``[gate | up] = gate_up(.)``) or, once one is set, ``moe`` (a mixture of experts,
+    :class:`engine.moe.MoE`).
+    ``ln1`` and ``ln2`` are LayerNorms or RMSNorms (``cfg.norm``)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.hidden)
+        self.ln1 = cfg.make_norm()
         self.attn = Attention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.hidden)
-        self.fc = nn.Linear(cfg.hidden, cfg.ffn)
-        self.out = nn.Linear(cfg.ffn, cfg.hidden)
+        self.ln2 = cfg.make_norm()
+        if cfg.mlp == "swiglu":  # one linear layer, one input: tensor parallelism gathers
+            self.gate_up = nn.Linear(cfg.hidden, 2 * cfg.ffn, bias=cfg.bias)  # it once
+        else:
+            self.fc = nn.Linear(cfg.hidden, cfg.ffn, bias=cfg.bias)
+        self.out = nn.Linear(cfg.ffn, cfg.hidden, bias=cfg.bias)
         self.moe: nn.Module | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), positions)
         h = self.ln2(x)
-        return x + (self.moe(h) if self.moe is not None else self.out(F.gelu(self.fc(h))))
+        return x + (self.moe(h) if self.moe is not None else self.mlp(h))
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "gate_up"):
+            gate, up = self.gate_up(h).chunk(2, dim=-1)
+            return self.out(F.silu(gate) * up)
+        return self.out(F.gelu(self.fc(h)))
 
 
 def gpt2_init(module: nn.Module) -> None:
@@ -169,9 +210,11 @@ class GPT(nn.Module):
         self.sp_group = None  # the tensor-parallel group under sequence parallelism
         with seeded(seed):
             self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
-            self.pos = nn.Embedding(cfg.seq_len, cfg.hidden)
+            # learned positions, or none: rotary ones live in the attention (engine.model.rope)
+            self.pos = nn.Embedding(cfg.seq_len, cfg.hidden) if cfg.positions == "learned" \
+                else None
             self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
-            self.ln_f = nn.LayerNorm(cfg.hidden)
+            self.ln_f = cfg.make_norm()
             self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
             self.apply(gpt2_init)
         if cfg.tied:
@@ -184,22 +227,27 @@ class GPT(nn.Module):
                                  f"block, {len(self.blocks)}")
             for block, layer in zip(self.blocks, layers):
                 block.moe = layer
-                del block.fc, block.out
+                for name in ("fc", "gate_up", "out"):
+                    if hasattr(block, name):
+                        delattr(block, name)
 
     def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None
                 ) -> torch.Tensor:
         x = idx if self.tok is None else self.embed(idx, positions)  # None: a later stage
-        x = self.run_blocks(x, 0, len(self.blocks))
+        x = self.run_blocks(x, 0, len(self.blocks), positions)
         return x if self.head is None else self.output(x)
 
     def embed(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """The token and position embeddings of ``idx`` at ``positions``."""
+        """The token and position embeddings of ``idx`` at ``positions`` (rotary positions:
+        the token embeddings alone)."""
         if positions is None:
             s = idx.shape[1]
             if s > self.cfg.seq_len:
                 raise ValueError(f"sequence length {s} exceeds {type(self.cfg).__name__}."
                                  f"seq_len={self.cfg.seq_len}")
             positions = torch.arange(s, device=idx.device)
+        if self.pos is None:
+            return self.tok(idx)
         pos = self.pos(positions)
         if self.sp_group is not None:  # this rank's s/t positions, as its tokens
             pos = self.scatter_positions(pos, self.sp_group)
@@ -211,13 +259,15 @@ class GPT(nn.Module):
         raise NotImplementedError(f"sp_group={group!r} is set, but {type(self).__name__} "
                                   "cannot scatter positions: use engine.compose.model.GPT")
 
-    def run_blocks(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """Blocks ``start`` to ``end - 1`` on the hidden state ``x`` (a pipeline chunk)."""
+    def run_blocks(self, x: torch.Tensor, start: int, end: int,
+                   positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Blocks ``start`` to ``end - 1`` on the hidden state ``x`` (a pipeline chunk), its
+        tokens at ``positions`` (default ``0 .. seq - 1``; rotary positions need them)."""
         for block in self.blocks[start:end]:
             if self.checkpoint and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(block, x, positions, use_reentrant=False)
             else:
-                x = block(x)
+                x = block(x, positions)
         return x
 
     def output(self, x: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,8 @@ chapter 05's TP-vs-ZeRO-3 traffic is :mod:`engine.labs.tp_zero3`."""
 
 from engine.tp.layout import TP_SPLIT, split_dim
 from engine.tp.layers import (ColumnParallelLinear, RowParallelLinear,
-                              SequenceParallelLayerNorm, VocabParallelEmbedding,
+                              SequenceParallelLayerNorm, SequenceParallelRMSNorm,
+                              VocabParallelEmbedding, sequence_parallel_norm,
                               vocab_parallel_cross_entropy)
 from engine.tp.mappings import (copy_to_tp, gather_dim, gather_from_sequence_parallel,
                                 gather_from_tp, gathered_linear, reduce_from_tp,
@@ -16,7 +17,8 @@ from engine.tp.mappings import (copy_to_tp, gather_dim, gather_from_sequence_par
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp",
            "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "vocab_parallel_cross_entropy", "SequenceParallelLayerNorm",
+           "vocab_parallel_cross_entropy", "SequenceParallelLayerNorm", "SequenceParallelRMSNorm",
+           "sequence_parallel_norm",
            "gather_from_sequence_parallel", "reduce_scatter_to_sequence_parallel",
            "scatter_to_sequence_parallel", "gathered_linear", "TP_SPLIT", "split_dim",
            "gather_dim"]

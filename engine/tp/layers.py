@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.comm import ops
+from engine.model.rmsnorm import RMSNorm
 from engine.tp.mappings import (copy_to_tp, gather_from_tp, gathered_linear, reduce_from_tp,
                                 reduce_scatter_to_sequence_parallel, scatter_to_tp)
 
@@ -179,6 +180,32 @@ class SequenceParallelLayerNorm(nn.LayerNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, self.normalized_shape, copy_to_tp(self.weight, self.group),
                             copy_to_tp(self.bias, self.group), self.eps)
+
+
+class SequenceParallelRMSNorm(RMSNorm):
+    """:class:`engine.model.rmsnorm.RMSNorm` on this rank's ``s/t`` tokens; its gain passes
+    through f, as :class:`SequenceParallelLayerNorm`'s weight does."""
+
+    group = None  # the tensor-parallel group (None: the world)
+
+    @classmethod
+    def from_dense(cls, norm: RMSNorm, group=None):
+        sp = cls(norm.weight.shape[0], norm.eps, device=norm.weight.device,
+                 dtype=norm.weight.dtype)
+        with torch.no_grad():
+            sp.weight.copy_(norm.weight)
+        sp.group = group
+        return sp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.normalize(x) * copy_to_tp(self.weight, self.group)
+
+
+def sequence_parallel_norm(norm: nn.Module, group=None) -> nn.Module:
+    """``norm`` (a LayerNorm or an RMSNorm) on this rank's ``s/t`` tokens."""
+    if isinstance(norm, RMSNorm):
+        return SequenceParallelRMSNorm.from_dense(norm, group)
+    return SequenceParallelLayerNorm.from_dense(norm, group)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

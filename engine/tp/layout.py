@@ -4,7 +4,7 @@ engine (its cut, :func:`engine.compose.parallelize.apply_tensor_parallel` throug
 (:mod:`engine.compose.reshard`) all read.
 
 Megatron-LM (Shoeybi et al. 2019, section 3) splits a column-parallel linear layer's weight
-and bias on their output dimension (dim 0: ``fc``, and ``qkv`` by heads), a row-parallel one's
+and bias on their output dimension (dim 0: ``fc``; ``qkv`` by heads; SwiGLU's fused ``gate_up`` by halves, :data:`HALVES`), a row-parallel one's
 weight on its input dimension (dim 1: ``out``, ``proj``; the bias is added once, after the
 all-reduce, so every rank holds all of it) and the vocab-parallel embedding and output layer on
 the vocabulary (dim 0: ``tok``, and ``head`` when it is not tied to ``tok``). The attention's
@@ -24,6 +24,7 @@ import re
 import torch
 
 HEADS = "heads"  # rank r holds [q_r k_r v_r]: its heads of q, of k and of v, side by side
+HALVES = "halves"  # SwiGLU's [gate | up]: rank r holds [gate_r up_r]
 
 # The dimension each split parameter is cut on (a block's parameters by their name inside the
 # block); a name not here is replicated.
@@ -32,6 +33,7 @@ TP_SPLIT: dict[str, int | str] = {
     "attn.qkv.weight": HEADS, "attn.qkv.bias": HEADS,  # column-parallel, by heads
     "attn.proj.weight": 1,  # row-parallel
     "fc.weight": 0, "fc.bias": 0,  # column-parallel
+    "gate_up.weight": HALVES, "gate_up.bias": HALVES,  # column-parallel, each half cut
     "out.weight": 1,  # row-parallel
 }
 
@@ -40,7 +42,8 @@ _IN_BLOCK = re.compile(r"blocks\.\d+\.(.*)")
 
 def split_dim(name: str) -> int | str | None:
     """The dimension tensor parallelism cuts the dense parameter ``name`` on (``"blocks.3.fc.
-    weight"`` or ``"fc.weight"``): an int, :data:`HEADS`, or ``None`` if replicated."""
+    weight"`` or ``"fc.weight"``): an int, :data:`HEADS`, :data:`HALVES`, or ``None`` if
+    replicated."""
     match = _IN_BLOCK.fullmatch(name)
     return TP_SPLIT.get(match.group(1) if match else name)
 
@@ -49,6 +52,11 @@ def qkv_sizes(heads: int, kv_heads: int, head_dim: int) -> list[int]:
     """The rows of q, of k and of v in a dense fused ``[q | k | v]`` weight (grouped-query
     attention: ``kv_heads < heads``)."""
     return [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+
+
+def halves(rows: int) -> list[int]:
+    """The rows of SwiGLU's gate and up projection in a dense fused ``[gate | up]``."""
+    return [rows // 2] * 2
 
 
 def thirds(rows: int) -> list[int]:
@@ -71,7 +79,7 @@ def heads_joined(slices: list[torch.Tensor], sizes: list[int] | None = None) -> 
     t = len(slices)
     sizes = sizes or thirds(sum(s.shape[0] for s in slices))
     parts = [s.split([n // t for n in sizes], dim=0) for s in slices]  # per rank: q, k, v
-    return torch.cat([torch.cat([p[j] for p in parts]) for j in range(3)])
+    return torch.cat([torch.cat([p[j] for p in parts]) for j in range(len(sizes))])
 
 
 def join(name: str, slices: list[torch.Tensor], sizes: list[int] | None = None
@@ -85,4 +93,6 @@ def join(name: str, slices: list[torch.Tensor], sizes: list[int] | None = None
         return slices[0]
     if split == HEADS:
         return heads_joined(slices, sizes)
+    if split == HALVES:
+        return heads_joined(slices, halves(sum(s.shape[0] for s in slices)))
     return torch.cat(slices, dim=split)
