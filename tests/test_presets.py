@@ -86,3 +86,21 @@ def test_bad_architecture_choices_are_refused_naming_the_value(field, value, wor
 def test_rotary_positions_need_an_even_head_dim():
     with pytest.raises(ValueError, match="head_dim"):
         GPTConfig(hidden=30, heads=2, positions="rope")
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama-tiny"])
+def test_the_fast_attention_trains_as_the_written_one(name):
+    """The same model and batch through the fused kernel and through the written-out
+    equation: the sums in another order, so not bit-equal; fp32 rounding bounds it."""
+    from dataclasses import replace
+
+    ids = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(3))
+    grads = {}
+    for kernel in ("written", "fast"):
+        model = GPT(replace(MODELS[name], attention=kernel), seed=1)
+        loss = model.loss(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        grads[kernel] = (loss.detach(), [p.grad for p in model.parameters()])
+    (written, gw), (fast, gf) = grads["written"], grads["fast"]
+    assert abs(written - fast).item() <= 1e-6
+    assert max((a - b).abs().max().item() for a, b in zip(gw, gf)) <= 1e-6

@@ -15,6 +15,12 @@ so it reads as the equation and gives the same bits on every backend: the dense
 compared to each other bit for bit. Context parallelism computes the
 same attention block by block (:mod:`engine.cp.blocks`) and masks its diagonal blocks with
 :func:`causal_mask`.
+
+:func:`fast_causal_attention` is the fast path beside it: PyTorch's fused
+``F.scaled_dot_product_attention`` (FlashAttention, Dao et al. 2022, on GPUs that have it; a
+fused kernel on CPUs), the same equation without the ``s x s`` scores held for backward. It is
+what ``GPTConfig(attention="fast")`` and the GPU lab run; equal to the written-out kernel within
+fp32 rounding (a different order of the sums: tests/test_presets.py).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 
 def causal_mask(scores: torch.Tensor) -> torch.Tensor:
@@ -37,3 +44,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     d)``; returns ``(batch, heads, seq, d)``."""
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
     return causal_mask(scores).softmax(dim=-1) @ v
+
+
+def fast_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """:func:`causal_attention` by PyTorch's fused kernel; ``k`` and ``v`` may have fewer
+    heads than ``q`` (grouped-query attention: each serves ``heads / kv_heads`` query heads)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                          enable_gqa=k.shape[1] != q.shape[1])

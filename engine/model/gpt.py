@@ -24,7 +24,7 @@ import torch.utils.checkpoint
 import torch.nn as nn
 import torch.nn.functional as F
 
-from engine.model.attention import causal_attention
+from engine.model.attention import causal_attention, fast_causal_attention
 from engine.model.rmsnorm import RMSNorm
 from engine.model.rope import rotate
 from engine.model.seed import seeded
@@ -38,7 +38,8 @@ class GPTConfig:
     embedding's weight), ``qkv_bias`` (False: Llama's q, k, v without bias), ``ffn_hidden``
     (the MLP's width; 0: ``4 hidden``); Llama 3's: ``norm="rmsnorm"``, ``mlp="swiglu"``,
     ``positions="rope"`` (rotated by ``rope_theta``; no position embedding) and ``bias=False``
-    (no bias in the output projection and the MLP either)."""
+    (no bias in the output projection and the MLP either); ``attention="fast"``: the fused
+    kernel, where ``"written"`` is the equation a learner reads."""
 
     vocab: int = 64
     seq_len: int = 16
@@ -54,6 +55,7 @@ class GPTConfig:
     positions: str = "learned"  # or "rope"
     rope_theta: float = 10_000.0  # RoFormer's; Llama 3's is 500,000
     bias: bool = True
+    attention: str = "written"  # or "fast": PyTorch's fused kernel (engine.model.attention)
 
     def __post_init__(self):
         name = type(self).__name__
@@ -67,6 +69,7 @@ class GPTConfig:
         one_of(f"{name}.norm", self.norm, ("layernorm", "rmsnorm"))
         one_of(f"{name}.mlp", self.mlp, ("gelu", "swiglu"))
         one_of(f"{name}.positions", self.positions, ("learned", "rope"))
+        one_of(f"{name}.attention", self.attention, ("written", "fast"))
         positive_number(f"{name}.rope_theta", self.rope_theta)
         if self.positions == "rope" and self.head_dim % 2:
             raise ValueError(f"{name}: rotary positions turn pairs of features, so head_dim ="
@@ -120,7 +123,8 @@ class Attention(nn.Module):
                              bias=cfg.qkv_bias)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
         self.rope_theta = cfg.rope_theta if cfg.positions == "rope" else 0.0
-        self.core = grouped_causal_attention
+        self.core = fast_causal_attention if cfg.attention == "fast" else \
+            grouped_causal_attention
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         qkv = self.qkv(x)  # with sequence parallelism x holds s/t tokens, qkv all s
