@@ -104,3 +104,18 @@ def test_the_fast_attention_trains_as_the_written_one(name):
     (written, gw), (fast, gf) = grads["written"], grads["fast"]
     assert abs(written - fast).item() <= 1e-6
     assert max((a - b).abs().max().item() for a, b in zip(gw, gf)) <= 1e-6
+
+
+def test_a_large_vocabulary_draws_its_synthetic_chain_from_a_sparse_table():
+    """GPT-2's 50,257 tokens would make the dense transition table 10 GB: each token's next
+    is drawn among its own SUCCESSORS instead, as deterministically."""
+    from engine.model.data import SUCCESSORS, global_batch, successor_table
+
+    batch = global_batch(3, 4, 64, 50_257)
+    assert torch.equal(batch.ids, global_batch(3, 4, 64, 50_257).ids)
+    ids, probs = successor_table(50_257, 1)
+    assert ids.shape == probs.shape == (50_257, SUCCESSORS)
+    stream = torch.cat([batch.ids, batch.targets[:, -1:]], dim=1)
+    for row in stream:  # every step of the walk is to one of the token's successors
+        assert all(b in ids[a] for a, b in zip(row[:-1].tolist(), row[1:].tolist()))
+    assert int(batch.ids.max()) >= 1024  # beyond the dense table's reach

@@ -20,7 +20,10 @@ The chain's transition table is drawn once from the data seed (each row a softma
 ``SHARPNESS`` x standard normal logits) and sampled afresh for every step. Uniform random
 tokens would leave nothing to learn (the loss would stay at ln(vocab) whatever the layout); on
 the chain the loss falls from ln(vocab) towards the chain's entropy rate (the best loss any
-model can reach), so a run that trains shows it.
+model can reach), so a run that trains shows it. A vocabulary of more than
+``DENSE_SYMBOLS`` tokens (GPT-2's 50,257; Llama 3's 128,256) would make that table tens of
+gigabytes, so there each token's next is drawn among ``SUCCESSORS`` tokens of its own
+(:func:`successor_table`, a few tens of megabytes): the same kind of chain, sparse.
 
 ``varlen=True``: each row packs documents of random length (2 to ``S/2 + 1`` tokens) one after
 another until the next does not fit; the rest of the row is padding (id 0), and the loss
@@ -121,6 +124,20 @@ class Batch:
                                               self.positions)))
 
 
+DENSE_SYMBOLS = 1024  # up to here the table is [symbols, symbols] (4 MB at 1,024)
+SUCCESSORS = 32  # beyond it: each token's next among 32 of its own
+
+
+@functools.lru_cache(maxsize=4)
+def successor_table(symbols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A large vocabulary's chain: ``(ids, probs)``, each ``[symbols, SUCCESSORS]``; after
+    token a the next is ``ids[a, j]`` with probability ``probs[a, j]``."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(symbols, (symbols, SUCCESSORS), generator=g)
+    probs = torch.softmax(SHARPNESS * torch.randn(symbols, SUCCESSORS, generator=g), dim=1)
+    return ids, probs
+
+
 @functools.lru_cache(maxsize=8)
 def transition_table(symbols: int, seed: int) -> torch.Tensor:
     """The chain's ``[symbols, symbols]`` transition probabilities (row a: the next token's
@@ -132,10 +149,18 @@ def transition_table(symbols: int, seed: int) -> torch.Tensor:
 def markov_rows(rows: int, length: int, symbols: int, seed: int, g: torch.Generator
                 ) -> torch.Tensor:
     """``[rows, length]`` token ids in ``[0, symbols)``: each row a walk of the chain of
-    :func:`transition_table` ``(symbols, seed)`` from a uniform first token, drawn with ``g``."""
-    table = transition_table(symbols, seed)
+    :func:`transition_table` ``(symbols, seed)`` from a uniform first token, drawn with ``g``
+    (more than ``DENSE_SYMBOLS`` symbols: of :func:`successor_table`)."""
     token = torch.randint(symbols, (rows,), generator=g)
     walk = [token]
+    if symbols > DENSE_SYMBOLS:
+        ids, probs = successor_table(symbols, seed)
+        for _ in range(length - 1):
+            pick = torch.multinomial(probs[token], 1, generator=g)
+            token = ids[token].gather(1, pick).squeeze(1)
+            walk.append(token)
+        return torch.stack(walk, dim=1)
+    table = transition_table(symbols, seed)
     for _ in range(length - 1):
         token = torch.multinomial(table[token], 1, generator=g).squeeze(1)
         walk.append(token)
