@@ -6,8 +6,8 @@ ZeRO (:mod:`~engine.theory.zero`), tensor parallelism (:mod:`~engine.theory.tens
 (:mod:`~engine.theory.pipeline`), size and compute at scale (:mod:`~engine.theory.scale`), long
 sequences (:mod:`~engine.theory.long_context`), mixture of experts (:mod:`~engine.theory.moe`),
 slow links and failures (:mod:`~engine.theory.slow_links`), precision and memory
-(:mod:`~engine.theory.precision`); beside them the planner (:mod:`~engine.theory.planner`) and
-the GPU table (:mod:`~engine.theory.hardware`).
+(:mod:`~engine.theory.precision`), rooflines (:mod:`~engine.theory.roofline`); beside them the
+planner (:mod:`~engine.theory.planner`) and the GPU table (:mod:`~engine.theory.hardware`).
 
 Each function names its source. Sizes are in bytes; ``n`` is the number of ranks in the group.
 
@@ -52,6 +52,8 @@ from engine.theory.moe import (deepseek_moe_params, expert_capacity, fine_graine
 from engine.theory.slow_links import (checkpoint_waste, daly_checkpoint_interval, diloco_bytes,
                                       diloco_peak_sync_bytes, diloco_syncs, hsdp_replica_bytes,
                                       young_checkpoint_interval)
+from engine.theory.roofline import (attainable_flops, dp_min_tokens_per_gpu, matmul_intensity,
+                                    mfu, ridge_intensity, tp_max_degree, tp_step_times)
 from engine.theory.precision import (MUON_SCHEMES, dim0_padding_rows, fp8_all_gather_bytes,
                                      fp8_scale_count, loss_scale_after,
                                      mixed_precision_bytes_per_parameter, muon_newton_schulz_flops,
@@ -81,4 +83,6 @@ __all__ = ["all_reduce_critical_bytes", "all_reduce_steps", "all_to_all_bytes", 
            "hsdp_replica_bytes", "young_checkpoint_interval", "MUON_SCHEMES", "dim0_padding_rows",
            "fp8_all_gather_bytes", "fp8_scale_count", "loss_scale_after",
            "mixed_precision_bytes_per_parameter", "muon_newton_schulz_flops",
-           "muon_ns_flops_per_rank", "muon_step_bytes", "recompute_activation_bytes_per_layer"]
+           "muon_ns_flops_per_rank", "muon_step_bytes", "recompute_activation_bytes_per_layer",
+           "attainable_flops", "dp_min_tokens_per_gpu", "matmul_intensity", "mfu",
+           "ridge_intensity", "tp_max_degree", "tp_step_times"]
