@@ -208,3 +208,12 @@ def test_every_gpt_of_the_engine_is_the_one_definition_with_its_dense_bits():
         if ".fc." not in name and ".out." not in name:
             assert torch.equal(value, state[name]), name
     assert any(".moe.experts." in name for name in state)
+
+
+def test_zero3s_optimizer_is_fused_where_the_device_has_the_kernel():
+    from engine.compose.parallelize import multi_tensor
+
+    cpu, meta = [torch.zeros(2, requires_grad=True)], [torch.zeros(2, device="meta")]
+    assert multi_tensor(torch.optim.AdamW, {"lr": 1.0}, cpu) == {"fused": True, "lr": 1.0}
+    assert multi_tensor(torch.optim.AdamW, {}, meta) == {"foreach": True}  # a dry run's
+    assert multi_tensor(torch.optim.AdamW, {"foreach": False}, cpu) == {"foreach": False}

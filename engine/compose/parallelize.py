@@ -69,6 +69,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from engine.compose.experts import (Optimizers, apply_expert_parallel, balance_globally,
                                     dense_parameters, expert_parameters,
@@ -234,8 +235,9 @@ def apply_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls, compre
     compressor = compressor_for(compress, zero)
     if zero == 3:  # the model's parameters are its shards now: any optimizer steps them
         apply_fully_shard(model, group, pipeline=mesh.pp > 1, mp_policy=mp_policy)
-        kwargs = multi_tensor(optimizer_cls, kwargs)
-        return model, optimizer_cls(list(model.parameters()), **kwargs), contextlib.nullcontext
+        params = list(model.parameters())
+        kwargs = multi_tensor(optimizer_cls, kwargs, params)
+        return model, optimizer_cls(params, **kwargs), contextlib.nullcontext
     if mesh.pp > 1:
         optimizer = ZeroOptimizer(list(model.parameters()), optimizer_cls, stage=zero,
                                   group=group, compressor=compressor, **kwargs)
@@ -248,19 +250,21 @@ def apply_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls, compre
     return model, optimizer, contextlib.nullcontext
 
 
-def multi_tensor(optimizer_cls, kwargs: dict) -> dict:
+def multi_tensor(optimizer_cls, kwargs: dict, params: list[torch.Tensor]) -> dict:
     """``kwargs`` with ``fused=True`` (else ``foreach=True``) where the optimizer takes it and
     the caller chose neither: ZeRO-3 steps every shard as its own tensor, where ZeRO-1/2 step
     one flat bucket, so the cost of a step per tensor matters on CPUs too. AdamW over
     ``--model tiny``'s 28 shards, measured on one CPU core: 0.39 ms a step with ``foreach``
     (its bias corrections read each step count with ``.item()``), 0.12 ms fused, 0.11 ms over
-    three flat tensors. torchtitan's default AdamW is the fused one too."""
-    params = inspect.signature(optimizer_cls).parameters
+    three flat tensors. torchtitan's default AdamW is the fused one too. ``params`` on a device
+    without fused kernels (the meta device of a dry run): ``foreach``."""
+    takes = inspect.signature(optimizer_cls).parameters
     if "fused" in kwargs or "foreach" in kwargs:
         return kwargs
-    if "fused" in params:
+    fusable = {p.device.type for p in params} <= set(_get_fused_kernels_supported_devices())
+    if "fused" in takes and fusable:
         return {"fused": True, **kwargs}
-    return {"foreach": True, **kwargs} if "foreach" in params else kwargs
+    return {"foreach": True, **kwargs} if "foreach" in takes else kwargs
 
 
 def apply_fully_shard(model: GPT, group, pipeline: bool, ignored_params=(),
@@ -311,7 +315,8 @@ def apply_expert_data_parallel(model: GPT, mesh: Mesh, zero: int, optimizer_cls,
         apply_fully_shard(model, mesh.dp_cp_group, mesh.pp > 1, expert_parameters(model),
                           mp_policy)
         dense = [p for p in model.parameters() if hasattr(p, "fsdp_layout")]
-        optimizers = Optimizers(optimizer_cls(dense, **multi_tensor(optimizer_cls, kwargs)),
+        dense_kwargs = multi_tensor(optimizer_cls, kwargs, dense)
+        optimizers = Optimizers(optimizer_cls(dense, **dense_kwargs),
                                 ZeroOptimizer(expert_parameters(model), optimizer_cls, stage=1,
                                               **experts))
         return model, optimizers, lambda: sum_tied_embedding(model, mesh, None, across)
