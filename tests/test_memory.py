@@ -127,3 +127,14 @@ def test_any_object_with_state_tensors_is_counted_through_the_protocol():
     got = model_state_bytes(Holder())
     # total is what is on the device: host-offloaded bytes are reported apart
     assert (got.params, got.grads, got.buffers, got.offloaded, got.total) == (40, 0, 20, 12, 60)
+
+
+def test_tensors_on_the_meta_device_are_counted_each_storage_once():
+    """A dry run's model lives on the meta device: no memory, but its storages' sizes."""
+    from engine.observe.memory import unique_storage_bytes
+
+    with torch.device("meta"):
+        model = torch.nn.Linear(8, 4)
+    params = list(model.parameters())
+    assert unique_storage_bytes(params + [params[0][1:]]) == (8 * 4 + 4) * 4  # a view: once
+    assert model_state_bytes(model).params == (8 * 4 + 4) * 4

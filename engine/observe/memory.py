@@ -73,9 +73,13 @@ class StateTensors:
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
+    """What tells two storages apart: their address, on the meta device (a dry run's tensors,
+    which have none) the storage object's own."""
     storage = t.untyped_storage()
-    if storage.nbytes() == 0 or t.device.type == "meta":
+    if storage.nbytes() == 0:
         return None
+    if t.device.type == "meta":
+        return ("meta", storage._cdata)
     return (str(t.device), storage.data_ptr())
 
 
