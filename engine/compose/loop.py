@@ -80,7 +80,8 @@ def train_step(par: Parallel, batch: Batch, step: int = 0, hooks=(),
     if par.plan.pp > 1:  # the last virtual stage has the loss: every stage reports it
         holder = loss_stage(par.plan.schedule, par.mesh.pp)
         ops.broadcast(local, ops.group_ranks(par.mesh.pp_group)[holder], group=par.mesh.pp_group)
-    loss = local.item() / global_tokens
+    # a dry run's tensors are on the meta device: shapes without values, no loss to read
+    loss = float("nan") if local.is_meta else local.item() / global_tokens
     call_hooks(hooks, "on_step_end", step, loss)
     return loss
 
