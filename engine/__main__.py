@@ -1,6 +1,7 @@
 """``python -m engine <command>``. Commands: ``train`` (the GPT on a dp x cp x tp x pp mesh,
-experts over ep ranks borrowed from dp x cp), ``drill`` (the interview drill) and ``parity``
-(every composed layout against one process).
+experts over ep ranks borrowed from dp x cp), ``data`` (a text file as token ids for ``train
+--data``: :mod:`engine.model.prepare`), ``drill`` (the interview drill) and ``parity`` (every
+composed layout against one process).
 
 :func:`main` is the commands as Python calls them (a notebook, a test): a failed launch raises.
 :func:`command_line` is what the shell runs: there the lab's deliberate kill of a rank
@@ -15,12 +16,14 @@ import sys
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"train": "engine.train.cli", "drill": "engine.drill.cli",
-                "parity": "engine.compose.parity"}
+    commands = {"train": "engine.train.cli", "data": "engine.model.prepare",
+                "drill": "engine.drill.cli", "parity": "engine.compose.parity"}
     if not argv or argv[0] not in commands:
         print("usage: python -m engine {" + ",".join(commands) + "} [options]\n"
               "  train   train the GPT on a dp x cp x tp x pp mesh (python -m engine train "
               "--help)\n"
+              "  data    a text file as token ids to train on (python -m engine data "
+              "prepare TEXT_FILE --out PATH; python -m engine data --help)\n"
               "  drill   the interview drill (python -m engine drill --help)\n"
               "  parity  every composed layout against one process (python -m engine parity "
               "--help)")
