@@ -1,7 +1,8 @@
 """The checks of ``engine train``'s options that need more than a type: PyTorch's side
 (:func:`check_torch`), checkpointing, the seed, the timeout and the lab's failure injection
-(:func:`check_checkpointing`), the batch's size (:func:`check_batch`), the ranks this machine
-can run (:func:`check_world`) and the folders the run writes to (:func:`check_paths`). Each
+(:func:`check_checkpointing`), the batch's size (:func:`check_batch`), the data and the
+vocabulary (:func:`check_data`), the ranks this machine can run (:func:`check_world`) and the
+folders the run writes to (:func:`check_paths`). Each
 raises a ValueError naming the flag, the value given and what was expected, before any rank
 starts; :func:`engine.train.cli.check_config` and :func:`engine.train.cli.main` call them.
 
@@ -19,6 +20,11 @@ The bounds, and why each is one:
   microbatches x micro-batch sequences) of at most 2**24 tokens
   (:data:`MAX_GLOBAL_BATCH_TOKENS`, about Llama 3 405B's largest, 16M), because every rank
   draws the *whole* global batch of each step (:mod:`engine.compose.data`).
+* ``--data PATH``: a token file with its sidecar (:mod:`engine.model.tokens`), at least
+  ``seq_len + 1`` tokens long, whose vocabulary fits the model's (``--vocab``, else
+  ``--model``'s; ``--vocab`` 2 to 2**20, :data:`MAX_VOCAB`); not with ``--varlen`` (the
+  synthetic chain's packed documents) nor ``--impl torch`` / ``both`` (PyTorch's side draws
+  the synthetic chain).
 * the world, dp x cp x tp x pp, on Gloo (CPU ranks, forked here): at most
   :data:`RANKS_PER_CORE` ranks per core this process may use, and never fewer than
   :data:`MIN_RANK_LIMIT` (the course's largest CPU layout, 2 x 2 x 2, runs on any machine);
@@ -39,6 +45,7 @@ from pathlib import Path
 
 from engine.moe.gpt import MOE_MODELS
 from engine.model.presets import MODELS
+from engine.model.tokens import check_tokens, read_meta
 from engine.validation import at_least, at_most, non_negative_int, positive_int, \
     positive_number
 
@@ -47,6 +54,7 @@ MAX_TIMEOUT_S = 86_400.0  # a day
 MAX_SEED = 2**32 - 1
 MAX_MICRO_BATCH_TOKENS = 2**20
 MAX_GLOBAL_BATCH_TOKENS = 2**24
+MAX_VOCAB = 2**20
 RANKS_PER_CORE = 4
 MIN_RANK_LIMIT = 8
 
@@ -131,6 +139,43 @@ def check_batch(cfg) -> None:
                          f"{cfg.micro_batch} sequences of {seq} tokens is {tokens:,} tokens, "
                          f"more than the {MAX_GLOBAL_BATCH_TOKENS:,} (2**24) every rank can "
                          f"draw each step; expected --microbatches at most {most:,} here")
+
+
+def check_data(cfg) -> None:
+    """``--vocab`` and ``--data`` (module docstring); ``--model`` must be checked already."""
+    vocab = MODELS[cfg.model].vocab
+    if cfg.vocab is not None:
+        vocab = at_least("--vocab", positive_int("--vocab", cfg.vocab), 2,
+                         " (a next-token loss needs two tokens to choose from)")
+        at_most("--vocab", vocab, MAX_VOCAB, " (4 x Gemma 3's 262,144, among the largest "
+                "published vocabularies)")
+    if cfg.data is None:
+        return
+    if cfg.varlen:
+        raise ValueError(f"--varlen packs the synthetic chain's documents with padding; --data "
+                         f"{cfg.data} trains on windows of its text, none padded: expected one "
+                         "of them, not both")
+    if cfg.impl != "engine":
+        raise ValueError(f"--data {cfg.data} with --impl {cfg.impl}: PyTorch's side "
+                         "(engine.train.torch_baseline) trains on the synthetic chain only; "
+                         "expected --impl engine")
+    try:
+        meta = read_meta(cfg.data)
+    except ValueError as e:
+        raise ValueError(f"--data {e}") from None
+    if meta["vocab"] > vocab and cfg.vocab is not None:
+        raise ValueError(f"--vocab {cfg.vocab} is less than the vocabulary of --data "
+                         f"{cfg.data}, {meta['vocab']:,} (tokenizer {meta.get('tokenizer')}); "
+                         f"expected --vocab {meta['vocab']} or more")
+    if meta["vocab"] > vocab:
+        raise ValueError(f"--data {cfg.data}: its ids run to {meta['vocab'] - 1:,} (vocab "
+                         f"{meta['vocab']:,}, tokenizer {meta.get('tokenizer')}), and --model "
+                         f"{cfg.model}'s vocabulary is {vocab:,}; expected a model vocabulary "
+                         f"of at least {meta['vocab']:,}: pass --vocab {meta['vocab']}")
+    try:
+        check_tokens(cfg.data, MODELS[cfg.model].seq_len, vocab, model=f"--model {cfg.model}")
+    except ValueError as e:
+        raise ValueError(f"--data {e}") from None
 
 
 def usable_cores() -> int:

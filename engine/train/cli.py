@@ -8,13 +8,19 @@ checks (:mod:`engine.train.report`).
     python -m engine train --world-size 2 --dp 2 --zero 0 --compress fp16 --impl both
     python -m engine train --ep 2 --dp 2 --model tiny-moe                  # experts on 2 ranks
     python -m engine train --world-size 4 --cp 2 --tp 2                    # ring attention + TP
+    python -m engine data prepare course/data/alice.txt --out /tmp/alice.bin  # a real text
+    python -m engine train --model llama-tiny --vocab 256 --data /tmp/alice.bin --steps 30
 
 This module is the configuration (:class:`TrainConfig`, :func:`check_config`) and the command
 line; each rank's run is :func:`engine.train.run.train_on_rank`, the report
 :mod:`engine.train.report`, the model sizes :mod:`engine.model.presets`, and how a run that stops
 early says so in one line (Ctrl-C, a lost peer, nothing to do) :mod:`engine.train.endings`.
 ``--steps K`` is the run's K optimizer steps, numbered 1 to K as its checkpoints are; the
-first of each launch is its warm-up, which trains but is not timed.
+first of each launch is its warm-up, which trains but is not timed. Every run trains on the
+synthetic Markov chain of :mod:`engine.model.data`, or with ``--data PATH`` on a file of token
+ids (:mod:`engine.model.tokens`, written by ``python -m engine data prepare``:
+:mod:`engine.model.prepare`); ``--vocab N`` sets the model's vocabulary (a byte-level file
+needs 256, more than the small presets' 64).
 
 There is one engine: every ``--impl engine`` run, dense or MoE, any ``--dp --cp --ep --tp --pp
 --zero --compress --schedule --varlen``, is the composed engine (:mod:`engine.train.composed`:
@@ -46,7 +52,7 @@ from engine.launch import resolve_backend
 from engine.moe.gpt import MOE_MODELS
 from engine.model.presets import MODELS
 from engine.train.checks import MAX_TIMEOUT_S, MIN_TIMEOUT_S, check_batch, \
-    check_checkpointing, check_paths, check_torch, check_world
+    check_checkpointing, check_data, check_paths, check_torch, check_world
 from engine.train.composed import COMPOSED_SCHEDULES, add_composed_arguments, check_composed, \
     composed_world
 from engine.train.endings import INTERRUPTED_EXIT, interrupted, lost_peer, read_step, \
@@ -93,6 +99,8 @@ class TrainConfig:
     sequence_parallel: bool = False
     varlen: bool = False
     allow_oversubscribe: bool = False
+    data: str | None = None
+    vocab: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -123,6 +131,7 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     if cfg.impl != "engine":
         check_torch(cfg)
     check_checkpointing(cfg)
+    check_data(cfg)
     check_composed(cfg, world_size)
 
 
@@ -166,6 +175,15 @@ def parser() -> argparse.ArgumentParser:
                                                  f"sequence {m.seq_len}"
                                                  for k, m in MODELS.items())
                    + " (default: %(default)s)")
+    p.add_argument("--vocab", type=int, default=d.vocab, metavar="N",
+                   help="the model's vocabulary, instead of --model's (at least 2, and at "
+                        "least --data's) (default: --model's)")
+    p.add_argument("--data", default=d.data, metavar="PATH",
+                   help="train on a file of token ids (nanoGPT's .bin with its sidecar "
+                        "PATH.json: python -m engine data prepare TEXT_FILE --out PATH), "
+                        "step k on windows drawn from (--seed, k) alone: the same sequences "
+                        "on every layout (engine.model.tokens) (default: the synthetic "
+                        "Markov chain of engine.model.data)")
     p.add_argument("--steps", type=int, default=d.steps, metavar="K",
                    help="optimizer steps in all, numbered 1 to K as the checkpoints are; "
                         "the first of each launch is its warm-up: it trains, but is not "

@@ -6,7 +6,8 @@ PyTorch's wrappers (:func:`engine.train.torch_baseline.torch_strategy`). Then:
 * the mesh is :class:`engine.topology.Mesh` ``(dp, tp, pp, cp=, ep=)``: world = dp x cp x tp
   x pp, and expert parallelism *borrows* its ranks from dp x cp (torchtitan's and
   Megatron-Core's meaning of ``--ep``);
-* the model is :class:`engine.compose.model.GPT` with ``--model``'s sizes (no bias on q, k, v:
+* the model is :class:`engine.compose.model.GPT` with ``--model``'s sizes (``--vocab``: its
+  vocabulary instead of the preset's; no bias on q, k, v:
   see :mod:`engine.compose.parity`). An MoE model runs *dropless* (capacity E/k: no token is
   dropped, so the routing does not depend on which tokens share a rank, as DeepSeek-V3 drops
   none: DeepSeek-AI 2024, section 2.1.2) with Switch's balancing loss (0.01) and ST-MoE's
@@ -19,10 +20,11 @@ PyTorch's wrappers (:func:`engine.train.torch_baseline.torch_strategy`). Then:
   V schedules hold 2 chunks per rank, so pp x 2 must divide the layers); ``--cp-method`` is
   ring attention (zig-zag or contiguous), Ulysses, all-gather or ``usp:UxR``
   (:mod:`engine.compose.usp`);
-* step k trains on :func:`engine.model.data.global_batch` ``(k, dp x microbatches x
-  micro-batch rows)``: the same sequences whatever the layout, so the loss of every step, the
-  mean over every token that counts in the global batch (:mod:`engine.compose.loss`), can be
-  compared with one process's;
+* step k trains on :func:`engine.model.tokens.batch_of_step` ``(k, dp x microbatches x
+  micro-batch rows)``: the synthetic chain of :func:`engine.model.data.global_batch`, or with
+  ``--data`` windows of a token file drawn from (seed, k) alone; the same sequences whatever
+  the layout, so the loss of every step, the mean over every token that counts in the global
+  batch (:mod:`engine.compose.loss`), can be compared with one process's;
 * the step is :func:`engine.compose.loop.train_step`; the timing of its forward and backward
   is attached as a hook (:class:`ComputeTimer`), the meter by :func:`engine.train.timed_steps.
   run_steps` around it, as for every other strategy;
@@ -48,11 +50,12 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from engine.observe.clock import Clock
-from engine.model.data import global_batch
+from engine.model.tokens import batch_of_step
 from engine.compose.experts import moe_layers
 from engine.compose.loop import train_step
 from engine.compose.model import GPT, ModelConfig
@@ -81,15 +84,19 @@ def global_rows(cfg) -> int:
 
 
 def model_config(cfg) -> ModelConfig:
-    """The composed GPT of ``--model``: its sizes, tied embeddings, no bias on q, k, v; an MoE
-    model's experts and top-k, *dropless*, with the balancing loss and z-loss of
-    :class:`engine.compose.model.ModelConfig` (module docstring)."""
+    """The composed GPT of ``--model``: its sizes (``--vocab``, if given, its vocabulary), tied
+    embeddings, no bias on q, k, v; an MoE model's experts and top-k, *dropless*, with the
+    balancing loss and z-loss of :class:`engine.compose.model.ModelConfig` (module
+    docstring)."""
     choices = dict(qkv_bias=False)
     moe = MOE_MODELS.get(cfg.model)
     if moe is not None:
         choices.update(num_experts=moe["num_experts"], top_k=moe["top_k"],
                        capacity_factor=moe["num_experts"] / moe["top_k"])
-    return ModelConfig.from_gpt(MODELS[cfg.model], **choices)
+    gpt = MODELS[cfg.model]
+    if getattr(cfg, "vocab", None) is not None:
+        gpt = replace(gpt, vocab=cfg.vocab)
+    return ModelConfig.from_gpt(gpt, **choices)
 
 
 def plan_of(cfg) -> Plan:
@@ -253,8 +260,8 @@ def composed_strategy(cfg, plan: Plan, mesh: Mesh, device: torch.device, precisi
     hooks = (timer,) if loads is None else (timer, loads)
 
     def step(k: int) -> PipelineRun:  # the run's step k, on step k's global batch
-        batch = global_batch(k, rows, model_cfg.seq_len, model_cfg.vocab, cfg.seed + 1,
-                             cfg.varlen)
+        batch = batch_of_step(k, rows, model_cfg.seq_len, model_cfg.vocab, cfg.seed + 1,
+                              cfg.varlen, getattr(cfg, "data", None))
         with autocast:
             loss = train_step(par, batch, k, hooks=hooks)
         # a pipeline: the runtime's F/B(/W) events per micro-batch, which the report's idle
@@ -266,7 +273,8 @@ def composed_strategy(cfg, plan: Plan, mesh: Mesh, device: torch.device, precisi
     groups = {"dp x cp": mesh.dp_cp_group, "cp": mesh.cp_group}  # warmed up before step 0
     if plan.ep > 1:
         groups.update({"ep": mesh.ep_group, "expert-dp": mesh.expert_dp_group})
-    strategy = Strategy(f"composed engine: {plan.name}" + (" varlen" if cfg.varlen else ""),
+    strategy = Strategy(f"composed engine: {plan.name}" + (" varlen" if cfg.varlen else "")
+                        + (f" on {Path(cfg.data).name}" if getattr(cfg, "data", None) else ""),
                         par.module, par.optimizer, step, psi_of(par), mesh,
                         device, engine=plan.ep == 1, groups=groups,
                         per_rank_checkpoint=True, rank_state=rank_state(par))
