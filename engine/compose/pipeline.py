@@ -115,6 +115,18 @@ class RouterLossScaler(torch.autograd.Function):
                                        device=grad_output.device), None
 
 
+def dry_run_shapes(par, mb, virtual_stages: int) -> dict[int, tuple] | None:
+    """On the meta device (a dry run, :mod:`engine.train.dry_run`) the activations' shape
+    every virtual stage sends, ``(b, s, h)``, this rank's tokens (``s / tp`` of them under
+    sequence parallelism); elsewhere None: the runtime reads them from its headers."""
+    if not next(par.model.parameters()).is_meta:
+        return None
+    b, s = mb.ids.shape
+    if par.plan.sequence_parallel:
+        s //= par.mesh.tp
+    return dict.fromkeys(range(virtual_stages), (b, s, par.model.cfg.hidden))
+
+
 class ChunkCall(nn.Module):
     """What the runtime calls: one chunk of this rank's model (blocks ``start`` to ``end -
     1``, the embeddings when ``first``, the output layer when ``last``) on a micro-batch,
@@ -195,7 +207,8 @@ def pipeline_backward(par, micro: list, global_tokens: int) -> torch.Tensor:
     with par.gathered_step():  # ZeRO-3: its groups through the step (engine.fsdp.step)
         par.pipeline_run = run_pipeline(chunks, schedule, [mb.ids for mb in micro], labels,
                                         loss_fn, stage=mesh.coords.pp, group=mesh.pp_group,
-                                        weight_grads=sharded_weight_grads(par.late_gradients))
+                                        weight_grads=sharded_weight_grads(par.late_gradients),
+                                        shapes=dry_run_shapes(par, micro[0], last + 1))
     for holder in par.late_gradients:  # a backward not split into B and W leaves its
         holder.flush_late_grads()  # gradients in a late buffer
     local = torch.stack(sums).sum() if sums else torch.zeros(())

@@ -73,14 +73,14 @@ class StateTensors:
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
-    """What tells two storages apart: their address, on the meta device (a dry run's tensors,
-    which have none) the storage object's own."""
+    """What tells two storages apart: the storage object itself (every view of a tensor shares
+    it), not its data's address, which a storage freed in place (``resize_(0)``, as ZeRO-3
+    frees its whole parameters) hands on to the next allocation while the storage lives on;
+    and a meta tensor (a dry run's) has no address at all."""
     storage = t.untyped_storage()
     if storage.nbytes() == 0:
         return None
-    if t.device.type == "meta":
-        return ("meta", storage._cdata)
-    return (str(t.device), storage.data_ptr())
+    return (str(t.device), storage._cdata)
 
 
 def unique_storage_bytes(tensors: Iterable[torch.Tensor], seen: set | None = None) -> int:
@@ -253,7 +253,10 @@ class ActivationTracker:
         return unique_storage_bytes(t for ref in self._saved if (t := ref()) is not None)
 
     def _is_parameter_copy(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` comes from an excluded parameter through casts and views only."""
+        """Whether ``t`` comes from an excluded parameter through casts and views only, or
+        is a parameter ZeRO-3 gathered whole (it carries its shard's ``fsdp_param``)."""
+        if getattr(t, "fsdp_param", None) is not None:
+            return True
         node = t.grad_fn
         while node is not None and node.name() in CAST_AND_VIEW_NODES:
             node = node.next_functions[0][0]

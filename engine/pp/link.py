@@ -142,6 +142,7 @@ class Link:
         self.inbox: dict[tuple, torch.Tensor] = {}  # received (or handed over locally)
         self.outbox: dict[tuple, torch.Tensor] = {}  # sent by an action, posted next round
         self.shapes: dict[int, tuple] = {}  # sending virtual stage -> its activations' shape
+        self.known: dict[int, tuple] = {}  # shapes a dry run knows (its headers hold no values)
         self.announced: dict[int, tuple] = {}  # our virtual stages whose shape has travelled
         self.sent_shapes: dict[tuple, tuple] = {}  # (mb, vs) -> shape of the act we sent
         self.log: list[tuple] = []  # ("post", [(op, peer, message, part)]) | ("wait", index)
@@ -211,6 +212,9 @@ class Link:
                 log.append(("recv", sender, msg, part))
             self._post(ops_, log)
             for vs, buffer in headers:
+                if vs in self.known:
+                    self.shapes[vs] = self.known[vs]
+                    continue
                 dims = buffer.tolist()  # the one host sync of this virtual stage's messages
                 self.shapes[vs] = tuple(dims[1:1 + dims[0]])
             ops_, log, waiting = [], [], later

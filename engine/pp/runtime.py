@@ -43,7 +43,8 @@ from engine.pp.weight_grad import apply_weight_grads, deferred_weight_grads
 def run_pipeline(chunks: list[nn.Module], schedule, inputs: list[torch.Tensor],
                  targets: list[torch.Tensor], loss_fn=nn.functional.mse_loss, *,
                  stage: int | None = None, group=None, placement: str | None = None,
-                 weight_grads=apply_weight_grads, observer=None) -> PipelineRun:
+                 weight_grads=apply_weight_grads, observer=None,
+                 shapes: dict[int, tuple] | None = None) -> PipelineRun:
     """Execute pipeline stage ``stage``'s part of ``schedule`` (one forward and backward over
     ``m`` micro-batches). ``schedule``: a :class:`engine.pp.registry.PipelineSchedule`
     (:func:`engine.pp.build_schedule`, which carries its placement), or a plain ``{stage:
@@ -53,7 +54,9 @@ def run_pipeline(chunks: list[nn.Module], schedule, inputs: list[torch.Tensor],
     micro-batches (used on the first and last virtual stage). Gradients land in the chunks'
     ``param.grad`` (call ``zero_grad`` between steps). ``weight_grads(stash)`` runs each W
     action (default :func:`engine.pp.weight_grad.apply_weight_grads`); ``observer`` sees the
-    run (default :class:`engine.pp.observers.Recorder`) and makes what is returned."""
+    run (default :class:`engine.pp.observers.Recorder`) and makes what is returned.
+    ``shapes``: every virtual stage's activation shape, known in advance (a dry run on the
+    meta device: its shape headers travel, as a real run's do, but carry no values)."""
     if stage is None or isinstance(chunks, int):
         raise TypeError("run_pipeline needs stage=, this rank's position in the pipeline "
                         "group: run_pipeline(chunks, schedule, inputs, targets, loss_fn, "
@@ -73,6 +76,7 @@ def run_pipeline(chunks: list[nn.Module], schedule, inputs: list[torch.Tensor],
     mine, last = virtual_stages(stage, p, v, placement), p * v - 1
     first_param = next(chunks[0].parameters())
     link = Link(schedule, stage, ranks, group, first_param.dtype, first_param.device)
+    link.known = shapes or {}
     watch = Recorder(stage, chunks) if observer is None else observer
     stored, waiting = {}, {}  # (mb, chunk) -> what B needs; -> what W needs
     total_loss = 0.0  # a tensor once the last stage adds its first loss
@@ -109,7 +113,8 @@ def run_pipeline(chunks: list[nn.Module], schedule, inputs: list[torch.Tensor],
         else:
             with watch.weight_grad(mb, c):
                 weight_grads(waiting.pop((mb, c)))
-    loss = float(total_loss) if schedule.loss_stage == stage else None
+    loss = None if schedule.loss_stage != stage else \
+        float("nan") if getattr(total_loss, "is_meta", False) else float(total_loss)  # dry
     return watch.result(loss, link.log)
 
 
