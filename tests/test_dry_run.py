@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 
+from engine import theory
 from engine.compose.model import GPT, ModelConfig
 from engine.compose.parallelize import parallelize
 from engine.compose.plan import Plan
@@ -43,3 +44,30 @@ def test_a_dry_run_counts_what_the_real_run_holds_and_sends(name):
 def test_one_rank_per_pipeline_stage_is_chosen():
     assert stage_ranks(Plan(dp=2, tp=2, pp=2)) == [0, 4]
     assert stage_ranks(Plan(dp=8, tp=8, pp=4, zero=1)) == [0, 64, 128, 192]
+
+
+def test_the_trainers_dry_run_prints_each_stages_counts_beside_the_formula(capsys):
+    from engine.__main__ import main
+
+    assert main(["train", "--dry-run", "--model", "llama-tiny", "--dp", "2", "--pp", "2",
+                 "--zero", "1", "--microbatches", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "dry run of dp2xpp2 1f1b zero1 on 4 rank(s)" in out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [row[:2] for row in rows] == [["0", "0"], ["2", "1"]]  # one rank per stage
+    plan = Plan(dp=2, pp=2, zero=1, micro_batches=2)
+    for row, rank in zip(rows, (0, 2)):
+        counted = count_rank(LLAMA, plan, rank, rows=2 * 2 * 4)  # 4-row micro-batches
+        assert row[2] == f"{counted.params:,}"
+        # ZeRO-1's fp32 AdamW formula; counted adds the buckets' padding and AdamW's step
+        # counters (a few bytes a tensor): above it, by under 1%
+        formula = theory.zero_model_state_bytes(counted.params, 2, 1, k=8, param_bytes=4,
+                                                grad_bytes=4)["total"]
+        assert formula <= counted.model_state_bytes <= 1.01 * formula
+
+
+def test_a_dry_run_refuses_a_bad_layout_before_anything_runs(capsys):
+    from engine.__main__ import main
+
+    assert main(["train", "--dry-run", "--model", "llama3-8b", "--tp", "3"]) == 2
+    assert "tp = 3 must divide heads = 32" in capsys.readouterr().err

@@ -164,7 +164,8 @@ def test_compression_side_by_side_with_pytorchs_fp16_hook(capsys):
     (["--world-size", "3", "--tp", "3"], "tp = 3 must divide heads = 4"),
     (["--world-size", "1", "--model", "huge"], "argument --model: invalid choice: 'huge' "
                                                "(choose from 'tiny', 'small', 'medium', "
-                                               "'tiny-moe')"),
+                                               "'tiny-moe', 'llama-tiny', 'gpt2-124m', "
+                                               "'llama3-1b', 'llama3-8b')"),
     (["--world-size", "2", "--dp", "2", "--compress", "fp16"], "--compress fp16 compresses "
                                                                "the gradients' all-reduce over "
                                                                "dp x cp: it needs --zero 0 "
@@ -206,8 +207,9 @@ def test_help_gives_every_flag_its_text_choices_and_default(capsys):
     entries = _help_entries(capsys.readouterr().out)
     options = [a for a in parser()._actions if "--help" not in a.option_strings]
     # 27 + --cp, --cp-method, --sequence-parallel, --varlen, --async-save,
-    # --allow-oversubscribe, --resume-fallback (--composed, once its choice, is gone)
-    assert len(options) == len(entries) == 34
+    # --allow-oversubscribe, --resume-fallback (--composed, once its choice, is gone), --data,
+    # --vocab, --attention, --dry-run
+    assert len(options) == len(entries) == 38
     for action in options:
         flag = action.option_strings[0]
         entry = entries[flag]
@@ -217,7 +219,9 @@ def test_help_gives_every_flag_its_text_choices_and_default(capsys):
         for choice in action.choices or ():
             assert str(choice) in entry, (flag, choice)
     assert entries["--zero"].startswith("  --zero {0,1,2,3} ")
-    assert entries["--model"].startswith("  --model {tiny,small,medium,tiny-moe} ")
+    assert entries["--model"].startswith(
+        "  --model {tiny,small,medium,tiny-moe,llama-tiny,gpt2-124m,llama3-1b,llama3-8b}")
+    assert entries["--attention"].startswith("  --attention {written,fast} ")
     assert entries["--impl"].startswith("  --impl {engine,torch,both} ")
     # every registered schedule: the composed engine runs each, the per-layout trainer two
     assert entries["--schedule"].startswith(

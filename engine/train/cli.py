@@ -10,6 +10,7 @@ checks (:mod:`engine.train.report`).
     python -m engine train --world-size 4 --cp 2 --tp 2                    # ring attention + TP
     python -m engine data prepare course/data/alice.txt --out /tmp/alice.bin  # a real text
     python -m engine train --model llama-tiny --vocab 256 --data /tmp/alice.bin --steps 30
+    python -m engine train --dry-run --model llama3-8b --dp 8 --tp 8 --pp 4 --attention fast
 
 This module is the configuration (:class:`TrainConfig`, :func:`check_config`) and the command
 line; each rank's run is :func:`engine.train.run.train_on_rank`, the report
@@ -57,7 +58,7 @@ from engine.train.composed import COMPOSED_SCHEDULES, add_composed_arguments, ch
     composed_world
 from engine.train.endings import INTERRUPTED_EXIT, interrupted, lost_peer, read_step, \
     stopped, tell_torchrun
-from engine.train.report import report
+from engine.train.report import report, resolved
 from engine.train.resume import resume_point, total_steps
 from engine.train.run import train_on_rank
 from engine.validation import one_of, positive_int, positive_number
@@ -101,6 +102,8 @@ class TrainConfig:
     allow_oversubscribe: bool = False
     data: str | None = None
     vocab: int | None = None
+    attention: str = "written"
+    dry_run: bool = False
 
     @property
     def world_size(self) -> int:
@@ -184,6 +187,16 @@ def parser() -> argparse.ArgumentParser:
                         "step k on windows drawn from (--seed, k) alone: the same sequences "
                         "on every layout (engine.model.tokens) (default: the synthetic "
                         "Markov chain of engine.model.data)")
+    p.add_argument("--attention", default=d.attention, choices=("written", "fast"),
+                   help="the attention kernel: written (the equation a learner reads, "
+                        "engine.model.attention) or fast (PyTorch's fused "
+                        "scaled_dot_product_attention: FlashAttention on GPUs) "
+                        "(default: %(default)s)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="no training: one step of this layout on one rank per pipeline "
+                        "stage, on a fake process group of the whole world with the model on "
+                        "the meta device; prints what each holds, sends and computes, counted "
+                        "(engine.train.dry_run; any world, any --model) (default: False)")
     p.add_argument("--steps", type=int, default=d.steps, metavar="K",
                    help="optimizer steps in all, numbered 1 to K as the checkpoints are; "
                         "the first of each launch is its warm-up: it trains, but is not "
@@ -280,25 +293,6 @@ def parse(argv) -> tuple[TrainConfig, argparse.Namespace, set[str]]:
     return cfg, args, set(vars(given))
 
 
-def resolved(cfg: TrainConfig, args: argparse.Namespace, given: set[str], world: int,
-             decided: dict[str, str]) -> dict[str, str]:
-    """Each option and its value, marked "(default)" where the learner did not choose it;
-    ``decided``: what an "auto" option became. The schedule only for a pipeline."""
-    values = {"world_size": world, "backend": args.backend,
-              **{f.name: getattr(cfg, f.name) for f in fields(TrainConfig)}}
-    shown = {}
-    for name, value in values.items():
-        if (name == "schedule" and cfg.pp == 1) or \
-                ((value is None or value is False) and name not in given) or \
-                (name in ("ep", "cp") and getattr(cfg, name) == 1 and name not in given) or \
-                (name == "cp_method" and cfg.cp == 1) or \
-                (name == "keep" and cfg.save is None):
-            continue
-        text = f"auto -> {decided[name]}" if value == "auto" and name in decided else str(value)
-        shown[name.replace("_", "-")] = text + ("" if name in given else " (default)")
-    return shown
-
-
 def main(argv=None) -> int:
     """``python -m engine train ARGV``; its exit code. Every way it can end prints one line
     that says what to do next (:mod:`engine.train.endings`)."""
@@ -311,6 +305,10 @@ def main(argv=None) -> int:
         cfg, args, given = parse(argv)
         world = env.world_size if env.under_torchrun else (args.world_size or cfg.world_size)
         check_config(cfg, world)
+        if cfg.dry_run:
+            from engine.train.dry_run import dry_run_command
+
+            return dry_run_command(cfg, world)
         # auto: NCCL when there is a GPU for every rank on this machine (under torchrun,
         # LOCAL_WORLD_SIZE: the same on every process), else Gloo
         here, named = (env.local_world_size, "LOCAL_WORLD_SIZE") if env.under_torchrun else \

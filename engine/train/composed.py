@@ -84,16 +84,16 @@ def global_rows(cfg) -> int:
 
 
 def model_config(cfg) -> ModelConfig:
-    """The composed GPT of ``--model``: its sizes (``--vocab``, if given, its vocabulary), tied
-    embeddings, no bias on q, k, v; an MoE model's experts and top-k, *dropless*, with the
-    balancing loss and z-loss of :class:`engine.compose.model.ModelConfig` (module
+    """The composed GPT of ``--model``: its sizes (``--vocab``, if given, its vocabulary), its
+    ``--attention`` kernel, no bias on q, k, v; an MoE model's experts and top-k, *dropless*,
+    with the balancing loss and z-loss of :class:`engine.compose.model.ModelConfig` (module
     docstring)."""
     choices = dict(qkv_bias=False)
     moe = MOE_MODELS.get(cfg.model)
     if moe is not None:
         choices.update(num_experts=moe["num_experts"], top_k=moe["top_k"],
                        capacity_factor=moe["num_experts"] / moe["top_k"])
-    gpt = MODELS[cfg.model]
+    gpt = replace(MODELS[cfg.model], attention=getattr(cfg, "attention", "written"))
     if getattr(cfg, "vocab", None) is not None:
         gpt = replace(gpt, vocab=cfg.vocab)
     return ModelConfig.from_gpt(gpt, **choices)

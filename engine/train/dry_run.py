@@ -152,3 +152,55 @@ def count_rank(cfg: ModelConfig, plan: Plan, rank: int, rows: int, lr: float = 1
         counted = count_step(par, cfg, rows, seed)
         return RankCount(rank, dataclasses.asdict(mesh.coordinates(rank)), **counted,
                          seconds=time.perf_counter() - start)
+
+
+GPUS = ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA B200")  # the fits column's
+
+
+def size(nbytes: float) -> str:
+    """``nbytes`` in binary units, three significant figures or more: 2.38 GiB, 115 KiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.3g} {unit}" \
+                if nbytes < 100 else f"{nbytes:.0f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.0f} TiB"
+
+
+def dry_run_command(cfg, world: int) -> int:
+    """``python -m engine train --dry-run ...``: count one rank per pipeline stage of
+    ``cfg``'s layout (its model, batch, ZeRO stage, schedule) and print the table; 0."""
+    from engine import theory
+    from engine.theory.hardware import GPU_SPECS
+    from engine.train.composed import global_rows, model_config, plan_of
+
+    plan, model = plan_of(cfg), model_config(cfg)
+    rows = global_rows(cfg)
+    ranks = stage_ranks(plan)
+    print(f"dry run of {plan.name} on {world} rank(s), --model {cfg.model} "
+          f"({model.layers} layers, hidden {model.hidden}, attention {model.attention}), "
+          f"{rows} sequences of {model.seq_len} tokens a step; fake process group, meta "
+          f"device; one rank per pipeline stage: {ranks}", flush=True)
+    header = (f"{'rank':>6}{'stage':>6}{'params':>15}{'states':>11}{'formula':>11}"
+              f"{'activations':>12}{'sent by group':>44}{'TFLOP':>9}  fits")
+    lines = []
+    for rank in ranks:
+        c = count_rank(model, plan, rank, rows, lr=cfg.lr, seed=cfg.seed)
+        formula = theory.zero_model_state_bytes(c.params, plan.dp * plan.cp, cfg.zero, k=8,
+                                                param_bytes=4, grad_bytes=4)["total"]
+        sent = " ".join(f"{k} {size(v)}" for k, v in c.bytes_by_group.items() if v)
+        need = c.model_state_bytes + c.activation_bytes
+        fits = ", ".join(name.split()[1] for name in GPUS
+                         if need <= GPU_SPECS[name].memory_gb * 1e9) or "none of " + \
+            ", ".join(name.split()[1] for name in GPUS)
+        lines.append(f"{rank:>6}{c.coords['pp']:>6}{c.params:>15,}"
+                     f"{size(c.model_state_bytes):>11}{size(formula):>11}"
+                     f"{size(c.activation_bytes):>12}{sent:>44}{c.flops / 1e12:>9.1f}  "
+                     f"{fits}  ({c.seconds:.1f} s)")
+        print(lines[-1] if len(lines) > 1 else header + "\n" + lines[-1], flush=True)
+    print("counted from the tensors each rank created and the collectives it issued; states "
+          "are fp32 AdamW's (4 + 4 + 8 B a parameter; ZeRO's formula beside them, "
+          "theory.zero_model_state_bytes: the counted adds bucket padding and AdamW's step "
+          "counters); activations are the most held for backward at once, in fp32 (a bf16 "
+          "run holds half; --attention written keeps every s x s score)")
+    return 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import statistics
+from dataclasses import fields
 
 from engine import theory
 from engine.theory.hardware import PEAK_TFLOPS, peak_flops
@@ -285,3 +286,22 @@ def print_moe_load(runs, cfg, model_cfg) -> None:
     last = [r["moe"]["loads"][-1] for r in runs]
     print(f"    per-rank load, last step: min {min(last):,} / mean {statistics.fmean(last):,.0f}"
           f" / max {max(last):,}: the slowest rank sets the pace")
+
+
+def resolved(cfg, args, given: set[str], world: int, decided: dict[str, str]
+             ) -> dict[str, str]:
+    """Each option and its value, marked "(default)" where the learner did not choose it;
+    ``decided``: what an "auto" option became. The schedule only for a pipeline."""
+    values = {"world_size": world, "backend": args.backend,
+              **{f.name: getattr(cfg, f.name) for f in fields(cfg)}}
+    shown = {}
+    for name, value in values.items():
+        if (name == "schedule" and cfg.pp == 1) or \
+                ((value is None or value is False) and name not in given) or \
+                (name in ("ep", "cp") and getattr(cfg, name) == 1 and name not in given) or \
+                (name == "cp_method" and cfg.cp == 1) or \
+                (name == "keep" and cfg.save is None):
+            continue
+        text = f"auto -> {decided[name]}" if value == "auto" and name in decided else str(value)
+        shown[name.replace("_", "-")] = text + ("" if name in given else " (default)")
+    return shown

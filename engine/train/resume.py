@@ -38,7 +38,7 @@ from engine.checkpoint.per_rank import read_per_rank_manifest
 from engine.train.composed import check_composed_reshard, reshard_composed
 
 # what a checkpoint must agree with the run on: always, and (without --reshard) the layout
-SAME_TRAINING = ("model", "seed", "lr", "precision")
+SAME_TRAINING = ("model", "seed", "lr", "precision", "data", "vocab")
 SAME_LAYOUT = ("dp", "ep", "tp", "pp", "zero", "schedule", "microbatches", "micro_batch")
 # the composed engine's (engine.train.composed) besides: a checkpoint written before they
 # existed has their defaults
@@ -219,7 +219,8 @@ def _point(cfg, path) -> ResumePoint:
             raise ValueError(f"--resume: {path} was saved by a run with --{_flag(name)} "
                              f"{config.get(name)}, this run has --{_flag(name)} "
                              f"{getattr(cfg, name)}; a resumed run keeps --model, --seed, "
-                             "--lr and --precision (or --save a new directory)")
+                             "--lr, --precision, --data and --vocab (or --save a new "
+                             "directory)")
     if saved["step"] > total_steps(cfg):
         raise ValueError(f"--resume: {path} holds {saved['step']} steps, more than this run's "
                          f"{total_steps(cfg)} (--steps {cfg.steps})")
