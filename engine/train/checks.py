@@ -155,10 +155,6 @@ def check_data(cfg) -> None:
         raise ValueError(f"--varlen packs the synthetic chain's documents with padding; --data "
                          f"{cfg.data} trains on windows of its text, none padded: expected one "
                          "of them, not both")
-    if cfg.impl != "engine":
-        raise ValueError(f"--data {cfg.data} with --impl {cfg.impl}: PyTorch's side "
-                         "(engine.train.torch_baseline) trains on the synthetic chain only; "
-                         "expected --impl engine")
     try:
         meta = read_meta(cfg.data)
     except ValueError as e:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.comm import ops
-from engine.model.data import global_batch as step_batch
+from engine.model.tokens import batch_of_step
 from engine.compose.data import rank_slice
 from engine.compose.loss import global_token_loss, masked_sum
 from engine.compose.model import GPT
@@ -64,7 +64,8 @@ def torch_strategy(cfg, mesh: Mesh, device: torch.device, precision: str) -> Str
 
 def data_parallel_step(model: nn.Module, optimizer, cfg, mesh: Mesh, device: torch.device):
     """A step of a data-parallel ``model`` (PyTorch's wrappers) on the composed engine's data
-    and loss: step k's global batch (:func:`engine.model.data.global_batch`), this dp
+    and loss: step k's global batch (:func:`engine.model.tokens.batch_of_step`: the
+    synthetic chain, or ``--data``'s windows), this dp
     rank's rows of each of the ``--microbatches`` global micro-batches
     (:func:`engine.compose.data.rank_slice`), each loss the sum over its counted tokens times
     dp over the global count (:func:`engine.compose.loss.global_token_loss`: the wrapper's
@@ -75,8 +76,8 @@ def data_parallel_step(model: nn.Module, optimizer, cfg, mesh: Mesh, device: tor
     timer = ComputeTimer(device, mesh.rank)
 
     def step(k: int) -> PipelineRun:
-        batch = step_batch(k, rows, model_cfg.seq_len, model_cfg.vocab, cfg.seed + 1,
-                           cfg.varlen)
+        batch = batch_of_step(k, rows, model_cfg.seq_len, model_cfg.vocab, cfg.seed + 1,
+                              cfg.varlen, getattr(cfg, "data", None))
         micro = [mb.to(device) for mb in rank_slice(batch, mesh.dp, mesh.coords.dp,
                                                     micro_batches=m)]
         timer.on_step_start(k)
