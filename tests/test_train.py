@@ -208,8 +208,8 @@ def test_help_gives_every_flag_its_text_choices_and_default(capsys):
     options = [a for a in parser()._actions if "--help" not in a.option_strings]
     # 27 + --cp, --cp-method, --sequence-parallel, --varlen, --async-save,
     # --allow-oversubscribe, --resume-fallback (--composed, once its choice, is gone), --data,
-    # --vocab, --attention, --dry-run
-    assert len(options) == len(entries) == 38
+    # --vocab, --attention, --dry-run, --compile
+    assert len(options) == len(entries) == 39
     for action in options:
         flag = action.option_strings[0]
         entry = entries[flag]

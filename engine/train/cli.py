@@ -104,6 +104,7 @@ class TrainConfig:
     vocab: int | None = None
     attention: str = "written"
     dry_run: bool = False
+    compile: bool = False
 
     @property
     def world_size(self) -> int:
@@ -194,9 +195,11 @@ def parser() -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     p.add_argument("--dry-run", action="store_true",
                    help="no training: one step of this layout on one rank per pipeline "
-                        "stage, on a fake process group of the whole world with the model on "
-                        "the meta device; prints what each holds, sends and computes, counted "
-                        "(engine.train.dry_run; any world, any --model) (default: False)")
+                        "stage, on a fake process group with the model on the meta device; "
+                        "what each holds, sends and computes (engine.train.dry_run) "
+                        "(default: False)")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block's "
+                   "forward (dp, ZeRO, pp; not tp, cp, ep yet) (default: False)")
     p.add_argument("--steps", type=int, default=d.steps, metavar="K",
                    help="optimizer steps in all, numbered 1 to K as the checkpoints are; "
                         "the first of each launch is its warm-up: it trains, but is not "

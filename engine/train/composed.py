@@ -155,6 +155,11 @@ def check_composed(cfg, world_size: int | None = None) -> None:
                          f"--compress {cfg.compress}")
     if cfg.compress is not None:
         check_composed_compress(cfg)
+    if getattr(cfg, "compile", False) and max(cfg.tp, cfg.cp, cfg.ep) > 1:
+        raise ValueError(f"--compile with --tp {cfg.tp} --cp {cfg.cp} --ep {cfg.ep}: "
+                         "torch.compile cannot trace the collectives inside a block yet "
+                         "(tensor, context and expert parallelism issue them there); "
+                         "expected --tp 1 --cp 1 --ep 1 (dp, ZeRO and pp compile)")
     try:
         plan = plan_of(cfg)
         plan.check(model_config(cfg), global_rows(cfg), cfg.varlen)
@@ -252,6 +257,9 @@ def composed_strategy(cfg, plan: Plan, mesh: Mesh, device: torch.device, precisi
     gpt = GPT(model_cfg, seed=cfg.seed, expert_group=alone).to(device)
     par = parallelize(gpt, mesh, plan, torch.optim.AdamW, mp_policy=mp_policy(plan, precision),
                       lr=cfg.lr)
+    if getattr(cfg, "compile", False):  # each block's forward; hooks (ZeRO-3's) stay eager
+        for block in par.model.blocks:
+            block.forward = torch.compile(block.forward)
     timer, rows = ComputeTimer(device, mesh.rank), global_rows(cfg)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else \
         contextlib.nullcontext()
