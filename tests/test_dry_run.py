@@ -26,19 +26,33 @@ PLANS = {"dp2 zero1": Plan(dp=2, zero=1, micro_batches=2),
          "tp2xpp2 zb_h1 zero2": Plan(tp=2, pp=2, zero=2, schedule="zb_h1", micro_batches=4)}
 
 
-def _real_step(rank, world_size, plan):
-    par = parallelize(GPT(LLAMA, seed=0), plan.mesh(), plan, torch.optim.AdamW, lr=1e-4)
-    return count_step(par, LLAMA, ROWS)
+def _real_step(rank, world_size, plan, cfg=LLAMA):
+    par = parallelize(GPT(cfg, seed=0), plan.mesh(), plan, torch.optim.AdamW, lr=1e-4)
+    return count_step(par, cfg, ROWS)
+
+
+def _same_counts(plan, cfg=LLAMA):
+    real = run_ranks(_real_step, plan.world, plan, cfg)
+    for rank in range(plan.world):
+        dry = dataclasses.asdict(count_rank(cfg, plan, rank, ROWS))
+        assert dry["params"] > 0 and dry["flops"] > 0
+        assert {k: dry[k] for k in real[rank]} == real[rank], rank
+    return real
 
 
 @pytest.mark.parametrize("name", PLANS)
 def test_a_dry_run_counts_what_the_real_run_holds_and_sends(name):
-    plan = PLANS[name]
-    real = run_ranks(_real_step, plan.world, plan)
-    for rank in range(plan.world):
-        dry = dataclasses.asdict(count_rank(LLAMA, plan, rank, ROWS))
-        assert dry["params"] > 0 and dry["flops"] > 0
-        assert {k: dry[k] for k in real[rank]} == real[rank], (name, rank)
+    _same_counts(PLANS[name])
+
+
+def test_the_fast_attention_counts_as_a_flash_kernel_on_the_meta_device_too():
+    """The fused kernel keeps q, k, v, its output and a log-sum-exp per query for backward,
+    on a CPU and (by engine.model.attention's rule) on the meta device: the same bytes and
+    FLOPs, and fewer activations than the written-out kernel, which keeps every score."""
+    plan = Plan(dp=2, micro_batches=2)
+    fast = _same_counts(plan, dataclasses.replace(LLAMA, attention="fast"))
+    written = run_ranks(_real_step, 2, plan)
+    assert fast[0]["activation_bytes"] < written[0]["activation_bytes"]
 
 
 def test_one_rank_per_pipeline_stage_is_chosen():

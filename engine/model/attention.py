@@ -48,6 +48,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 def fast_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """:func:`causal_attention` by PyTorch's fused kernel; ``k`` and ``v`` may have fewer
-    heads than ``q`` (grouped-query attention: each serves ``heads / kv_heads`` query heads)."""
+    heads than ``q`` (grouped-query attention: each serves ``heads / kv_heads`` query heads).
+
+    On the meta device (a dry run, :mod:`engine.train.dry_run`) PyTorch would fall back to
+    the written-out math and keep every ``s x s`` score for backward; there the CPU's flash
+    kernel itself runs, as it does on a CPU, which keeps what a GPU's flash attention keeps:
+    q, k, v (grouped-query heads not repeated), the output and one log-sum-exp per query."""
+    if q.is_meta:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, is_causal=True)[0]
     return F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                           enable_gqa=k.shape[1] != q.shape[1])

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from engine.compose.loop import train_step
 from engine.compose.model import GPT, ModelConfig
@@ -41,6 +41,23 @@ from engine.compose.traffic import bytes_by_kind
 from engine.model.data import global_batch
 from engine.observe.memory import ActivationTracker, model_state_bytes
 from engine.observe.meter import CommMeter
+
+
+# PyTorch's counter knows the GPU's fused attention kernels, not the CPU's flash kernel (what
+# engine.model.attention.fast_causal_attention runs on CPUs and on the meta device): the same
+# formulas (PyTorch's: both matrix products of every query with every key, causal or not)
+def _flash_flops(query, key, value, *_, out_shape=None, **__) -> int:
+    return sdpa_flop_count(query, key, value)
+
+
+def _flash_backward_flops(grad_out, query, key, value, *_, out_shape=None, **__) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+_aten = torch.ops.aten
+CPU_FLASH_FLOPS = {_aten._scaled_dot_product_flash_attention_for_cpu: _flash_flops,
+                   _aten._scaled_dot_product_flash_attention_for_cpu_backward:
+                       _flash_backward_flops}
 
 
 @dataclass(frozen=True)
@@ -124,7 +141,8 @@ def count_step(par, cfg: ModelConfig, rows: int, seed: int = 0) -> dict:
     held and sent, counted: the same code on the meta device (a dry run) and on real ranks."""
     held = list(par.model.parameters())
     batch = global_batch(0, rows, cfg.seq_len, cfg.vocab, seed + 1)
-    with CommMeter(count="wire") as meter, FlopCounterMode(display=False) as flops, \
+    with CommMeter(count="wire") as meter, \
+            FlopCounterMode(display=False, custom_mapping=CPU_FLASH_FLOPS) as flops, \
             per_micro_batch(par.module, held) as saved:
         train_step(par, batch, 0)
     state = model_state_bytes(par.module, par.optimizer)
