@@ -104,11 +104,13 @@ def token_count(path, meta: dict | None = None) -> int:
     return size // width
 
 
-def check_tokens(path, seq_len: int, vocab: int, model: str = "the model") -> dict:
+def check_tokens(path, seq_len: int, vocab: int, model: str = "the model", hint: str = ""
+                 ) -> dict:
     """The sidecar of ``path`` once a model of ``seq_len`` positions and ``vocab`` ids can
     train on it; else a ValueError naming the value and what was expected (``model``: how to
-    name the model in it). Every id is checked below the sidecar's vocab in files of up to
-    :data:`SCAN_LIMIT` tokens (a larger one is trusted to its sidecar)."""
+    name the model in it; ``hint``: how to give it a larger vocabulary). Every id is checked
+    below the sidecar's vocab in files of up to :data:`SCAN_LIMIT` tokens (a larger one is
+    trusted to its sidecar)."""
     meta = read_meta(path)
     n = token_count(path, meta)
     if n < seq_len + 1:
@@ -119,7 +121,7 @@ def check_tokens(path, seq_len: int, vocab: int, model: str = "the model") -> di
         raise ValueError(f"{path}: its ids run to {meta['vocab'] - 1:,} (vocab "
                          f"{meta['vocab']:,}, tokenizer {meta.get('tokenizer')}), and "
                          f"{model}'s vocabulary is {vocab:,}; expected a model vocabulary of "
-                         f"at least {meta['vocab']:,}")
+                         f"at least {meta['vocab']:,}{hint}")
     largest = _largest_id(str(path), n) if n <= SCAN_LIMIT else None
     if largest is not None and largest >= meta["vocab"]:
         raise ValueError(f"{path}: holds token id {largest:,}, and its sidecar says vocab "

@@ -163,13 +163,9 @@ def check_data(cfg) -> None:
         raise ValueError(f"--vocab {cfg.vocab} is less than the vocabulary of --data "
                          f"{cfg.data}, {meta['vocab']:,} (tokenizer {meta.get('tokenizer')}); "
                          f"expected --vocab {meta['vocab']} or more")
-    if meta["vocab"] > vocab:
-        raise ValueError(f"--data {cfg.data}: its ids run to {meta['vocab'] - 1:,} (vocab "
-                         f"{meta['vocab']:,}, tokenizer {meta.get('tokenizer')}), and --model "
-                         f"{cfg.model}'s vocabulary is {vocab:,}; expected a model vocabulary "
-                         f"of at least {meta['vocab']:,}: pass --vocab {meta['vocab']}")
     try:
-        check_tokens(cfg.data, MODELS[cfg.model].seq_len, vocab, model=f"--model {cfg.model}")
+        check_tokens(cfg.data, MODELS[cfg.model].seq_len, vocab, model=f"--model {cfg.model}",
+                     hint=f": pass --vocab {meta['vocab']}")
     except ValueError as e:
         raise ValueError(f"--data {e}") from None
 
