@@ -12,6 +12,7 @@ and returns the value so it can be used inline::
 
 from __future__ import annotations
 
+import argparse
 import math
 from typing import Iterable
 
@@ -103,3 +104,11 @@ def divides(divisor_name: str, divisor: int, name: str, value: int) -> None:
     if value % divisor:
         raise ValueError(f"{divisor_name} = {divisor} must divide {name} = {value} "
                          f"({value} % {divisor} = {value % divisor})")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An ``argparse`` parser whose bad input is a ValueError naming it, not an exit: a notebook
+    cell that calls a command gets an exception (``python -m engine train``, ``data``)."""
+
+    def error(self, message):
+        raise ValueError(message)

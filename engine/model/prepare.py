@@ -22,19 +22,15 @@ from pathlib import Path
 from engine.model.tokenizer import BYTES_VOCAB, TOKENIZERS, bpe_missing, decode, \
     encode_bytes, gpt2_encoding, train_bpe
 from engine.model.tokens import file_tokens, read_meta, token_count, write_tokens
+from engine.validation import ArgumentParser
 
 DEFAULT_BPE_VOCAB = 512
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # a ValueError, so a notebook cell gets an exception, not an exit
-        raise ValueError(message)
-
-
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m engine data", description=__doc__.split("\n\n")[0],
-                allow_abbrev=False)
-    commands = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = ArgumentParser(prog="python -m engine data", description=__doc__.split("\n\n")[0],
+                       allow_abbrev=False)
+    commands = p.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     prepare = commands.add_parser("prepare", help="tokenise a text file into PATH (.bin) and "
                                                   "PATH.json", allow_abbrev=False)
     prepare.add_argument("text", metavar="TEXT_FILE", help="a UTF-8 text file")

@@ -61,7 +61,7 @@ from engine.train.endings import INTERRUPTED_EXIT, interrupted, lost_peer, read_
 from engine.train.report import report, resolved
 from engine.train.resume import resume_point, total_steps
 from engine.train.run import train_on_rank
-from engine.validation import one_of, positive_int, positive_number
+from engine.validation import ArgumentParser, one_of, positive_int, positive_number
 
 IMPLS = {"engine": ("engine",), "torch": ("torch",), "both": ("engine", "torch")}
 
@@ -139,14 +139,9 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     check_composed(cfg, world_size)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # a ValueError, so a notebook cell gets an exception, not an exit
-        raise ValueError(message)
-
-
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m engine train", description=__doc__.split("\n\n")[0],
-                allow_abbrev=False)
+    p = ArgumentParser(prog="python -m engine train", description=__doc__.split("\n\n")[0],
+                       allow_abbrev=False)
     d = TrainConfig()
     p.add_argument("--world-size", type=int, default=None,
                    help="ranks to launch here (default: dp x cp x tp x pp; under torchrun "
