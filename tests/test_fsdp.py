@@ -423,7 +423,9 @@ def test_a_block_that_returns_a_dict_keeps_its_parameters_for_backward():
         assert (whole - p.grad).abs().max().item() <= 1e-6, name
 
 
-def _gathers_in_order(rank, world_size):
+def _watched_blocks():
+    """The sharded Net, its data, and the list each block's gather (+) and free (-) is told
+    to, in order."""
     model, (x, y) = Net(), _data()
     for block in model.blocks:
         fully_shard(block)
@@ -433,6 +435,11 @@ def _gathers_in_order(rank, world_size):
     for block in model.blocks:
         block.fsdp_state.observer = lambda group, nbytes: seen.append(
             (names[id(group)], "+" if nbytes > 0 else "-"))
+    return model, (x, y), seen
+
+
+def _gathers_in_order(rank, world_size):
+    model, (x, y), seen = _watched_blocks()
     landed = []
     model.blocks[0].up.register_full_backward_hook(  # block 0's backward, block 1's done
         lambda *a: landed.append(all(p.grad is None for p in model.blocks[1].parameters())))
@@ -539,15 +546,7 @@ def test_a_forwards_gathered_tensors_are_not_kept_after_its_backward():
 
 
 def _two_forwards_seen(rank, world_size):
-    model, (x, y) = Net(), _data()
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    names = {id(b.fsdp_state): f"block{i}" for i, b in enumerate(model.blocks)}
-    seen = []
-    for block in model.blocks:
-        block.fsdp_state.observer = lambda group, nbytes: seen.append(
-            (names[id(group)], "+" if nbytes > 0 else "-"))
+    model, (x, y), seen = _watched_blocks()
     forwards = []
     for _ in range(2):
         loss = nn.functional.mse_loss(model(x), y)
