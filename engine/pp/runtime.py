@@ -113,8 +113,9 @@ def run_pipeline(chunks: list[nn.Module], schedule, inputs: list[torch.Tensor],
         else:
             with watch.weight_grad(mb, c):
                 weight_grads(waiting.pop((mb, c)))
-    loss = None if schedule.loss_stage != stage else \
-        float("nan") if getattr(total_loss, "is_meta", False) else float(total_loss)  # dry
+    loss = None
+    if schedule.loss_stage == stage:  # a dry run's loss (meta device) has no value: nan
+        loss = float("nan") if getattr(total_loss, "is_meta", False) else float(total_loss)
     return watch.result(loss, link.log)
 
 

@@ -132,7 +132,6 @@ def per_micro_batch(module, params):
     finally:
         handle.remove()
         close()
-        counted.append(0)  # max() of a pipeline stage's, which the runtime counts
 
 
 def count_step(par, cfg: ModelConfig, rows: int, seed: int = 0) -> dict:
@@ -149,7 +148,7 @@ def count_step(par, cfg: ModelConfig, rows: int, seed: int = 0) -> dict:
     if par.plan.pp > 1:  # the most a stage held at once, counted by the pipeline's observer
         activations = par.pipeline_run.peak_activation_bytes
     else:  # micro-batches one after another, each freed by its backward: the largest
-        activations = max(saved)
+        activations = max(saved, default=0)
     return dict(params=sum(p.numel() for p in set(held)), param_bytes=state.params,
                 grad_bytes=state.grads, optimizer_bytes=state.optimizer,
                 activation_bytes=activations,
