@@ -27,10 +27,9 @@ class Gathered:
         self.nbytes = group.nbytes
         # the all-gather's copy-out targets, seen once (views stay valid across resizes)
         self.rows = group.columns.rows_of(self.tensors) if group.columns.even else None
-        if gather and group.prefetched is not None:  # started early: counted since then
-            self.pending, group.prefetched, self.freed = group.prefetched, None, False
-            self.refill()
-        elif gather:
+        if gather:
+            if group.prefetched is not None:  # its forward's gather started early: counted
+                self.pending, group.prefetched, self.freed = group.prefetched, None, False
             self.refill()
         else:  # empty until its first use
             self._resize(0)
@@ -63,19 +62,18 @@ class Gathered:
         """Start filling the tensors: the all-gather in flight, while other work runs;
         :meth:`refill` finishes it (:mod:`engine.fsdp.prefetch` decides when)."""
         if self.freed:
-            self._resize(1)
-            self.pending = comm.Gathering(self.group.columns, self.group.gather_dtype,
-                                          self.group.group, async_op=True)
-            self.freed = False
-            self.group.observe(self.nbytes)
+            self._start(async_op=True)
+
+    def _start(self, async_op: bool) -> None:
+        self._resize(1)
+        self.pending = comm.Gathering(self.group.columns, self.group.gather_dtype,
+                                      self.group.group, async_op=async_op)
+        self.freed = False
+        self.group.observe(self.nbytes)
 
     def refill(self) -> None:
         if self.freed:
-            self._resize(1)
-            self.pending = comm.Gathering(self.group.columns, self.group.gather_dtype,
-                                          self.group.group)
-            self.freed = False
-            self.group.observe(self.nbytes)
+            self._start(async_op=False)
         if self.pending is not None:
             # autograd saved these tensors: new bytes, the same values, not a modification
             with torch.no_grad(), \

@@ -3,8 +3,8 @@
 **Forward.** A model's forwards run its groups in the same order every time. So when the
 root's forward starts, and after each group's gather while the order still follows the last
 forward's, :class:`Prefetch` starts the all-gather of the group that ran next last time
-(``group.prefetched``): it travels while this group computes,
-and that group's forward only waits for what is left of it (FSDP1's ``forward_prefetch=True``;
+(``group.prefetched``): it travels while this group computes, and that group's forward only
+waits for what is left of it (FSDP1's ``forward_prefetch=True``;
 FSDP2 gets the same on GPUs by issuing its all-gathers on a stream of their own ahead of the
 compute, or explicitly with ``set_modules_to_forward_prefetch``). A forward that leaves the
 order prefetches nothing more; a prefetch no forward took (a forward that raised) is waited
